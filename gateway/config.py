@@ -1,0 +1,358 @@
+"""The gateway's one config file: YAML loaded into a typed, validated, immutable snapshot.
+
+Validation errors name the file, line and key (`gateway.yaml:12: backends[0].url: ...`). Sections owned by
+subsystems live next to them (gateway/<subsystem>/config.py); this module assembles the tree and checks the
+cross-references (aliases -> models, keys -> env vars, ...).
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import yaml
+
+from gateway.budget.config import BudgetsConfig
+from gateway.identity.config import IdentityConfig
+from gateway.policy.config import PolicyConfig
+from gateway.routing.config import RoutingConfig
+from gateway.telemetry.config import TelemetryConfig
+
+
+class ConfigError(Exception):
+    """A config that cannot be used; `str()` names file:line: key: problem."""
+
+
+class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    host: str = "127.0.0.1"
+    port: int = 8080
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_header_bytes: int = 32 * 1024
+    workers: int = 1
+    graceful_shutdown_s: float = 20.0
+    access_log: bool = False
+
+
+class Location(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    country: str  # ISO 3166-1 alpha-2 where inference runs
+    storage_country: str | None = None  # where anything is stored (logs, caches); defaults to country
+    region: str | None = None
+
+    @property
+    def storage(self) -> str:
+        return self.storage_country or self.country
+
+
+class Timeouts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    connect_s: float = 2.0
+    first_token_s: float = 60.0
+    idle_s: float = 30.0  # between chunks of a stream
+    total_s: float = 600.0
+
+
+class PoolLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    max_connections: int = 512
+    max_keepalive: int = 128
+    keepalive_expiry_s: float = 30.0
+
+
+class HealthCheck(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    enabled: bool = True
+    path: str = "/health"  # relative to the server root (url without /v1)
+    interval_s: float = 5.0
+    failures_to_open: int = 3  # consecutive failures (passive or active) that open the circuit
+    open_s: float = 5.0  # how long the circuit stays open before a half-open probe
+
+
+class BackendConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    name: str
+    url: str
+    kind: Literal["openai", "vllm", "sim"] = "openai"
+    models: list[str] = msgspec.field(default_factory=list)
+    model_map: dict[str, str] = msgspec.field(default_factory=dict)  # our model name -> upstream's name
+    location: Location | None = None
+    retention: str = "none"  # "zero" | "none" (unknown/unbounded) | "<N>d" days
+    operator: Literal["self", "partner"] = "self"
+    api_key_env: str | None = None
+    api_key_file: str | None = None
+    timeouts: Timeouts = msgspec.field(default_factory=Timeouts)
+    limits: PoolLimits = msgspec.field(default_factory=PoolLimits)
+    health: HealthCheck = msgspec.field(default_factory=HealthCheck)
+    # vLLM telemetry (kind vllm / sim)
+    kv_events: str | None = None
+    replay: str | None = None
+    metrics: str | None = None
+    priority_scheduling: bool = False
+    context_window: int | None = None
+    capabilities: list[str] = msgspec.field(default_factory=lambda: ["chat", "completions"])
+    weight: float = 1.0
+
+    @property
+    def retention_days(self) -> int | None:
+        """0 for zero retention, N for "<N>d", None for unknown/unbounded."""
+        if self.retention == "zero":
+            return 0
+        m = re.fullmatch(r"(\d+)d", self.retention)
+        return int(m.group(1)) if m else None
+
+    @property
+    def server_root(self) -> str:
+        """The URL without a trailing /v1, where vLLM serves /health, /metrics, /tokenize."""
+        u = self.url.rstrip("/")
+        return u[:-3] if u.endswith("/v1") else u
+
+    def upstream_model(self, model: str) -> str:
+        return self.model_map.get(model, model)
+
+
+class StaticKey(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    tenant: str
+    key_env: str | None = None
+    key: str | None = None  # literal value; allowed for tests and demos, prefer key_env
+    team: str | None = None
+    project: str | None = None
+    partner: str | None = None
+    labels: dict[str, str] = msgspec.field(default_factory=dict)
+    models: list[str] = msgspec.field(default_factory=list)
+    scopes: list[str] = msgspec.field(default_factory=list)
+    name: str | None = None
+
+
+class AdminConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    key_env: str | None = None
+    key: str | None = None
+
+
+class AliasConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A model alias: a name clients use, resolved to a chain of models tried in order (fallbacks)."""
+
+    name: str
+    targets: list[str]
+
+
+class ObservabilityConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    otlp_endpoint: str | None = None  # off by default
+    service_name: str = "policy-gateway"
+    capture_content: bool = False
+    log_level: str = "info"
+    json_logs: bool = True
+
+
+class GatewayConfigRaw(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    backends: list[BackendConfig] = msgspec.field(default_factory=list)
+    aliases: list[AliasConfig] = msgspec.field(default_factory=list)
+    keys: list[StaticKey] = msgspec.field(default_factory=list)
+    admin: AdminConfig = msgspec.field(default_factory=AdminConfig)
+    identity: IdentityConfig = msgspec.field(default_factory=IdentityConfig)
+    policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
+    budgets: BudgetsConfig = msgspec.field(default_factory=BudgetsConfig)
+    routing: RoutingConfig = msgspec.field(default_factory=RoutingConfig)
+    telemetry: TelemetryConfig = msgspec.field(default_factory=TelemetryConfig)
+    observability: ObservabilityConfig = msgspec.field(default_factory=ObservabilityConfig)
+    data_dir: str = "var"
+
+
+@dataclass(frozen=True)
+class Config:
+    """An immutable, validated snapshot plus where it came from. Hot reload swaps the whole object."""
+
+    raw: GatewayConfigRaw
+    path: Path | None
+    base_dir: Path
+    models: dict[str, tuple[str, ...]] = field(default_factory=dict)  # model -> backend names serving it
+    aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    generation: int = 0
+
+    @property
+    def server(self) -> ServerConfig:
+        return self.raw.server
+
+    @property
+    def backends(self) -> list[BackendConfig]:
+        return self.raw.backends
+
+    def backend(self, name: str) -> BackendConfig:
+        for b in self.raw.backends:
+            if b.name == name:
+                return b
+        raise KeyError(name)
+
+    def resolve_path(self, p: str) -> Path:
+        path = Path(os.path.expandvars(p))
+        return path if path.is_absolute() else self.base_dir / path
+
+    def resolve_model(self, model: str) -> tuple[str, ...]:
+        """The chain of concrete model names to try for a requested name (an alias or a model)."""
+        if model in self.aliases:
+            return self.aliases[model]
+        if model in self.models:
+            return (model,)
+        return ()
+
+
+# ----------------------------------------------------------------------------------------------- loading
+
+
+def _node_to_py(node: yaml.Node, marks: dict[str, int], path: str) -> Any:
+    marks[path] = node.start_mark.line + 1
+    if isinstance(node, yaml.MappingNode):
+        out: dict[Any, Any] = {}
+        for k, v in node.value:
+            key = yaml.constructor.SafeConstructor().construct_object(k)  # scalars only
+            sub = f"{path}.{key}" if path else str(key)
+            marks[sub] = k.start_mark.line + 1
+            if key in out:
+                raise ConfigError(f"line {k.start_mark.line + 1}: {sub}: duplicate key")
+            out[key] = _node_to_py(v, marks, sub)
+        return out
+    if isinstance(node, yaml.SequenceNode):
+        return [_node_to_py(v, marks, f"{path}[{i}]") for i, v in enumerate(node.value)]
+    return yaml.constructor.SafeConstructor().construct_object(node)
+
+
+def load_yaml_with_lines(text: str, source: str) -> tuple[Any, dict[str, int]]:
+    """Parse YAML safely, returning the data and a map from key path ("a.b[0].c") to line number."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark else ""
+        raise ConfigError(f"{source}{line}: invalid YAML: {getattr(e, 'problem', None) or e}") from None
+    marks: dict[str, int] = {}
+    if node is None:
+        return {}, marks
+    try:
+        return _node_to_py(node, marks, ""), marks
+    except ConfigError as e:
+        raise ConfigError(f"{source}:{str(e).removeprefix('line ')}") from None
+    except (yaml.YAMLError, TypeError, ValueError) as e:  # unhashable keys, bad tags, ...
+        raise ConfigError(f"{source}: invalid YAML: {e}") from None
+
+
+def _msgspec_path(msg: str) -> str:
+    """msgspec says `... - at `$.backends[0].url``; return `backends[0].url`."""
+    m = re.search(r"at `\$\.?(.*?)`", msg)
+    return m.group(1) if m else ""
+
+
+def _line_for(path: str, marks: dict[str, int]) -> int | None:
+    while path:
+        if path in marks:
+            return marks[path]
+        path = re.sub(r"(\.[^.\[]+|\[\d+\])$", "", path)
+    return marks.get("")
+
+
+def _fail(source: str, marks: dict[str, int], key: str, problem: str) -> ConfigError:
+    line = _line_for(key, marks)
+    where = f"{source}:{line}" if line else source
+    return ConfigError(f"{where}: {key or '(top level)'}: {problem}")
+
+
+_COUNTRY = re.compile(r"[A-Z]{2}")
+
+
+def parse_config(text: str, source: str = "<config>", base_dir: Path | None = None, path: Path | None = None,
+                 env: dict[str, str] | None = None) -> Config:
+    """Validate config text into a snapshot, or raise ConfigError naming file:line: key."""
+    env = os.environ if env is None else env
+    data, marks = load_yaml_with_lines(text, source)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}:1: (top level): must be a mapping of sections, got {type(data).__name__}")
+    try:
+        raw = msgspec.convert(data, GatewayConfigRaw, strict=False)
+    except msgspec.ValidationError as e:
+        msg = str(e)
+        key = _msgspec_path(msg)
+        problem = re.sub(r"\s*-\s*at `.*?`$", "", msg)
+        if problem.startswith("Object contains unknown field"):
+            fld = re.search(r"`(.*?)`", problem)
+            if fld:
+                key = f"{key}.{fld.group(1)}" if key else fld.group(1)
+            problem = "unknown key"
+        raise _fail(source, marks, key, problem) from None
+
+    # ---- semantic checks
+    names: set[str] = set()
+    models: dict[str, list[str]] = {}
+    for i, b in enumerate(raw.backends):
+        k = f"backends[{i}]"
+        if b.name in names:
+            raise _fail(source, marks, f"{k}.name", f"duplicate backend name {b.name!r}")
+        names.add(b.name)
+        if not re.match(r"^https?://[^/\s]+", b.url):
+            raise _fail(source, marks, f"{k}.url", f"must be an http(s) URL, got {b.url!r}")
+        if not b.models:
+            raise _fail(source, marks, f"{k}.models", "a backend must serve at least one model")
+        if b.location is not None:
+            for attr in ("country", "storage_country"):
+                v = getattr(b.location, attr)
+                if v is not None and not _COUNTRY.fullmatch(v):
+                    raise _fail(source, marks, f"{k}.location.{attr}", f"must be an ISO 3166 alpha-2 code like DE, got {v!r}")
+        if b.retention != "zero" and b.retention != "none" and not re.fullmatch(r"\d+d", b.retention):
+            raise _fail(source, marks, f"{k}.retention", f"must be 'zero', 'none' or '<N>d', got {b.retention!r}")
+        if b.api_key_env and b.api_key_env not in env:
+            raise _fail(source, marks, f"{k}.api_key_env", f"environment variable {b.api_key_env} is not set")
+        if b.api_key_file and not (base_dir or Path.cwd()).joinpath(b.api_key_file).exists():
+            raise _fail(source, marks, f"{k}.api_key_file", f"file {b.api_key_file} does not exist")
+        for tname in ("connect_s", "first_token_s", "idle_s", "total_s"):
+            if getattr(b.timeouts, tname) <= 0:
+                raise _fail(source, marks, f"{k}.timeouts.{tname}", "must be > 0")
+        for m in b.models:
+            models.setdefault(m, []).append(b.name)
+    aliases: dict[str, tuple[str, ...]] = {}
+    for i, a in enumerate(raw.aliases):
+        if a.name in models:
+            raise _fail(source, marks, f"aliases[{i}].name", f"alias {a.name!r} shadows a served model")
+        for j, t in enumerate(a.targets):
+            if t not in models:
+                raise _fail(source, marks, f"aliases[{i}].targets[{j}]", f"no backend serves model {t!r}")
+        if not a.targets:
+            raise _fail(source, marks, f"aliases[{i}].targets", "an alias needs at least one target")
+        aliases[a.name] = tuple(a.targets)
+    for i, sk in enumerate(raw.keys):
+        if not sk.key_env and not sk.key:
+            raise _fail(source, marks, f"keys[{i}]", "a static key needs key_env or key")
+        if sk.key_env and not env.get(sk.key_env):
+            raise _fail(source, marks, f"keys[{i}].key_env", f"environment variable {sk.key_env} is not set")
+    if raw.admin.key_env and not env.get(raw.admin.key_env):
+        raise _fail(source, marks, "admin.key_env", f"environment variable {raw.admin.key_env} is not set")
+    if raw.server.port < 0 or raw.server.port > 65535:
+        raise _fail(source, marks, "server.port", "must be between 0 and 65535")
+    if raw.server.max_body_bytes <= 0:
+        raise _fail(source, marks, "server.max_body_bytes", "must be > 0")
+    if raw.budgets.store not in ("memory", "redis"):
+        raise _fail(source, marks, "budgets.store", "must be 'memory' or 'redis'")
+    if raw.budgets.on_store_error not in ("closed", "open"):
+        raise _fail(source, marks, "budgets.on_store_error", "must be 'closed' or 'open'")
+    if raw.identity.store not in ("sqlite", "postgres"):
+        raise _fail(source, marks, "identity.store", "must be 'sqlite' or 'postgres'")
+    if raw.routing.strategy not in ("predicted_ttft", "least_loaded", "round_robin", "prefix_hash"):
+        raise _fail(source, marks, "routing.strategy",
+                    "must be one of predicted_ttft, least_loaded, round_robin, prefix_hash")
+    bd = base_dir or Path.cwd()
+    return Config(raw=raw, path=path, base_dir=bd, models={m: tuple(v) for m, v in models.items()}, aliases=aliases)
+
+
+def load_config(path: str | Path, env: dict[str, str] | None = None) -> Config:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: file not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{p}: cannot read: {e}") from None
+    return parse_config(text, source=str(p), base_dir=p.resolve().parent, path=p.resolve(), env=env)
+
+
+def read_secret(env_name: str | None, file: str | None, base_dir: Path) -> str | None:
+    """A credential from an env var or a file (stripped); never logged."""
+    if env_name:
+        return os.environ.get(env_name)
+    if file:
+        return (base_dir / file).read_text(encoding="utf-8").strip()
+    return None

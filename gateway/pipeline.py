@@ -1,0 +1,110 @@
+"""The request pipeline: one mutable context per request flowing through small named stages.
+
+parse -> authenticate -> decide (policy) -> reserve (budget) -> route (candidates, predict, pick, admit)
+-> dispatch (proxy) -> finish (settle budget, record evidence, feed predictor), in reverse stage order.
+
+A stage refuses a request by raising `gateway.errors.GatewayError`. Every stage whose `run` started gets its
+`finish` called exactly once, after the response is complete (or failed), so reservations are always settled.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from gateway.types import Decision, Principal
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int | None = None
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(slots=True)
+class RequestContext:
+    """Everything the stages learn about one request. Stages write their own fields and evidence."""
+
+    request_id: str
+    endpoint: str  # "chat" | "completions" | "embeddings"
+    headers: Any  # starlette Headers (case-insensitive mapping)
+    body: dict[str, Any]
+    client_addr: str = ""
+    received_at: float = field(default_factory=time.perf_counter)
+    received_wall: float = field(default_factory=time.time)
+    model: str = ""  # as the client asked
+    model_chain: tuple[str, ...] = ()  # concrete models to try, in order (alias fallbacks)
+    stream: bool = False
+    client_wants_usage: bool = False
+    max_tokens: int | None = None
+    prompt_tokens_est: int = 0
+    principal: Principal | None = None
+    decision: Decision | None = None
+    budget: Any = None  # the budget stage's reservation handle
+    route: Any = None  # the routing stage's plan (ordered candidates with predictions)
+    backend: str | None = None  # the backend that finally served it
+    backend_model: str | None = None
+    attempts: list[dict[str, Any]] = field(default_factory=list)
+    usage: Usage | None = None
+    ttft_s: float | None = None
+    total_s: float | None = None
+    status: int = 0
+    error: str | None = None
+    delivered_completion_tokens: int = 0
+    cut_by_budget: bool = False
+    extra_headers: dict[str, str] = field(default_factory=dict)  # added to the client response
+    upstream_headers: dict[str, str] = field(default_factory=dict)  # added to the upstream request
+    body_overrides: dict[str, Any] = field(default_factory=dict)  # merged into the upstream body (cache_salt, priority)
+    evidence: dict[str, Any] = field(default_factory=dict)
+    stage_timings_us: dict[str, float] = field(default_factory=dict)
+    # streaming budget cutoff: completion tokens this request may still produce, None = unlimited
+    completion_token_allowance: int | None = None
+
+    @property
+    def zero_retention(self) -> bool:
+        return self.decision is not None and self.decision.retention == "zero"
+
+
+class Stage(Protocol):
+    """One step of the request path. `run` decides or refuses; `finish` cleans up after the response."""
+
+    name: str
+
+    async def run(self, ctx: RequestContext) -> None: ...
+
+    async def finish(self, ctx: RequestContext) -> None: ...
+
+
+class Pipeline:
+    """Runs stages in order; on exit (success or refusal) runs `finish` of started stages in reverse."""
+
+    def __init__(self, stages: list[Stage]) -> None:
+        self.stages = list(stages)
+
+    async def run(self, ctx: RequestContext) -> list[Stage]:
+        started: list[Stage] = []
+        try:
+            for st in self.stages:
+                t0 = time.perf_counter()
+                started.append(st)
+                await st.run(ctx)
+                ctx.stage_timings_us[st.name] = (time.perf_counter() - t0) * 1e6
+        except BaseException:
+            await self.finish(ctx, started)
+            raise
+        return started
+
+    @staticmethod
+    async def finish(ctx: RequestContext, started: list[Stage]) -> None:
+        for st in reversed(started):
+            try:
+                await st.finish(ctx)
+            except Exception:  # a finisher must never break the others; it logs its own failure
+                import logging
+
+                logging.getLogger("gateway.pipeline").exception("finish of stage %s failed", st.name)

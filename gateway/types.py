@@ -1,0 +1,118 @@
+"""Shared value types of the request pipeline: who is calling (Principal) and what policy decided (Decision).
+
+These are the contracts between stages: identity produces a Principal, policy turns a Principal and a
+request into a Decision, budgets/routing/admission read the Decision. All are plain frozen data so decision
+functions stay pure and tests can build them directly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping
+
+PrincipalKind = Literal["static_key", "api_key", "jwt", "partner", "anonymous"]
+Priority = Literal["realtime", "standard", "batch"]
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """The authenticated caller. `labels` are merged tenant -> team -> project -> key (later levels win)."""
+
+    id: str  # stable id used in evidence and budgets, e.g. "key:ab12cd" or "jwt:issuer|sub"
+    kind: PrincipalKind
+    tenant: str
+    team: str | None = None
+    project: str | None = None
+    key_id: str | None = None
+    partner: str | None = None  # set when a partner (e.g. Opper) calls in on behalf of its end users
+    end_user: str | None = None  # the partner's end-user id, from a header; recorded, never trusted for authz
+    labels: Mapping[str, str] = field(default_factory=dict)
+    scopes: tuple[str, ...] = ()
+    allowed_models: tuple[str, ...] = ()  # glob patterns; empty = no key-level restriction
+    roles: tuple[str, ...] = ()  # admin-plane roles, e.g. ("admin",) or ("tenant_admin",)
+
+    def budget_scopes(self) -> list[tuple[str, str]]:
+        """The hierarchy budgets are charged over, most specific first: key, project, team, tenant, partner."""
+        out: list[tuple[str, str]] = []
+        if self.key_id:
+            out.append(("key", self.key_id))
+        if self.project:
+            out.append(("project", f"{self.tenant}/{self.team}/{self.project}"))
+        if self.team:
+            out.append(("team", f"{self.tenant}/{self.team}"))
+        out.append(("tenant", self.tenant))
+        if self.partner:
+            out.append(("partner", self.partner))
+        return out
+
+    def to_evidence(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "kind": self.kind,
+            "tenant": self.tenant,
+            "team": self.team,
+            "project": self.project,
+            "key_id": self.key_id,
+            "partner": self.partner,
+            "end_user": self.end_user,
+            "labels": dict(self.labels),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetSpec:
+    """One limit a policy applies: over a window, a token/money/request/concurrency cap for a scope."""
+
+    window: str  # "minute" | "hour" | "day" | "month" | "lifetime"
+    scope: str = "tenant"  # "key" | "project" | "team" | "tenant" | "partner"
+    tokens: int | None = None
+    money: float | None = None
+    currency: str = "EUR"
+    requests: int | None = None
+    concurrency: int | None = None
+    rule_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What policy decided for one request. Residency fields are filters every later stage must obey."""
+
+    allow: bool = True
+    reason: str | None = None
+    deny_rule: str | None = None
+    matched_rules: tuple[str, ...] = ()
+    # Residency: None = anywhere; otherwise the set of ISO-3166 alpha-2 countries allowed for inference
+    # (and storage). "EEA" in policy is expanded to the EEA country set at compile time.
+    allowed_countries: frozenset[str] | None = None
+    jurisdiction: str | None = None  # human label for evidence, e.g. "EEA" or "DE,FR"
+    residency_rule: str | None = None
+    retention: Literal["zero"] | None = None  # "zero": only zero-retention backends; no content anywhere
+    retention_rule: str | None = None
+    max_tokens_cap: int | None = None
+    max_context: int | None = None
+    priority: Priority = "standard"
+    ttft_slo_ms: float | None = None
+    budgets: tuple[BudgetSpec, ...] = ()
+    cache_isolation: bool = False
+    spill_to_partner: bool = False
+
+    def to_evidence(self) -> dict[str, Any]:
+        return {
+            "allow": self.allow,
+            "reason": self.reason,
+            "deny_rule": self.deny_rule,
+            "matched_rules": list(self.matched_rules),
+            "jurisdiction": self.jurisdiction,
+            "allowed_countries": sorted(self.allowed_countries) if self.allowed_countries is not None else None,
+            "residency_rule": self.residency_rule,
+            "retention": self.retention,
+            "priority": self.priority,
+            "ttft_slo_ms": self.ttft_slo_ms,
+            "max_tokens_cap": self.max_tokens_cap,
+            "cache_isolation": self.cache_isolation,
+            "spill_to_partner": self.spill_to_partner,
+            "budgets": [b.__dict__ if hasattr(b, "__dict__") else _slots_dict(b) for b in self.budgets],
+        }
+
+
+def _slots_dict(obj: Any) -> dict[str, Any]:
+    return {k: getattr(obj, k) for k in obj.__slots__}
