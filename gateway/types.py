@@ -94,6 +94,10 @@ class Decision:
     budgets: tuple[BudgetSpec, ...] = ()
     cache_isolation: bool = False
     spill_to_partner: bool = False
+    # Model restrictions from policy (globs): routing must not fall back to a model outside these.
+    allowed_models: tuple[str, ...] = ()  # empty = no policy restriction
+    denied_models: tuple[str, ...] = ()
+    deny_status: int = 403  # 503 when the decision could not be made (e.g. OPA unreachable, fail-closed)
 
     def to_evidence(self) -> dict[str, Any]:
         return {
@@ -110,6 +114,9 @@ class Decision:
             "max_tokens_cap": self.max_tokens_cap,
             "cache_isolation": self.cache_isolation,
             "spill_to_partner": self.spill_to_partner,
+            "max_context": self.max_context,
+            "allowed_models": list(self.allowed_models),
+            "denied_models": list(self.denied_models),
             "budgets": [b.__dict__ if hasattr(b, "__dict__") else _slots_dict(b) for b in self.budgets],
         }
 
