@@ -1,0 +1,195 @@
+"""Evaluate compiled rules for one request: a pure function from (Principal, RequestAttrs) to a Decision.
+
+Precedence (docs/policy.md): deny wins over allow; restrictions compose (jurisdictions intersect, zero
+retention sticks, allowed-model lists all apply, cache isolation sticks, budgets add up); for values that
+can only have one setting (priority, TTFT target, max_tokens cap, max context) the most specific matching
+rule wins and ties go to the earlier rule. Rules are bucketed by their most selective exact match key so a
+request only tests the rules that could match it.
+"""
+from __future__ import annotations
+
+import fnmatch
+from typing import Any, Iterable
+
+from gateway.policy.eea import EEA_COUNTRIES, EU_COUNTRIES
+from gateway.policy.model import RequestAttrs, Rule
+from gateway.types import BudgetSpec, Decision, Principal
+
+__all__ = ["CompiledPolicy", "RequestAttrs", "load_policies", "PolicyError"]
+
+
+def _jurisdiction_label(countries: frozenset[str]) -> str:
+    if countries == EEA_COUNTRIES:
+        return "EEA"
+    if countries == EU_COUNTRIES:
+        return "EU"
+    return ",".join(sorted(countries)) if countries else "(none)"
+
+
+class CompiledPolicy:
+    """An immutable compiled policy snapshot; `decide` is pure and allocation-light."""
+
+    def __init__(self, rules: list[Rule], default_allow: bool = True,
+                 tests: list[tuple[str, int, dict[str, Any]]] | None = None, sources: tuple[str, ...] = ()) -> None:
+        self.rules: tuple[Rule, ...] = tuple(rules)
+        self.default_allow = default_allow
+        self.tests = list(tests or [])
+        self.sources = sources
+        self._by_id = {r.id: r for r in rules}
+        buckets: dict[tuple[str, ...], list[Rule]] = {}
+        wild: list[Rule] = []
+        label_keys: set[str] = set()
+        for r in rules:
+            if not r.index_keys:
+                wild.append(r)
+            for k in r.index_keys:
+                buckets.setdefault(k, []).append(r)
+                if k[0] == "label":
+                    label_keys.add(k[1])
+        self._buckets = {k: tuple(v) for k, v in buckets.items()}
+        self._wild = tuple(wild)
+        self._label_keys = tuple(sorted(label_keys))
+
+    def rule(self, rule_id: str) -> Rule:
+        return self._by_id[rule_id]
+
+    # ------------------------------------------------------------------------------------------- evaluation
+
+    def candidates(self, p: Principal, req: RequestAttrs) -> list[Rule]:
+        """Rules that could match (bucket lookups plus unindexed rules), in rule order."""
+        b = self._buckets
+        got: list[Rule] = list(self._wild)
+        n = 1 if got else 0
+        for key in (("key", p.key_id), ("project", p.project), ("team", p.team), ("tenant", p.tenant),
+                    ("partner", p.partner), ("model", req.model)):
+            lst = b.get(key)  # type: ignore[arg-type]
+            if lst:
+                got.extend(lst)
+                n += 1
+        if self._label_keys and p.labels:
+            for lk in self._label_keys:
+                v = p.labels.get(lk)
+                if v is not None:
+                    lst = b.get(("label", lk, v))
+                    if lst:
+                        got.extend(lst)
+                        n += 1
+        if n > 1:
+            got.sort(key=_order)
+        return got
+
+    def matched(self, p: Principal, req: RequestAttrs) -> list[Rule]:
+        return [r for r in self.candidates(p, req) if r.matches(p, req)]
+
+    def decide(self, principal: Principal, request: RequestAttrs) -> Decision:
+        """The decision for one request. Pure: same inputs, same Decision."""
+        return self._combine(self.matched(principal, request), request.model)
+
+    def _combine(self, matched: list[Rule], model: str) -> Decision:
+        deny: Rule | None = None
+        deny_reason: str | None = None
+        explicit_allow = False
+        countries: frozenset[str] | None = None
+        residency_rules: list[str] = []
+        retention_rule: str | None = None
+        allowed: list[str] = []  # the most specific restricting rule's list (every list is enforced above)
+        allowed_rank: tuple[int, int, int] | None = None
+        denied: list[str] = []
+        cache_iso = False
+        best: dict[str, tuple[tuple[int, int, int], Any]] = {}
+        budgets: list[BudgetSpec] = []
+        for r in matched:
+            reason = None
+            if r.deny:
+                reason = r.reason or f"denied by rule {r.id}"
+            elif r.deny_models_re is not None and r.deny_models_re.match(model):
+                reason = r.reason or f"model {model} is denied by rule {r.id}"
+            elif r.allowed_models_re is not None and not r.allowed_models_re.match(model):
+                reason = r.reason or f"model {model} is not among the models rule {r.id} allows"
+            if reason is not None and (deny is None or r.rank > deny.rank):
+                deny, deny_reason = r, reason
+            if r.allow:
+                explicit_allow = True
+            if r.countries is not None:
+                countries = r.countries if countries is None else countries & r.countries
+                residency_rules.append(r.id)
+            if r.retention_zero and retention_rule is None:
+                retention_rule = r.id
+            if r.allowed_models and (allowed_rank is None or r.rank > allowed_rank):
+                allowed, allowed_rank = list(r.allowed_models), r.rank
+            if r.deny_models:
+                denied.extend(r.deny_models)
+            if r.cache_isolation:
+                cache_iso = True
+            if r.sets:
+                rank = r.rank
+                for k, v in r.sets.items():
+                    cur = best.get(k)
+                    if cur is None or rank > cur[0]:
+                        best[k] = (rank, v)
+            if r.budgets:
+                budgets.extend(r.budgets)
+        if countries is not None and not countries and deny is None:
+            deny = self._by_id[residency_rules[-1]]
+            deny_reason = (f"contradictory residency: rules {', '.join(residency_rules)} together allow no country")
+        ids = tuple(r.id for r in matched)
+        allow = deny is None
+        deny_rule = deny.id if deny is not None else None
+        if allow and not self.default_allow and not explicit_allow:
+            allow, deny_rule = False, "(default)"
+            deny_reason = "no rule allows this request and the policy default is deny"
+        kw: dict[str, Any] = {k: v[1] for k, v in best.items()}
+        return Decision(
+            allow=allow, reason=deny_reason, deny_rule=deny_rule, matched_rules=ids,
+            allowed_countries=countries,
+            jurisdiction=_jurisdiction_label(countries) if countries is not None else None,
+            residency_rule=",".join(residency_rules) if residency_rules else None,
+            retention="zero" if retention_rule else None, retention_rule=retention_rule,
+            cache_isolation=cache_iso, budgets=tuple(budgets), allowed_models=tuple(allowed),
+            denied_models=tuple(denied), **kw,
+        )
+
+    # ------------------------------------------------------------------------------------------- explain
+
+    def explain(self, principal: Principal, request: RequestAttrs) -> dict[str, Any]:
+        """Why this principal gets this decision for this model: every rule, matched or not, and why."""
+        trace: list[dict[str, Any]] = []
+        matched: list[Rule] = []
+        for r in self.rules:
+            failed = [c.describe for c in r.conditions if not c.test(principal, request)]
+            if not failed:
+                matched.append(r)
+            trace.append({"rule": r.id, "source": r.source, "matched": not failed, "failed": failed,
+                          "specificity": list(r.specificity)})
+        d = self._combine(matched, request.model)
+        return {"principal": principal.to_evidence(), "request": request.to_evidence(),
+                "decision": d.to_evidence(), "rules": trace,
+                "precedence": "deny wins; restrictions intersect; single values from the most specific rule, "
+                              "ties by order"}
+
+
+def _order(r: Rule) -> int:
+    return r.order
+
+
+def model_permitted(decision: Decision, model: str) -> bool:
+    """Whether a concrete model (e.g. an alias fallback target) is within the decision's model limits."""
+    if decision.denied_models and any(fnmatch.fnmatchcase(model, g) for g in decision.denied_models):
+        return False
+    if decision.allowed_models and not any(fnmatch.fnmatchcase(model, g) for g in decision.allowed_models):
+        return False
+    return True
+
+
+def principal_models_permit(patterns: Iterable[str], model: str) -> bool:
+    """A key's own `allowed_models` globs (empty = unrestricted)."""
+    pats = tuple(patterns)
+    return not pats or any(fnmatch.fnmatchcase(model, g) for g in pats)
+
+
+def __getattr__(name: str) -> Any:  # re-export without an import cycle
+    if name in ("load_policies", "PolicyError"):
+        from gateway.policy import compiler
+
+        return getattr(compiler, name)
+    raise AttributeError(name)

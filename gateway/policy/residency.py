@@ -1,0 +1,45 @@
+"""THE residency/retention filter: whether a backend may receive a request under a decision.
+
+Routing, retries and fallbacks all call `backend_allowed`; it is a filter, never a weight. A backend with no
+declared location never satisfies a residency requirement; zero retention needs a backend that declares
+`retention: zero`. Both the inference country and the storage country must be in the allowed set.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+from gateway.config import BackendConfig
+from gateway.types import Decision
+
+
+def backend_allowed(decision: Decision, backend: BackendConfig) -> str | None:
+    """None when `backend` satisfies the decision's residency and retention, else a short reason."""
+    allowed = decision.allowed_countries
+    if allowed is not None:
+        loc = backend.location
+        where = decision.jurisdiction or ",".join(sorted(allowed))
+        rule = f" (rule {decision.residency_rule})" if decision.residency_rule else ""
+        if loc is None:
+            return f"residency: backend declares no location; {where} required{rule}"
+        if loc.country not in allowed:
+            return f"residency: inference in {loc.country}, {where} required{rule}"
+        if loc.storage not in allowed:
+            return f"residency: storage in {loc.storage}, {where} required{rule}"
+    if decision.retention == "zero" and backend.retention != "zero":
+        rule = f" (rule {decision.retention_rule})" if decision.retention_rule else ""
+        return f"retention: backend keeps data ({backend.retention}), zero retention required{rule}"
+    return None
+
+
+def filter_backends(decision: Decision, backends: Iterable[BackendConfig],
+                    ) -> tuple[list[BackendConfig], dict[str, str]]:
+    """Split backends into (allowed, {name: why dropped}) under a decision."""
+    ok: list[BackendConfig] = []
+    dropped: dict[str, str] = {}
+    for b in backends:
+        why = backend_allowed(decision, b)
+        if why is None:
+            ok.append(b)
+        else:
+            dropped[b.name] = why
+    return ok, dropped
