@@ -8,6 +8,8 @@ A stage refuses a request by raising `gateway.errors.GatewayError`. Every stage 
 """
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -94,7 +96,13 @@ class Pipeline:
                 started.append(st)
                 await st.run(ctx)
                 ctx.stage_timings_us[st.name] = (time.perf_counter() - t0) * 1e6
-        except BaseException:
+        except BaseException as e:
+            status = getattr(e, "status", None)
+            if isinstance(status, int):  # a GatewayError refusal: record it before finishers read ctx
+                ctx.status = status
+                ctx.error = getattr(e, "code", None) or str(e)
+            elif not ctx.status:
+                ctx.status = 499 if isinstance(e, asyncio.CancelledError) else 500
             await self.finish(ctx, started)
             raise
         return started
@@ -105,6 +113,4 @@ class Pipeline:
             try:
                 await st.finish(ctx)
             except Exception:  # a finisher must never break the others; it logs its own failure
-                import logging
-
                 logging.getLogger("gateway.pipeline").exception("finish of stage %s failed", st.name)

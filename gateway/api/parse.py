@@ -1,0 +1,204 @@
+"""Parse and validate OpenAI request bodies (pure): every bad input becomes a 400 naming the param."""
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from gateway.errors import GatewayError, bad_request
+
+_NUMBER = (int, float)
+
+
+def decode_json(raw: bytes) -> dict[str, Any]:
+    if not raw:
+        raise bad_request("Request body is empty; expected a JSON object.", code="invalid_json")
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise bad_request(f"Request body is not valid JSON: {e.args[0] if e.args else 'parse error'}",
+                          code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request(f"Request body must be a JSON object, got {type(body).__name__}.", code="invalid_json")
+    return body
+
+
+def _type_error(param: str, expected: str, value: Any) -> GatewayError:
+    got = "null" if value is None else type(value).__name__
+    return bad_request(f"Invalid type for '{param}': expected {expected}, got {got}.", param=param,
+                       code="invalid_type")
+
+
+def _opt_number(body: dict[str, Any], name: str, lo: float | None = None, hi: float | None = None) -> None:
+    v = body.get(name)
+    if v is None:
+        return
+    if isinstance(v, bool) or not isinstance(v, _NUMBER):
+        raise _type_error(name, "a number", v)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise bad_request(f"'{name}' must be between {lo} and {hi}, got {v}.", param=name, code="invalid_value")
+
+
+def _opt_int(body: dict[str, Any], name: str, lo: int = 1) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _type_error(name, "an integer", v)
+    if v < lo:
+        raise bad_request(f"'{name}' must be >= {lo}, got {v}.", param=name, code="invalid_value")
+    return v
+
+
+def _opt_bool(body: dict[str, Any], name: str) -> bool:
+    v = body.get(name)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise _type_error(name, "a boolean", v)
+    return v
+
+
+def _model(body: dict[str, Any]) -> str:
+    if "model" not in body:
+        raise bad_request("Missing required parameter: 'model'.", param="model", code="missing_required_parameter")
+    m = body["model"]
+    if not isinstance(m, str):
+        raise _type_error("model", "a string", m)
+    if not m or len(m) > 256:
+        raise bad_request("'model' must be a non-empty string of at most 256 characters.", param="model",
+                          code="invalid_value")
+    return m
+
+
+class Parsed:
+    """What the pipeline needs from a body, validated."""
+
+    __slots__ = ("model", "stream", "include_usage", "max_tokens", "prompt_chars")
+
+    def __init__(self, model: str, stream: bool, include_usage: bool, max_tokens: int | None, prompt_chars: int):
+        self.model = model
+        self.stream = stream
+        self.include_usage = include_usage
+        self.max_tokens = max_tokens
+        self.prompt_chars = prompt_chars
+
+
+def _content_chars(content: Any, param: str) -> int:
+    if content is None:
+        return 0
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        n = 0
+        for j, part in enumerate(content):
+            if not isinstance(part, dict):
+                raise _type_error(f"{param}[{j}]", "an object", part)
+            t = part.get("text")
+            if isinstance(t, str):
+                n += len(t)
+        return n
+    raise _type_error(param, "a string or an array of content parts", content)
+
+
+def _stream_fields(body: dict[str, Any]) -> tuple[bool, bool]:
+    stream = _opt_bool(body, "stream")
+    so = body.get("stream_options")
+    include_usage = False
+    if so is not None:
+        if not isinstance(so, dict):
+            raise _type_error("stream_options", "an object", so)
+        if not stream:
+            raise bad_request("'stream_options' is only allowed when 'stream' is true.", param="stream_options",
+                              code="invalid_value")
+        iu = so.get("include_usage")
+        if iu is not None and not isinstance(iu, bool):
+            raise _type_error("stream_options.include_usage", "a boolean", iu)
+        include_usage = bool(iu)
+    return stream, include_usage
+
+
+def _sampling(body: dict[str, Any]) -> None:
+    _opt_number(body, "temperature", 0, 2)
+    _opt_number(body, "top_p", 0, 1)
+    _opt_number(body, "presence_penalty", -2, 2)
+    _opt_number(body, "frequency_penalty", -2, 2)
+    _opt_int(body, "n", 1)
+    if body.get("n") not in (None, 1) and body.get("stream"):
+        pass  # allowed by OpenAI; usage still reported once
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, (str, list)):
+        raise _type_error("stop", "a string or an array of strings", stop)
+
+
+def parse_chat(body: dict[str, Any]) -> Parsed:
+    model = _model(body)
+    if "messages" not in body:
+        raise bad_request("Missing required parameter: 'messages'.", param="messages",
+                          code="missing_required_parameter")
+    msgs = body["messages"]
+    if not isinstance(msgs, list):
+        raise _type_error("messages", "an array", msgs)
+    if not msgs:
+        raise bad_request("'messages' must contain at least one message.", param="messages", code="invalid_value")
+    chars = 0
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise _type_error(f"messages[{i}]", "an object", m)
+        role = m.get("role")
+        if not isinstance(role, str):
+            raise bad_request(f"Missing or invalid 'messages[{i}].role'.", param=f"messages[{i}].role",
+                              code="invalid_value")
+        chars += _content_chars(m.get("content"), f"messages[{i}].content") + 4
+    stream, include_usage = _stream_fields(body)
+    _sampling(body)
+    mt = _opt_int(body, "max_completion_tokens")
+    mt2 = _opt_int(body, "max_tokens")
+    return Parsed(model, stream, include_usage, mt if mt is not None else mt2, chars)
+
+
+def parse_completions(body: dict[str, Any]) -> Parsed:
+    model = _model(body)
+    if "prompt" not in body:
+        raise bad_request("Missing required parameter: 'prompt'.", param="prompt", code="missing_required_parameter")
+    p = body["prompt"]
+    if isinstance(p, str):
+        chars = len(p)
+    elif isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+        chars = sum(len(x) for x in p)
+    elif isinstance(p, list) and p and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+        chars = 4 * len(p)
+    elif isinstance(p, list) and p and all(isinstance(x, list) and all(isinstance(t, int) for t in x) for x in p):
+        chars = 4 * sum(len(x) for x in p)
+    else:
+        raise _type_error("prompt", "a string, an array of strings or an array of token ids", p)
+    stream, include_usage = _stream_fields(body)
+    _sampling(body)
+    return Parsed(model, stream, include_usage, _opt_int(body, "max_tokens"), chars)
+
+
+def parse_embeddings(body: dict[str, Any]) -> Parsed:
+    model = _model(body)
+    if "input" not in body:
+        raise bad_request("Missing required parameter: 'input'.", param="input", code="missing_required_parameter")
+    x = body["input"]
+    if isinstance(x, str):
+        chars = len(x)
+    elif isinstance(x, list) and x and all(isinstance(s, str) for s in x):
+        chars = sum(len(s) for s in x)
+    elif isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x):
+        chars = 4 * len(x)
+    elif isinstance(x, list) and x and all(isinstance(s, list) for s in x):
+        chars = 4 * sum(len(s) for s in x)
+    else:
+        raise _type_error("input", "a string or a non-empty array", x)
+    if body.get("stream"):
+        raise bad_request("Embeddings do not support streaming.", param="stream", code="invalid_value")
+    ef = body.get("encoding_format")
+    if ef is not None and ef not in ("float", "base64"):
+        raise bad_request("'encoding_format' must be 'float' or 'base64'.", param="encoding_format",
+                          code="invalid_value")
+    return Parsed(model, False, False, None, chars)
+
+
+PARSERS = {"chat": parse_chat, "completions": parse_completions, "embeddings": parse_embeddings}

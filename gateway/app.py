@@ -1,0 +1,491 @@
+"""Assembly: the Gateway object (config snapshot, services, pipeline) and the Starlette app around it.
+
+The data plane (`/v1/...`) is served by raw ASGI endpoints so a client disconnect can cancel the upstream
+request at once and the hot path stays short; the admin plane and probes are ordinary Starlette routes.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import secrets
+import time
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import orjson
+from starlette.applications import Starlette
+from starlette.datastructures import Headers
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from gateway.api.parse import PARSERS, decode_json
+from gateway.config import Config, ConfigError, load_config
+from gateway.errors import GatewayError
+from gateway.metrics import Metrics
+from gateway.pipeline import Pipeline, RequestContext, Stage
+from gateway.proxy.forward import Dispatcher, JsonResult, StreamStart, stream_body, usage_from
+from gateway.proxy.health import Health, probe_loop
+from gateway.proxy.upstream import Upstreams
+from gateway.routing.plan import Candidate
+from gateway.routing.stage import RouteStage, residency_reason
+from gateway.types import Principal
+
+log = logging.getLogger("gateway")
+
+_RID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+def request_id(headers: Headers) -> str:
+    rid = headers.get("x-request-id")
+    if rid and _RID.match(rid):
+        return rid
+    return "req_" + secrets.token_hex(12)
+
+
+class StaticKeyAuth:
+    """Bootstrap authentication from the config's static `keys:` (constant-time compare).
+
+    Replaced by the identity layer's AuthStage where that is wired; kept for configs without a store."""
+
+    name = "authenticate"
+
+    def __init__(self, config: Callable[[], Config]) -> None:
+        self._config = config
+        self._cache: tuple[int, dict[str, Principal]] | None = None
+
+    def _keys(self) -> dict[str, Principal]:
+        cfg = self._config()
+        if self._cache is None or self._cache[0] != id(cfg):
+            import os
+
+            out: dict[str, Principal] = {}
+            for i, k in enumerate(cfg.raw.keys):
+                value = os.environ.get(k.key_env, "") if k.key_env else (k.key or "")
+                if value:
+                    out[value] = Principal(id=f"static:{k.name or i}", kind="static_key", tenant=k.tenant, team=k.team,
+                                           project=k.project, key_id=f"static-{k.name or i}", partner=k.partner,
+                                           labels=dict(k.labels), scopes=tuple(k.scopes),
+                                           allowed_models=tuple(k.models))
+            self._cache = (id(cfg), out)
+        return self._cache[1]
+
+    def authenticate(self, headers: Headers) -> Principal:
+        auth = headers.get("authorization", "")
+        token = auth[7:].strip() if auth[:7].lower() == "bearer " else headers.get("x-api-key", "")
+        if not token:
+            raise GatewayError(401, "Missing API key: send 'Authorization: Bearer <key>'.", code="missing_api_key")
+        found = None
+        for value, p in self._keys().items():
+            if secrets.compare_digest(value.encode(), token.encode()):
+                found = p
+        if found is None:
+            raise GatewayError(401, "Invalid API key.", code="invalid_api_key")
+        return found
+
+    async def run(self, ctx: RequestContext) -> None:
+        ctx.principal = self.authenticate(ctx.headers)
+        ctx.evidence["principal"] = ctx.principal.to_evidence()
+
+    async def finish(self, ctx: RequestContext) -> None:
+        return None
+
+
+class ObserveStage:
+    """First stage in, last out: on finish records metrics and hands the request to the finish hooks
+    (evidence recorder, predictor feedback), so refusals are observed as well as successes."""
+
+    name = "observe"
+
+    def __init__(self, gw: "Gateway") -> None:
+        self.gw = gw
+
+    async def run(self, ctx: RequestContext) -> None:
+        return None
+
+    async def finish(self, ctx: RequestContext) -> None:
+        gw = self.gw
+        m = gw.metrics
+        ctx.total_s = time.perf_counter() - ctx.received_at
+        backend = ctx.backend or "none"
+        status = str(ctx.status or 200)
+        tclass = (ctx.principal.labels.get("tier", "default") if ctx.principal else "anonymous")
+        m.requests.labels(ctx.endpoint, ctx.model if ctx.model in gw.config.models or ctx.model in gw.config.aliases
+                          else "unknown", backend, status, tclass).inc()
+        m.duration.labels(ctx.endpoint, ctx.backend_model or "unknown", backend, status).observe(ctx.total_s)
+        if ctx.ttft_s is not None and ctx.backend:
+            m.ttft.labels(ctx.backend_model or "unknown", backend).observe(ctx.ttft_s)
+        if ctx.usage is not None and ctx.backend_model:
+            m.tokens.labels(ctx.backend_model, "input").observe(ctx.usage.prompt_tokens)
+            m.tokens.labels(ctx.backend_model, "output").observe(ctx.usage.completion_tokens)
+        for st, us in ctx.stage_timings_us.items():
+            m.stage_seconds.labels(st).observe(us / 1e6)
+        for hook in gw.finish_hooks:
+            try:
+                await hook(ctx)
+            except Exception:
+                log.exception("finish hook failed for %s", ctx.request_id)
+
+
+class Gateway:
+    """Holds the current config snapshot and the services built from it. `reload` swaps the snapshot."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.started_at = time.time()
+        self.metrics = Metrics()
+        self.health = Health(config)
+        self.upstreams = Upstreams(config)
+        self.dispatcher = Dispatcher(lambda: self.upstreams, self.health, self._residency_check)
+        self.finish_hooks: list[Callable[[RequestContext], Awaitable[None]]] = []
+        self.services: list[Any] = []  # objects with async start()/close() and optional swap_config(config)
+        self.auth: Any = StaticKeyAuth(lambda: self.config)
+        self.admin_auth: Callable[[Headers], Awaitable[Principal]] = self._static_admin_auth
+        self._tasks: list[asyncio.Task] = []
+        self._reload_lock = asyncio.Lock()
+        self.stages: list[Stage] = self.build_stages()
+        self.pipeline = Pipeline(self.stages)
+        self.extra_routes: list[Route] = []
+
+    # ---- assembly
+    def build_stages(self) -> list[Stage]:
+        """The request pipeline, in order. Each stage is one concept; see gateway/pipeline.py."""
+        return [
+            ObserveStage(self),
+            self.auth,
+            RouteStage(lambda: self.config, self.health),
+        ]
+
+    def _residency_check(self, ctx: RequestContext, cand: Candidate) -> str | None:
+        return residency_reason(ctx.decision, cand.backend)
+
+    async def start(self) -> None:
+        for s in self.services:
+            await s.start()
+        import httpx
+
+        self._probe_client = httpx.AsyncClient(trust_env=False)
+        self._tasks.append(asyncio.create_task(probe_loop(lambda: self.config, self.health, self._probe_client)))
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        for s in reversed(self.services):
+            try:
+                await s.close()
+            except Exception:
+                log.exception("closing %s failed", type(s).__name__)
+        await self.upstreams.aclose()
+        await self._probe_client.aclose()
+
+    async def reload(self) -> Config:
+        """Load the config file again and swap it in whole; a broken file leaves the old snapshot serving."""
+        async with self._reload_lock:
+            if self.config.path is None:
+                raise ConfigError("no config file to reload from")
+            try:
+                new = await asyncio.to_thread(load_config, self.config.path)
+                new = Config(raw=new.raw, path=new.path, base_dir=new.base_dir, models=new.models,
+                             aliases=new.aliases, generation=self.config.generation + 1)
+                for s in self.services:
+                    check = getattr(s, "check_config", None)
+                    if check is not None:
+                        check(new)  # may raise ConfigError (e.g. a broken policy file)
+            except ConfigError:
+                self.metrics.reloads.labels("refused").inc()
+                raise
+            self.upstreams.swap_config(new)
+            self.health.swap_config(new)
+            for s in self.services:
+                swap = getattr(s, "swap_config", None)
+                if swap is not None:
+                    swap(new)
+            self.config = new
+            self.metrics.reloads.labels("ok").inc()
+            log.info("config reloaded (generation %d)", new.generation)
+            return new
+
+    async def _static_admin_auth(self, headers: Headers) -> Principal:
+        import os
+
+        a = self.config.raw.admin
+        expected = os.environ.get(a.key_env, "") if a.key_env else (a.key or "")
+        auth = headers.get("authorization", "")
+        token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        if not token:
+            raise GatewayError(401, "Missing admin credential.", code="missing_api_key")
+        if not expected or not secrets.compare_digest(expected.encode(), token.encode()):
+            raise GatewayError(401 if not expected else 403, "Not an admin credential.", code="admin_required")
+        return Principal(id="admin", kind="static_key", tenant="*", roles=("admin",))
+
+
+# ------------------------------------------------------------------------------------------- ASGI plumbing
+
+
+async def send_bytes(send, status: int, body: bytes, headers: dict[str, str], content_type: bytes = b"application/json") -> None:
+    raw = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
+    raw += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def send_error(send, err: GatewayError, rid: str, extra: dict[str, str] | None = None) -> None:
+    h = {"x-request-id": rid, **(extra or {}), **err.headers}
+    await send_bytes(send, err.status, err.to_bytes(), h)
+
+
+async def read_body(receive, limit: int) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            raise asyncio.CancelledError("client disconnected")
+        body = msg.get("body", b"")
+        if body:
+            size += len(body)
+            if size > limit:
+                raise GatewayError(413, f"Request body is larger than the limit of {limit} bytes.",
+                                   code="request_too_large")
+            chunks.append(body)
+        if not msg.get("more_body", False):
+            break
+    return b"".join(chunks)
+
+
+async def _until_disconnect(receive) -> None:
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+class CompletionEndpoint:
+    """POST /v1/chat/completions, /v1/completions, /v1/embeddings: parse -> pipeline -> dispatch -> respond."""
+
+    def __init__(self, gw: Gateway, endpoint: str) -> None:
+        self.gw = gw
+        self.endpoint = endpoint
+        self.parse = PARSERS[endpoint]
+
+    async def __call__(self, scope, receive, send) -> None:
+        gw = self.gw
+        headers = Headers(scope=scope)
+        rid = request_id(headers)
+        if scope["method"] != "POST":
+            await send_error(send, GatewayError(405, "Method not allowed; use POST.", code="method_not_allowed"), rid,
+                             {"allow": "POST"})
+            return
+        limit = gw.config.server.max_body_bytes
+        try:
+            ctype = headers.get("content-type", "")
+            if ctype.split(";", 1)[0].strip().lower() != "application/json":
+                raise GatewayError(415, "Content-Type must be application/json.", code="unsupported_media_type")
+            cl = headers.get("content-length")
+            if cl is not None:
+                if not cl.isdigit():
+                    raise GatewayError(400, "Invalid Content-Length header.", code="invalid_request")
+                if int(cl) > limit:
+                    raise GatewayError(413, f"Request body is larger than the limit of {limit} bytes.",
+                                       code="request_too_large")
+            raw = await read_body(receive, limit)
+            body = decode_json(raw)
+            parsed = self.parse(body)
+        except GatewayError as e:
+            gw.metrics.rejections.labels("parse", e.code or "error").inc()
+            await send_error(send, e, rid)
+            return
+        except asyncio.CancelledError:
+            return
+        client = scope.get("client")
+        ctx = RequestContext(request_id=rid, endpoint=self.endpoint, headers=headers, body=body,
+                             client_addr=client[0] if client else "")
+        ctx.model = parsed.model
+        ctx.stream = parsed.stream
+        ctx.client_wants_usage = parsed.include_usage
+        ctx.max_tokens = parsed.max_tokens
+        ctx.prompt_tokens_est = max(1, parsed.prompt_chars // 4)
+        ctx.model_chain = gw.config.resolve_model(parsed.model)
+        # The disconnect watcher runs for the whole request so a vanished client cancels upstream work at once.
+        handler = asyncio.ensure_future(self._handle(ctx, send))
+        watcher = asyncio.ensure_future(_until_disconnect(receive))
+        done, _ = await asyncio.wait({handler, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if handler in done:
+            watcher.cancel()
+            handler.result()
+        else:
+            handler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await handler
+
+    async def _handle(self, ctx: RequestContext, send) -> None:
+        gw = self.gw
+        started: list[Stage] = []
+        finished = False
+        try:
+            try:
+                started = await gw.pipeline.run(ctx)
+                result = await gw.dispatcher.open(ctx)
+            except GatewayError as e:
+                ctx.status = e.status
+                ctx.error = e.code
+                gw.metrics.rejections.labels(_stage_of(ctx, started), e.code or "error").inc()
+                if started:
+                    finished = True
+                    await Pipeline.finish(ctx, started)
+                await send_error(send, e, ctx.request_id, ctx.extra_headers)
+                return
+            hdrs = {"x-request-id": ctx.request_id, **ctx.extra_headers}
+            if isinstance(result, JsonResult):
+                ctx.status = result.status
+                if result.status == 200:
+                    try:
+                        ctx.usage = usage_from(orjson.loads(result.body))
+                    except orjson.JSONDecodeError:
+                        ctx.status, ctx.error = 502, "upstream_bad_json"
+                        err = GatewayError(502, "Upstream answered with invalid JSON.", code="upstream_error")
+                        finished = True
+                        await Pipeline.finish(ctx, started)
+                        await send_error(send, err, ctx.request_id, ctx.extra_headers)
+                        return
+                    ctx.ttft_s = None
+                finished = True
+                await Pipeline.finish(ctx, started)
+                await send_bytes(send, result.status, result.body, hdrs)
+                return
+            # stream
+            ctx.status = 200
+
+            async def on_end() -> None:
+                nonlocal finished
+                if not finished:
+                    finished = True
+                    await Pipeline.finish(ctx, started)
+
+            raw = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
+                   (b"x-accel-buffering", b"no")]
+            raw += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in hdrs.items()]
+            await send({"type": "http.response.start", "status": 200, "headers": raw})
+            gen = stream_body(ctx, result, on_end)
+            try:
+                async for chunk in gen:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            finally:
+                await gen.aclose()
+        except asyncio.CancelledError:
+            ctx.status = ctx.status if ctx.status and ctx.status != 200 else 499
+            ctx.error = ctx.error or "client_disconnected"
+            raise
+        finally:
+            if not finished and started:
+                finished = True
+                await asyncio.shield(Pipeline.finish(ctx, started))
+
+
+def _stage_of(ctx: RequestContext, started: list[Stage]) -> str:
+    return started[-1].name if started else "dispatch"
+
+
+# ------------------------------------------------------------------------------------------- routes
+
+
+def build_app(gw: Gateway) -> Starlette:
+    async def healthz(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def readyz(request: Request) -> Response:
+        cfg = gw.config
+        missing = [m for m, names in cfg.models.items() if not any(gw.health.available(n) for n in names)]
+        if missing:
+            return JSONResponse({"status": "not ready", "models_without_healthy_backend": sorted(missing)},
+                                status_code=503)
+        return JSONResponse({"status": "ready", "config_generation": cfg.generation})
+
+    async def metrics(request: Request) -> Response:
+        for name, st in gw.health.snapshot().items():
+            gw.metrics.backend_up.labels(name).set(1.0 if st["state"] == "closed" else 0.0)
+        return Response(gw.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def models(request: Request) -> Response:
+        rid = request_id(request.headers)
+        try:
+            ctx = RequestContext(request_id=rid, endpoint="models", headers=request.headers, body={})
+            await gw.auth.run(ctx)
+        except GatewayError as e:
+            return JSONResponse(e.body(), status_code=e.status, headers={"x-request-id": rid, **e.headers})
+        return JSONResponse({"object": "list", "data": model_catalog(gw.config)}, headers={"x-request-id": rid})
+
+    async def admin_reload(request: Request) -> Response:
+        rid = request_id(request.headers)
+        try:
+            await gw.admin_auth(request.headers)
+            new = await gw.reload()
+        except GatewayError as e:
+            return JSONResponse(e.body(), status_code=e.status, headers={"x-request-id": rid})
+        except ConfigError as e:
+            err = GatewayError(400, f"Config refused, the previous one keeps serving: {e}", code="invalid_config")
+            return JSONResponse(err.body(), status_code=400, headers={"x-request-id": rid})
+        return JSONResponse({"status": "reloaded", "generation": new.generation}, headers={"x-request-id": rid})
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        status = getattr(exc, "status_code", 404)
+        err = GatewayError(status, f"No route for {request.method} {request.url.path}.",
+                           code="not_found" if status == 404 else "method_not_allowed")
+        return JSONResponse(err.body(), status_code=status, headers={"x-request-id": request_id(request.headers)})
+
+    async def server_error(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s", request.url.path)
+        err = GatewayError(500, "Internal gateway error.", code="internal_error")
+        return JSONResponse(err.body(), status_code=500, headers={"x-request-id": request_id(request.headers)})
+
+    routes = [
+        Route("/v1/chat/completions", CompletionEndpoint(gw, "chat"), methods=None),
+        Route("/v1/completions", CompletionEndpoint(gw, "completions"), methods=None),
+        Route("/v1/embeddings", CompletionEndpoint(gw, "embeddings"), methods=None),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/readyz", readyz, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/admin/reload", admin_reload, methods=["POST"]),
+        *gw.extra_routes,
+    ]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        await gw.start()
+        try:
+            yield
+        finally:
+            await gw.close()
+
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={404: not_found, 405: not_found, 500: server_error, Exception: server_error})
+    app.state.gateway = gw
+    return app
+
+
+def model_catalog(cfg: Config) -> list[dict[str, Any]]:
+    """/v1/models entries, each with where it runs and what it keeps (what a partner aggregator lists)."""
+    out = []
+    created = int(cfg.path.stat().st_mtime) if cfg.path and Path(cfg.path).exists() else 0
+    for model, names in sorted(cfg.models.items()):
+        bks = [cfg.backend(n) for n in names]
+        out.append({
+            "id": model,
+            "object": "model",
+            "created": created,
+            "owned_by": "gateway",
+            "locations": [{"backend": b.name, "country": b.location.country if b.location else None,
+                           "storage_country": b.location.storage if b.location else None,
+                           "operator": b.operator, "retention": b.retention} for b in bks],
+            "retention": sorted({b.retention for b in bks}),
+        })
+    for alias, targets in sorted(cfg.aliases.items()):
+        out.append({"id": alias, "object": "model", "created": created, "owned_by": "gateway", "alias_of": list(targets)})
+    return out

@@ -1,0 +1,138 @@
+"""`gateway` command line: serve, config check, demo, and the subsystems' commands (sim, keys, policy...)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from gateway.config import ConfigError, load_config
+
+
+def _setup_logging(level: str = "info", json_logs: bool = True) -> None:
+    from gateway.observability.logs import configure_logging
+
+    configure_logging(level, json_logs)
+
+
+async def serve_async(config_path: str, host: str | None = None, port: int | None = None,
+                      ready: asyncio.Event | None = None) -> None:
+    import uvicorn
+
+    from gateway.app import Gateway, build_app
+    from gateway.wiring import wire
+
+    cfg = load_config(config_path)
+    _setup_logging(cfg.raw.observability.log_level, cfg.raw.observability.json_logs)
+    gw = Gateway(cfg)
+    wire(gw)
+    app = build_app(gw)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=host or cfg.server.host, port=port if port is not None else cfg.server.port,
+        loop="uvloop", http="httptools", lifespan="on", access_log=cfg.server.access_log, log_config=None,
+        timeout_graceful_shutdown=int(cfg.server.graceful_shutdown_s), server_header=False, date_header=False,
+        h11_max_incomplete_event_size=cfg.server.max_header_bytes, backlog=4096))
+    loop = asyncio.get_running_loop()
+
+    def on_hup() -> None:
+        async def go() -> None:
+            try:
+                await gw.reload()
+            except ConfigError as e:
+                logging.getLogger("gateway").error("reload refused, previous config keeps serving: %s", e)
+        loop.create_task(go())
+
+    loop.add_signal_handler(signal.SIGHUP, on_hup)
+    await server.serve()
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    try:
+        asyncio.run(serve_async(args.config, args.host, args.port))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_config_check(args: argparse.Namespace) -> int:
+    try:
+        cfg = load_config(args.file)
+        from gateway.wiring import check_config
+
+        check_config(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"{args.file}: ok ({len(cfg.backends)} backends, {len(cfg.models)} models, {len(cfg.aliases)} aliases)")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from gateway.demo import run_demo
+
+    return run_demo(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gateway", description="Policy-engine LLM gateway")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run the gateway")
+    s.add_argument("--config", "-c", required=True)
+    s.add_argument("--host")
+    s.add_argument("--port", type=int)
+    s.set_defaults(func=cmd_serve)
+
+    c = sub.add_parser("config", help="config tools")
+    csub = c.add_subparsers(dest="config_command", required=True)
+    cc = csub.add_parser("check", help="validate a config file without starting")
+    cc.add_argument("file")
+    cc.set_defaults(func=cmd_config_check)
+
+    d = sub.add_parser("demo", help="run the gateway with an example config and a simulated vLLM fleet")
+    d.add_argument("--port", type=int, default=8080)
+    d.add_argument("--engines", type=int, default=4)
+    d.add_argument("--sim-base-port", type=int, default=18100)
+    d.add_argument("--dir", default="var/demo", help="where the demo writes its config, manifest and state")
+    d.set_defaults(func=cmd_demo)
+
+    for register in _subsystem_commands():
+        register(sub)
+    return p
+
+
+def _subsystem_commands():
+    """Commands contributed by subsystems (sim, keys, policy, engine); each registers its own parsers."""
+    out = []
+    import importlib
+
+    for mod, fn in (("backends.sim.cli", "add_sim_command"), ("gateway.identity.cli", "add_keys_commands"),
+                    ("gateway.policy.cli", "add_policy_commands"), ("backends.vllm.cli", "add_engine_command")):
+        try:
+            m = importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name and (e.name == mod or mod.startswith(e.name + ".")):
+                continue  # subsystem not present in this build
+            raise
+        f = getattr(m, fn, None)
+        if f is not None:
+            out.append(f)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""Prometheus metrics of the gateway (prometheus-client), on a registry of its own.
+
+Label cardinality is bounded: model, backend, status class and tenant class, never key ids or tenants by
+default. Histogram buckets follow the OpenTelemetry GenAI semantic conventions' advice.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# GenAI semconv bucket advice
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
+TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("gateway_requests_total", "Requests by outcome", ["endpoint", "model", "backend",
+                                "status", "tenant_class"], registry=r)
+        self.ttft = Histogram("gen_ai_server_time_to_first_token_seconds", "Time to first token seen by the gateway",
+                              ["model", "backend"], buckets=TTFT_BUCKETS, registry=r)
+        self.duration = Histogram("gen_ai_client_operation_duration_seconds", "Request duration end to end",
+                                  ["operation", "model", "backend", "status"], buckets=DURATION_BUCKETS, registry=r)
+        self.tokens = Histogram("gen_ai_client_token_usage", "Tokens per request", ["model", "token_type"],
+                                buckets=TOKEN_BUCKETS, registry=r)
+        self.in_flight = Gauge("gateway_in_flight_requests", "Requests being served", ["backend"], registry=r)
+        self.rejections = Counter("gateway_rejections_total", "Refused requests by stage and code",
+                                  ["stage", "code"], registry=r)
+        self.admission_rejections = Counter("gateway_admission_rejections_total", "TTFT admission rejections",
+                                            ["reason"], registry=r)
+        self.ttft_prediction_error = Histogram("gateway_ttft_prediction_error_ratio",
+                                               "|predicted-actual|/actual TTFT per request", ["backend"],
+                                               buckets=(0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0), registry=r)
+        self.backend_up = Gauge("gateway_backend_circuit_closed", "1 when the backend's circuit is closed",
+                                ["backend"], registry=r)
+        self.stage_seconds = Histogram("gateway_stage_duration_seconds", "Time spent per pipeline stage",
+                                       ["stage"], buckets=(1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1),
+                                       registry=r)
+        self.reloads = Counter("gateway_config_reloads_total", "Config reloads", ["result"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
