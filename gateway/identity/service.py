@@ -1,0 +1,467 @@
+"""IdentityService: turns request credentials into a Principal, and manages tenants, teams, projects,
+partners and keys for the admin plane and the CLI.
+
+Hot path (per request): extract the credential, check the failure limiter, then one of
+  static key  -> dict lookup by sha256(value) (config keys),
+  gw_<id>_<s> -> in-memory cache by key id (TTL `cache_ttl_s`, dropped on store change events), then a
+                 constant-time hash comparison and expiry/revocation checks against wall time,
+  JWT         -> cache of verified tokens until `exp`, else JWKS verification (see jwt_verify.py).
+Nothing here logs or echoes a presented credential; errors carry only fixed messages and key ids.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import logging
+import os
+import re
+import time
+from typing import Any, Mapping
+
+from gateway.config import Config
+from gateway.errors import GatewayError
+from gateway.identity import keys as keyfmt
+from gateway.identity.jwt_verify import JWTVerifier, token_error
+from gateway.identity.model import ApiKey, Conflict, NotFound, Partner, Project, Team, Tenant
+from gateway.identity.ratelimit import FailureLimiter
+from gateway.identity.store import IdentityStore
+from gateway.types import Principal
+
+log = logging.getLogger("gateway.identity")
+
+_ID_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
+_END_USER_MAX = 256
+ADMIN_PRINCIPAL = Principal(id="admin:config", kind="static_key", tenant="*", roles=("admin",))
+
+
+def _bad(message: str, param: str | None = None) -> GatewayError:
+    return GatewayError(400, message, param=param, code="invalid_request")
+
+
+def invalid_key() -> GatewayError:
+    return GatewayError(401, "Invalid API key.", code="invalid_api_key")
+
+
+def missing_key() -> GatewayError:
+    return GatewayError(401, "No API key provided. Send 'Authorization: Bearer <key>' or 'x-api-key: <key>'.",
+                        code="missing_api_key")
+
+
+def extract_credential(headers: Mapping[str, str]) -> str:
+    """The presented credential from `authorization: Bearer ...` or `x-api-key`; 401 if absent/malformed."""
+    auth = headers.get("authorization")
+    if auth:
+        scheme, _, value = auth.strip().partition(" ")
+        value = value.strip()
+        if scheme.lower() != "bearer" or not value or " " in value:
+            raise GatewayError(401, "Malformed Authorization header; expected 'Bearer <key>'.",
+                               code="invalid_api_key")
+        return value
+    xk = headers.get("x-api-key")
+    if xk and xk.strip():
+        return xk.strip()
+    raise missing_key()
+
+
+def clean_end_user(value: str) -> str:
+    """The partner's end-user id as recorded: bounded length, printable ASCII only (it goes to evidence)."""
+    v = value.strip()
+    if not v or len(v) > _END_USER_MAX or not v.isprintable() or not v.isascii():
+        raise _bad("The end-user id header must be 1-256 printable ASCII characters.", param="end_user")
+    return v
+
+
+def merge_labels(*levels: Mapping[str, str] | None) -> dict[str, str]:
+    """Labels merged tenant -> ... -> key; later levels win."""
+    out: dict[str, str] = {}
+    for lv in levels:
+        if lv:
+            out.update(lv)
+    return out
+
+
+def validate_id(value: Any, what: str) -> str:
+    if not isinstance(value, str) or not _ID_RE.match(value):
+        raise _bad(f"{what} must be 1-64 chars of a-z, 0-9, '_', '.', '-' starting with a letter or digit.",
+                   param=what)
+    return value
+
+
+def validate_labels(value: Any, what: str = "labels") -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) and 0 < len(k) <= 64 and len(v) <= 256 for k, v in value.items()):
+        raise _bad(f"{what} must map strings (<=64 chars) to strings (<=256 chars).", param=what)
+    return dict(value)
+
+
+def validate_str_list(value: Any, what: str) -> list[str]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(x, str) and 0 < len(x) <= 128 for x in value):
+        raise _bad(f"{what} must be a list of strings.", param=what)
+    return list(value)
+
+
+@dataclasses.dataclass(slots=True)
+class _KeyEntry:
+    key: ApiKey | None
+    principal: Principal | None
+    fresh_until: float  # monotonic
+
+
+@dataclasses.dataclass(slots=True)
+class _JwtEntry:
+    principal: Principal
+    valid_until: float  # wall clock (exp + leeway, capped)
+
+
+def make_store(config: Config) -> IdentityStore:
+    """The configured store: SQLite file (default) or PostgreSQL."""
+    ic = config.raw.identity
+    if ic.store == "postgres":
+        dsn = ic.postgres_dsn or (os.environ.get(ic.postgres_dsn_env) if ic.postgres_dsn_env else None)
+        if not dsn:
+            raise GatewayError(500, "identity.store is postgres but no postgres_dsn/postgres_dsn_env is set",
+                               code="config_error")
+        from gateway.stores.identity_postgres import PostgresIdentityStore
+
+        return PostgresIdentityStore(dsn, schema=ic.postgres_schema, channel=ic.notify_channel)
+    from gateway.stores.identity_sqlite import SqliteIdentityStore
+
+    return SqliteIdentityStore(config.resolve_path(ic.sqlite_path))
+
+
+class IdentityService:
+    def __init__(self, config: Config, store: IdentityStore | None = None) -> None:
+        self._store_override = store
+        self.store: IdentityStore | None = None
+        self._keys: dict[str, _KeyEntry] = {}
+        self._labels: dict[tuple[Any, ...], tuple[dict[str, str], float]] = {}
+        self._jwt_cache: dict[str, _JwtEntry] = {}
+        self._gen = 0  # bumped by every change event; a load that raced an event is not cached
+        self._jwt = JWTVerifier(list(config.raw.identity.jwt))
+        self.swap_config(config)
+
+    # ------------------------------------------------------------------ lifecycle
+    def swap_config(self, config: Config) -> None:
+        """Hot reload: static keys, admin key, JWT issuers, limits. Store settings need a restart."""
+        ic = config.raw.identity
+        self.config = config
+        self.cache_ttl_s = ic.cache_ttl_s
+        self.end_user_header = ic.end_user_header.lower()
+        self.limiter = FailureLimiter(ic.auth_fail_limit_per_minute)
+        static: dict[bytes, Principal] = {}
+        for i, sk in enumerate(config.raw.keys):
+            value = os.environ.get(sk.key_env) if sk.key_env else sk.key
+            if not value:
+                continue
+            ident = f"static:{sk.name or i}"
+            static[hashlib.sha256(value.encode()).digest()] = Principal(
+                id=ident, kind="static_key", tenant=sk.tenant, team=sk.team, project=sk.project, key_id=ident,
+                partner=sk.partner, labels=dict(sk.labels), scopes=tuple(sk.scopes), allowed_models=tuple(sk.models))
+        self._static = static
+        adm = config.raw.admin
+        admin_value = os.environ.get(adm.key_env) if adm.key_env else adm.key
+        self._admin_digest = hashlib.sha256(admin_value.encode()).digest() if admin_value else None
+        self._jwt.replace_issuers(list(ic.jwt))
+        self._jwt_cache.clear()
+
+    async def start(self) -> None:
+        """Open the store (creating SQLite on first run), migrate, and subscribe to change events."""
+        self.store = self._store_override or make_store(self.config)
+        await self.store.open()
+        version = await self.store.migrate()
+        await self.store.listen(self._on_event)
+        log.info("identity store ready (%s, schema v%d)", type(self.store).__name__, version)
+
+    async def close(self) -> None:
+        if self.store is not None:
+            await self.store.close()
+        await self._jwt.aclose()
+
+    def _on_event(self, event: str) -> None:
+        """A change somewhere (this or another replica): drop what it may have made stale."""
+        self._gen += 1
+        kind, _, ident = event.partition(":")
+        if kind == "key":
+            self._keys.pop(ident, None)
+        else:  # hierarchy labels, partners, or "*": rare admin changes, flush derived state
+            self._keys.clear()
+            self._labels.clear()
+            self._jwt_cache.clear()
+
+    # ------------------------------------------------------------------ data plane
+    async def authenticate(self, headers: Mapping[str, str], client_addr: str) -> Principal:
+        """Principal for a data-plane request, or GatewayError 401/403/429 (never echoing the credential)."""
+        self.limiter.check(client_addr)
+        try:
+            token = extract_credential(headers)
+            p = await self._resolve(token, "data")
+        except GatewayError as e:
+            if e.status == 401:
+                self.limiter.failure(client_addr)
+            raise
+        eu = headers.get(self.end_user_header)
+        if eu is not None:
+            p = dataclasses.replace(p, end_user=clean_end_user(eu))
+        return p
+
+    async def authenticate_admin(self, headers: Mapping[str, str], client_addr: str = "") -> Principal:
+        """Principal for the admin plane: role "admin" (config admin key) or "tenant_admin" (stored admin key)."""
+        self.limiter.check(client_addr)
+        try:
+            token = extract_credential(headers)
+            if self._admin_digest is not None and hmac.compare_digest(
+                    hashlib.sha256(token.encode()).digest(), self._admin_digest):
+                return ADMIN_PRINCIPAL
+            p = await self._resolve(token, "admin")
+        except GatewayError as e:
+            if e.status == 401:
+                self.limiter.failure(client_addr)
+            raise
+        if "tenant_admin" not in p.roles:
+            raise GatewayError(403, "This credential may not use the admin API.", code="admin_required")
+        return p
+
+    async def _resolve(self, token: str, plane: str) -> Principal:
+        digest = hashlib.sha256(token.encode()).digest()
+        sp = self._static.get(digest)
+        if sp is not None:
+            if plane == "admin":
+                raise GatewayError(403, "This credential may not use the admin API.", code="admin_required")
+            return sp
+        if keyfmt.looks_like_gateway_key(token):
+            return await self._resolve_key(token, plane)
+        if token.count(".") == 2:
+            return await self._resolve_jwt(token)
+        if plane == "data" and self._admin_digest is not None and hmac.compare_digest(digest, self._admin_digest):
+            raise GatewayError(403, "The admin key cannot call the model API.", code="wrong_plane")
+        raise invalid_key()
+
+    async def _resolve_key(self, token: str, plane: str) -> Principal:
+        parsed = keyfmt.parse_key(token)
+        if parsed is None:
+            raise invalid_key()
+        kid, secret = parsed
+        entry = self._keys.get(kid)
+        if entry is None or time.monotonic() >= entry.fresh_until:
+            entry = await self._load_key(kid)
+        k = entry.key
+        if k is None or entry.principal is None or not keyfmt.secret_matches(secret, k.secret_hash):
+            raise invalid_key()
+        now = time.time()
+        if k.revoked_at is not None and k.revoked_at <= now:
+            raise GatewayError(401, f"API key {kid} has been revoked.", code="revoked_api_key")
+        if k.expires_at is not None and k.expires_at <= now:
+            raise GatewayError(401, f"API key {kid} has expired.", code="expired_api_key")
+        if k.purpose != plane:
+            if plane == "data":
+                raise GatewayError(403, "Admin keys cannot call the model API.", code="wrong_plane")
+            raise GatewayError(403, "This credential may not use the admin API.", code="admin_required")
+        return entry.principal
+
+    async def _load_key(self, kid: str) -> _KeyEntry:
+        assert self.store is not None, "IdentityService.start() was not awaited"
+        gen = self._gen
+        k = await self.store.get_key(kid)
+        p = await self._key_principal(k) if k is not None else None
+        entry = _KeyEntry(k, p, time.monotonic() + self.cache_ttl_s)
+        if gen == self._gen:  # no change event arrived while loading: safe to cache
+            if len(self._keys) > 200_000:
+                self._keys.clear()
+            self._keys[kid] = entry
+        return entry
+
+    async def _hierarchy_labels(self, tenant: str, team: str | None, project: str | None,
+                                partner: str | None) -> dict[str, str]:
+        ck = (tenant, team, project, partner)
+        hit = self._labels.get(ck)
+        if hit is not None and time.monotonic() < hit[1]:
+            return hit[0]
+        assert self.store is not None
+        gen = self._gen
+        t = await self.store.get_tenant(tenant)
+        pa = await self.store.get_partner(partner) if partner else None
+        tm = await self.store.get_team(tenant, team) if team else None
+        pr = await self.store.get_project(tenant, team, project) if team and project else None
+        labels = merge_labels(t.labels if t else None, pa.labels if pa else None, tm.labels if tm else None,
+                              pr.labels if pr else None)
+        if gen == self._gen:
+            if len(self._labels) > 100_000:
+                self._labels.clear()
+            self._labels[ck] = (labels, time.monotonic() + self.cache_ttl_s)
+        return labels
+
+    async def _key_principal(self, k: ApiKey) -> Principal:
+        base = await self._hierarchy_labels(k.tenant, k.team, k.project, k.partner)
+        return Principal(
+            id=f"key:{k.id}", kind="partner" if k.partner else "api_key", tenant=k.tenant, team=k.team,
+            project=k.project, key_id=k.id, partner=k.partner, labels=merge_labels(base, k.labels),
+            scopes=tuple(k.scopes), allowed_models=tuple(k.models),
+            roles=("tenant_admin",) if k.purpose == "admin" else ())
+
+    async def _resolve_jwt(self, token: str) -> Principal:
+        hit = self._jwt_cache.get(token)
+        if hit is not None:
+            if time.time() < hit.valid_until:
+                return hit.principal
+            del self._jwt_cache[token]
+        if not self._jwt.issuers:
+            raise invalid_key()
+        gen = self._gen
+        vt = await self._jwt.verify(token)
+        cfg, claims = vt.issuer, vt.claims
+
+        def claim_str(name: str | None) -> str | None:
+            v = claims.get(name) if name else None
+            return v if isinstance(v, str) and v else None
+
+        tenant = claim_str(cfg.tenant_claim) or cfg.default_tenant
+        if not tenant:
+            raise token_error("Token carries no tenant claim.")
+        team = claim_str(cfg.team_claim)
+        project = claim_str(cfg.project_claim) if team else None
+        partner = cfg.partner or claim_str(cfg.partner_claim)
+        kind = "partner" if (cfg.kind == "partner" or partner) else "jwt"
+        if kind == "partner" and not partner:
+            raise token_error("Token carries no partner claim.")
+        raw_labels = claims.get(cfg.labels_claim) if cfg.labels_claim else None
+        claim_labels = {k: v for k, v in raw_labels.items() if isinstance(k, str) and isinstance(v, str)} \
+            if isinstance(raw_labels, dict) else {}
+        base = await self._hierarchy_labels(tenant, team, project, partner)
+        scope = claims.get("scope")
+        sub = claims.get("sub") if isinstance(claims.get("sub"), str) else "?"
+        p = Principal(id=f"jwt:{cfg.issuer}|{sub}", kind=kind, tenant=tenant, team=team, project=project,
+                      partner=partner, labels=merge_labels(base, claim_labels),
+                      scopes=tuple(scope.split()) if isinstance(scope, str) else ())
+        exp = claims.get("exp")
+        valid_until = min(float(exp) + cfg.leeway_s, time.time() + cfg.jwks_cache_s)
+        if gen == self._gen:
+            if len(self._jwt_cache) >= self.config.raw.identity.jwt_cache_max:
+                self._jwt_cache.pop(next(iter(self._jwt_cache)))
+            self._jwt_cache[token] = _JwtEntry(p, valid_until)
+        return p
+
+    # ------------------------------------------------------------------ management (admin API and CLI)
+    def _s(self) -> IdentityStore:
+        assert self.store is not None, "IdentityService.start() was not awaited"
+        return self.store
+
+    async def _guard(self, coro: Any) -> Any:
+        try:
+            return await coro
+        except Conflict:
+            raise GatewayError(409, "A resource with this id already exists.", code="conflict") from None
+        except NotFound as e:
+            raise GatewayError(404, str(e), code="not_found") from None
+
+    async def create_tenant(self, tenant_id: str, name: str = "", labels: dict[str, str] | None = None) -> Tenant:
+        t = Tenant(validate_id(tenant_id, "id"), name or tenant_id, validate_labels(labels), time.time())
+        return await self._guard(self._s().create_tenant(t))
+
+    async def get_tenant(self, tenant_id: str) -> Tenant | None:
+        return await self._s().get_tenant(tenant_id)
+
+    async def list_tenants(self) -> list[Tenant]:
+        return await self._s().list_tenants()
+
+    async def update_tenant_labels(self, tenant_id: str, labels: dict[str, str]) -> Tenant | None:
+        t = await self._s().update_tenant_labels(tenant_id, validate_labels(labels))
+        self._on_event(f"tenant:{tenant_id}")
+        return t
+
+    async def create_team(self, tenant: str, team_id: str, name: str = "",
+                          labels: dict[str, str] | None = None) -> Team:
+        t = Team(tenant, validate_id(team_id, "id"), name or team_id, validate_labels(labels), time.time())
+        return await self._guard(self._s().create_team(t))
+
+    async def list_teams(self, tenant: str) -> list[Team]:
+        return await self._s().list_teams(tenant)
+
+    async def create_project(self, tenant: str, team: str, project_id: str, name: str = "",
+                             labels: dict[str, str] | None = None) -> Project:
+        p = Project(tenant, validate_id(team, "team"), validate_id(project_id, "id"), name or project_id,
+                    validate_labels(labels), time.time())
+        return await self._guard(self._s().create_project(p))
+
+    async def list_projects(self, tenant: str, team: str | None = None) -> list[Project]:
+        return await self._s().list_projects(tenant, team)
+
+    async def create_partner(self, partner_id: str, tenant: str, name: str = "",
+                             labels: dict[str, str] | None = None) -> Partner:
+        p = Partner(validate_id(partner_id, "id"), validate_id(tenant, "tenant"), name or partner_id,
+                    validate_labels(labels), time.time())
+        return await self._guard(self._s().create_partner(p))
+
+    async def list_partners(self, tenant: str | None = None) -> list[Partner]:
+        return await self._s().list_partners(tenant)
+
+    async def create_key(self, tenant: str, *, team: str | None = None, project: str | None = None,
+                         partner: str | None = None, name: str = "", purpose: str = "data",
+                         labels: dict[str, str] | None = None, scopes: list[str] | None = None,
+                         models: list[str] | None = None, expires_at: float | None = None,
+                         rotated_from: str | None = None) -> tuple[ApiKey, str]:
+        """Create a key; returns the record and the full secret key string (shown once, never stored)."""
+        if purpose not in ("data", "admin"):
+            raise _bad("purpose must be 'data' or 'admin'.", param="purpose")
+        if expires_at is not None and (not isinstance(expires_at, (int, float)) or expires_at <= time.time()):
+            raise _bad("expires_at must be a future unix time.", param="expires_at")
+        validate_id(tenant, "tenant")
+        for what, v in (("team", team), ("project", project), ("partner", partner)):
+            if v is not None:
+                validate_id(v, what)
+        if project is not None and team is None:
+            raise _bad("A project key needs its team.", param="team")
+        secret = keyfmt.new_secret()
+        k = ApiKey(id=keyfmt.new_key_id(), tenant=tenant, secret_hash=keyfmt.hash_secret(secret), team=team,
+                   project=project, partner=partner, name=name if isinstance(name, str) else "", purpose=purpose,
+                   labels=validate_labels(labels), scopes=validate_str_list(scopes, "scopes"),
+                   models=validate_str_list(models, "models"), created_at=time.time(),
+                   expires_at=float(expires_at) if expires_at is not None else None, rotated_from=rotated_from)
+        await self._guard(self._s().create_key(k))
+        self._on_event(f"key:{k.id}")
+        log.info("api key %s created for tenant %s", k.id, tenant)
+        return k, keyfmt.format_key(k.id, secret)
+
+    async def get_key(self, key_id: str) -> ApiKey | None:
+        return await self._s().get_key(key_id)
+
+    async def list_keys(self, tenant: str | None = None) -> list[ApiKey]:
+        return await self._s().list_keys(tenant)
+
+    async def revoke_key(self, key_id: str) -> ApiKey | None:
+        k = await self._s().revoke_key(key_id, time.time())
+        self._on_event(f"key:{key_id}")
+        if k is not None:
+            log.info("api key %s revoked", key_id)
+        return k
+
+    async def rotate_key(self, key_id: str, overlap_s: float | None = None) -> tuple[ApiKey, str] | None:
+        """A successor with the same attributes; the old key keeps working for `overlap_s`, then expires.
+        None when the key does not exist, is revoked or was already rotated."""
+        old = await self._s().get_key(key_id)
+        if old is None:
+            return None
+        overlap = self.config.raw.identity.rotation_overlap_s if overlap_s is None else float(overlap_s)
+        if overlap < 0:
+            raise _bad("overlap_s must be >= 0.", param="overlap_s")
+        secret = keyfmt.new_secret()
+        now = time.time()
+        new = dataclasses_replace_key(old, id=keyfmt.new_key_id(), secret_hash=keyfmt.hash_secret(secret),
+                                      created_at=now, revoked_at=None, rotated_from=old.id, rotated_to=None)
+        done = await self._guard(self._s().rotate_key(old.id, new, now + overlap))
+        self._on_event(f"key:{old.id}")
+        self._on_event(f"key:{new.id}")
+        if done is None:
+            return None
+        log.info("api key %s rotated to %s (overlap %.0fs)", old.id, new.id, overlap)
+        return new, keyfmt.format_key(new.id, secret)
+
+
+def dataclasses_replace_key(k: ApiKey, **changes: Any) -> ApiKey:
+    import msgspec
+
+    return msgspec.structs.replace(k, **changes)

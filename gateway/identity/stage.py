@@ -1,0 +1,42 @@
+"""The `authenticate` pipeline stage: ties each request to a Principal and enforces key-level model limits."""
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+from typing import TYPE_CHECKING
+
+from gateway.errors import GatewayError
+from gateway.pipeline import RequestContext
+from gateway.types import Principal
+
+if TYPE_CHECKING:
+    from gateway.identity.service import IdentityService
+
+
+def model_allowed(principal: Principal, model: str, chain: tuple[str, ...] = ()) -> bool:
+    """True if the key has no model restriction, or the requested name (or every model it resolves to)
+    matches one of its glob patterns."""
+    pats = principal.allowed_models
+    if not pats or not model:
+        return True
+    if any(fnmatchcase(model, p) for p in pats):
+        return True
+    return bool(chain) and all(any(fnmatchcase(m, p) for p in pats) for m in chain)
+
+
+class AuthStage:
+    name = "authenticate"
+
+    def __init__(self, service: IdentityService) -> None:
+        self.service = service
+
+    async def run(self, ctx: RequestContext) -> None:
+        p = await self.service.authenticate(ctx.headers, ctx.client_addr)
+        ctx.principal = p
+        ctx.evidence["principal"] = p.to_evidence()
+        if not model_allowed(p, ctx.model, ctx.model_chain):
+            raise GatewayError(403, f"This key may not use model {ctx.model!r}.", code="model_not_allowed",
+                               param="model")
+
+    async def finish(self, ctx: RequestContext) -> None:
+        return None
+

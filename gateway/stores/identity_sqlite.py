@@ -1,0 +1,76 @@
+"""SQLite identity store: the embedded default, created on first run (WAL, foreign keys on).
+
+Single replica: change events go straight to the in-process listener after commit. Other processes on the
+same file (e.g. the `gateway keys` CLI) are seen through the service's cache TTL.
+"""
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, AsyncIterator, Mapping
+
+import aiosqlite
+
+from gateway.identity.store import EventCallback, SqlIdentityStore
+
+
+class _SqliteTx:
+    def __init__(self, conn: aiosqlite.Connection) -> None:
+        self.conn = conn
+        self.events: list[str] = []
+
+    async def fetch(self, sql: str, *args: Any) -> list[Mapping[str, Any]]:
+        async with self.conn.execute(sql, args) as cur:
+            return list(await cur.fetchall())
+
+    async def execute(self, sql: str, *args: Any) -> None:
+        await self.conn.execute(sql, args)
+
+    def notify(self, event: str) -> None:
+        self.events.append(event)
+
+
+class SqliteIdentityStore(SqlIdentityStore):
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._conn: aiosqlite.Connection | None = None
+        self._lock = asyncio.Lock()
+        self._listeners: list[EventCallback] = []
+
+    async def open(self) -> None:
+        if str(self.path) != ":memory:":
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._conn = await aiosqlite.connect(str(self.path), isolation_level=None)
+        self._conn.row_factory = aiosqlite.Row
+        await self._conn.execute("PRAGMA journal_mode=WAL")
+        await self._conn.execute("PRAGMA foreign_keys=ON")
+        await self._conn.execute("PRAGMA busy_timeout=5000")
+
+    async def close(self) -> None:
+        if self._conn is not None:
+            await self._conn.close()
+            self._conn = None
+
+    async def listen(self, callback: EventCallback) -> None:
+        self._listeners.append(callback)
+
+    @asynccontextmanager
+    async def _tx(self) -> AsyncIterator[_SqliteTx]:
+        assert self._conn is not None, "store not opened"
+        async with self._lock:
+            tx = _SqliteTx(self._conn)
+            await self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield tx
+            except BaseException:
+                await self._conn.execute("ROLLBACK")
+                raise
+            await self._conn.execute("COMMIT")
+        for ev in tx.events:
+            for cb in self._listeners:
+                cb(ev)
+
+    async def _is_unique_violation(self, e: BaseException) -> bool:
+        return isinstance(e, sqlite3.IntegrityError) and ("UNIQUE" in str(e) or "PRIMARY KEY" in str(e))
