@@ -6,20 +6,31 @@ import msgspec
 
 class ModelPrice(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     input: float = 0.0  # per million tokens
-    cached_input: float | None = None
+    cached_input: float | None = None  # per million cached prompt tokens; None = same as input
     output: float = 0.0
-    gpu_second: float | None = None
+    gpu_second: float | None = None  # self-hosted: price per GPU-second of the engine that served it
     currency: str = "EUR"
 
 
 class BudgetsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     store: str = "memory"  # memory | redis
     redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_timeout_s: float = 0.25  # per command; a dead Redis is detected within this
+    redis_retry_s: float = 1.0  # after a Redis failure, how long to wait before trying it again
+    key_prefix: str = "gwb"
     on_store_error: str = "closed"  # closed | open
-    sqlite_path: str = "var/budgets.db"
+    fail_open_fraction: float = 1.0  # fail-open: each replica enforces this fraction of every limit locally
+    sqlite_path: str = "var/budgets.db"  # memory store snapshot + default ledger
+    snapshot_interval_s: float = 5.0
     ledger: str = "sqlite"  # sqlite | postgres
     ledger_dsn: str | None = None
+    spool_path: str = "var/ledger-spool.jsonl"  # outbox spool (one file per process, suffixed when taken)
+    ledger_flush_s: float = 0.2
+    currency: str = "EUR"  # the currency money budgets and recorded costs are kept in
+    fx_rates: dict[str, float] = msgspec.field(default_factory=dict)  # 1 unit of X = rate units of `currency`
     timezone: str = "UTC"
     default_max_tokens: int = 4096
+    min_completion_tokens: int = 1  # an uncapped request is admitted if at least this many tokens remain
+    reserve_gpu_seconds: float = 0.0  # worst case reserved for GPU-second-priced models
     reservation_ttl_s: float = 120.0
     prices: dict[str, ModelPrice] = msgspec.field(default_factory=dict)

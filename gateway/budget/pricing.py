@@ -1,0 +1,46 @@
+"""Cost of one request from per-model prices: input, cached input and output per million tokens, plus
+GPU-seconds for self-hosted engines. Pure; the result is in the price's currency unless fx rates convert it."""
+from __future__ import annotations
+
+from typing import Mapping
+
+from gateway.budget.config import ModelPrice
+from gateway.pipeline import Usage
+
+
+def find_price(model: str, prices: Mapping[str, ModelPrice], backend: str | None = None) -> ModelPrice | None:
+    """`backend:model` wins over `model`, so one model can be priced differently per engine or partner."""
+    if backend is not None:
+        p = prices.get(f"{backend}:{model}")
+        if p is not None:
+            return p
+    return prices.get(model)
+
+
+def cost(model: str, usage: Usage, prices: Mapping[str, ModelPrice], gpu_seconds: float | None = None,
+         backend: str | None = None) -> float:
+    """Money for `usage` of `model`; 0.0 for an unpriced model. Cached prompt tokens are billed at
+    cached_input (input when unset); GPU-seconds add gpu_second * seconds when both are known."""
+    p = find_price(model, prices, backend)
+    if p is None:
+        return 0.0
+    cached = min(max(usage.cached_tokens or 0, 0), usage.prompt_tokens)
+    fresh = usage.prompt_tokens - cached
+    cached_rate = p.input if p.cached_input is None else p.cached_input
+    c = (fresh * p.input + cached * cached_rate + usage.completion_tokens * p.output) / 1_000_000
+    if gpu_seconds is not None and p.gpu_second is not None:
+        c += gpu_seconds * p.gpu_second
+    return c
+
+
+def convert(amount: float, from_ccy: str, to_ccy: str, fx_rates: Mapping[str, float]) -> float:
+    """Convert with `fx_rates` (1 unit of X = rate units of the budget currency). Raises on an unknown pair."""
+    if from_ccy == to_ccy:
+        return amount
+    if from_ccy in fx_rates and to_ccy not in fx_rates:
+        return amount * fx_rates[from_ccy]
+    if to_ccy in fx_rates and from_ccy not in fx_rates:
+        return amount / fx_rates[to_ccy]
+    if from_ccy in fx_rates and to_ccy in fx_rates:
+        return amount * fx_rates[from_ccy] / fx_rates[to_ccy]
+    raise ValueError(f"no fx rate to convert {from_ccy} to {to_ccy}; add budgets.fx_rates.{from_ccy}")

@@ -1,0 +1,378 @@
+"""BudgetService: turns a Decision's BudgetSpecs into an atomic reserve/settle against the configured store,
+applies the store-failure mode (fail closed with 503, or fail open to per-replica local limits), builds the
+x-ratelimit-* headers, 429s and evidence, and hands spend rows to the ledger outbox.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+from zoneinfo import ZoneInfo
+
+from gateway.budget.config import BudgetsConfig, ModelPrice
+from gateway.budget.ledger import Ledger
+from gateway.budget.model import NANO, ReserveArgs, ReserveResult, ScopePlan, SettleArgs, WindowPlan
+from gateway.budget.pricing import convert, cost, find_price
+from gateway.budget.store import BudgetStore, MemoryBudgetStore, RedisBudgetStore, StoreUnavailable
+from gateway.budget.windows import ROLLING, format_reset, resolve
+from gateway.errors import GatewayError, retry_headers
+from gateway.pipeline import Usage
+from gateway.types import BudgetSpec, Principal
+
+log = logging.getLogger("gateway.budget")
+
+
+@dataclass(frozen=True, slots=True)
+class _Limit:
+    tokens: int | None = None
+    money: int | None = None  # nano-units of the budget currency
+    requests: int | None = None
+
+
+@dataclass(slots=True)
+class Reservation:
+    """The handle the stage keeps in ctx.budget until settle."""
+
+    rid: str
+    store: str  # "primary" | "local"
+    limits: tuple[tuple[str, str, int | None, tuple[tuple[str, _Limit], ...]], ...]  # scope, id, conc, windows
+    scale: float
+    reserved_tokens: int
+    reserved_money: int
+    completion: int
+    result: ReserveResult
+    args: ReserveArgs
+    settled: bool = False
+
+
+@dataclass(slots=True)
+class ReserveOutcome:
+    reservation: Reservation
+    headers: dict[str, str]
+    evidence: dict[str, Any]
+    allowance: int | None  # completion tokens the response may still produce when uncapped
+
+
+@dataclass(slots=True)
+class SettleOutcome:
+    cost: float
+    currency: str
+    tokens: int
+    row: dict[str, Any] = field(default_factory=dict)
+
+
+def _min(a: Any, b: Any) -> Any:
+    return b if a is None else a if b is None else min(a, b)
+
+
+class BudgetService:
+    """Owns the store(s), the ledger and the failure mode. Built once per process; `swap_config` on reload."""
+
+    def __init__(self, config: Any, clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock
+        self._config = config
+        self.cfg: BudgetsConfig = config.raw.budgets
+        self.tz = ZoneInfo(self.cfg.timezone)
+        self.primary: BudgetStore = self._make_store(self.cfg)
+        self.local = MemoryBudgetStore(None)  # fail-open fallback (per replica)
+        self.ledger = Ledger.from_config(config)
+        self._down_until = 0.0
+        self._pending: list[SettleArgs] = []  # settles the primary could not take yet, replayed in order
+        self._retry_task: asyncio.Task[None] | None = None
+
+    def _make_store(self, cfg: BudgetsConfig) -> BudgetStore:
+        if cfg.store == "redis":
+            return RedisBudgetStore(cfg.redis_url, cfg.redis_timeout_s)
+        return MemoryBudgetStore(self._config.resolve_path(cfg.sqlite_path), cfg.snapshot_interval_s)
+
+    async def start(self) -> None:
+        await self.primary.start()
+        await self.ledger.start()
+        self._retry_task = asyncio.create_task(self._retry_loop(), name="budget-settle-retry")
+
+    async def close(self) -> None:
+        if self._retry_task is not None:
+            self._retry_task.cancel()
+            try:
+                await self._retry_task
+            except asyncio.CancelledError:
+                pass
+        await self._flush_pending()
+        await self.primary.close()
+        await self.ledger.close()
+
+    def swap_config(self, config: Any) -> None:
+        """Take new limits/prices/timezone now; the store itself is kept (a store change needs a restart)."""
+        self._config = config
+        self.cfg = config.raw.budgets
+        self.tz = ZoneInfo(self.cfg.timezone)
+
+    @property
+    def available(self) -> bool:
+        return self.clock() >= self._down_until
+
+    # ------------------------------------------------------------------------------------ planning (pure)
+
+    def limits_for(self, principal: Principal, budgets: tuple[BudgetSpec, ...], scale: float = 1.0
+                   ) -> tuple[tuple[str, str, int | None, tuple[tuple[str, _Limit], ...]], ...]:
+        """Merge specs per (scope, window) (the tightest wins) over the principal's scopes, most specific first."""
+        ids = principal.budget_scopes()
+        out = []
+        for scope, sid in ids:
+            conc: int | None = None
+            wins: dict[str, _Limit] = {}
+            for b in budgets:
+                if b.scope != scope:
+                    continue
+                if b.concurrency is not None:
+                    conc = _min(conc, max(0, math.floor(b.concurrency * scale)))
+                if b.tokens is None and b.money is None and b.requests is None:
+                    continue
+                resolve(b.window, 0.0, self.tz)  # validates the window name
+                money = None
+                if b.money is not None:
+                    money = math.floor(convert(b.money, b.currency, self.cfg.currency, self.cfg.fx_rates) * NANO * scale)
+                lim = _Limit(None if b.tokens is None else math.floor(b.tokens * scale), money,
+                             None if b.requests is None else math.floor(b.requests * scale))
+                old = wins.get(b.window)
+                if old is not None:
+                    lim = _Limit(_min(old.tokens, lim.tokens), _min(old.money, lim.money), _min(old.requests, lim.requests))
+                wins[b.window] = lim
+            if conc is not None or wins:
+                out.append((scope, sid, conc, tuple(sorted(wins.items(), key=lambda kv: _WORDER[kv[0]]))))
+        return tuple(out)
+
+    def _scopes(self, limits: Any, now: float) -> tuple[ScopePlan, ...]:
+        pre = self.cfg.key_prefix
+        plans = []
+        for scope, sid, conc, wins in limits:
+            base = f"{pre}:{scope}:{sid}"
+            wps = []
+            for window, lim in wins:
+                ref = resolve(window, now, self.tz)
+                if ref.rolling:
+                    ttl = ref.bucket_s * ref.buckets * 2
+                elif math.isfinite(ref.end):
+                    ttl = int(ref.end - now) + 86400
+                else:
+                    ttl = 0
+                wps.append(WindowPlan(window, f"{base}:{ref.key_suffix()}", ref.rolling, ref.bucket, ref.buckets,
+                                      ref.bucket_s, ref.end, ttl, lim.tokens, lim.money, lim.requests))
+            plans.append(ScopePlan(scope, sid, f"{base}:hold", conc, tuple(wps)))
+        return tuple(plans)
+
+    def _price(self, models: tuple[str, ...]) -> tuple[float, float, float]:
+        """Worst-case (input, output, fixed) nano-units per token over the models that may serve it."""
+        pin = pout = fixed = 0.0
+        for m in models:
+            p: ModelPrice | None = find_price(m, self.cfg.prices)
+            if p is None:
+                continue
+            fx = convert(1.0, p.currency, self.cfg.currency, self.cfg.fx_rates)
+            pin = max(pin, p.input * fx * 1000)  # per million tokens == nano-units per token / 1000
+            pout = max(pout, p.output * fx * 1000)
+            if p.gpu_second is not None:
+                fixed = max(fixed, p.gpu_second * fx * self.cfg.reserve_gpu_seconds * NANO)
+        return pin, pout, fixed
+
+    # ------------------------------------------------------------------------------------ reserve
+
+    async def reserve(self, rid: str, principal: Principal, budgets: tuple[BudgetSpec, ...],
+                      models: tuple[str, ...], prompt_tokens: int, max_tokens: int | None,
+                      max_tokens_cap: int | None = None) -> ReserveOutcome:
+        """Reserve the worst case over every scope x window, or raise GatewayError 429/503."""
+        cfg = self.cfg
+        now = self.clock()
+        default_cap = _min(cfg.default_max_tokens, max_tokens_cap)
+        max_c = max_tokens if max_tokens is not None else default_cap
+        min_c = max_c if max_tokens is not None else min(cfg.min_completion_tokens, max_c)
+        pin, pout, pfixed = self._price(models)
+        store_name, store, scale = "primary", self.primary, 1.0
+        if now < self._down_until:
+            store_name, store, scale = self._fallback(now)
+        limits = self.limits_for(principal, budgets, scale)
+        if not limits:
+            raise _NoLimits()
+        args = self._reserve_args(rid, now, limits, prompt_tokens, max_c, min_c, pin, pout, pfixed)
+        try:
+            res = await store.reserve(args)
+        except StoreUnavailable as e:
+            if store_name != "primary":
+                raise
+            self._down_until = self.clock() + cfg.redis_retry_s
+            log.warning("budget store unavailable (%s); mode=%s", e, cfg.on_store_error)
+            store_name, store, scale = self._fallback(now)
+            limits = self.limits_for(principal, budgets, scale)
+            args = self._reserve_args(rid, now, limits, prompt_tokens, max_c, min_c, pin, pout, pfixed)
+            res = await store.reserve(args)
+        tok = args.fixed_tokens + res.completion
+        mon = args.fixed_money + res.completion * args.money_per_token
+        resv = Reservation(rid, store_name, limits, scale, tok, mon, res.completion, res, args)
+        headers = self._headers(args, res, now)
+        evidence = self._evidence(args, res, resv)
+        if not res.ok:
+            raise self._refusal(args, res, now, headers, evidence)
+        allowance = res.completion if (max_tokens is None and res.completion < default_cap) else None
+        return ReserveOutcome(resv, headers, evidence, allowance)
+
+    def _fallback(self, now: float) -> tuple[str, BudgetStore, float]:
+        if self.cfg.on_store_error != "open":
+            raise GatewayError(503, "The budget store is unavailable; the request was not sent (fail-closed).",
+                               code="budget_store_unavailable", headers=retry_headers(self.cfg.redis_retry_s))
+        return "local", self.local, self.cfg.fail_open_fraction
+
+    def _reserve_args(self, rid: str, now: float, limits: Any, prompt: int, max_c: int, min_c: int,
+                      pin: float, pout: float, pfixed: float) -> ReserveArgs:
+        ttl = self.cfg.reservation_ttl_s
+        return ReserveArgs(
+            rid=rid, now=round(now, 3), expires=round(now + ttl, 3), hold_ttl_s=int(ttl) + 60,
+            fixed_tokens=prompt, fixed_money=math.ceil(prompt * pin + pfixed), max_completion=max_c,
+            min_completion=min_c, money_per_token=math.ceil(pout), scopes=self._scopes(limits, now))
+
+    # ------------------------------------------------------------------------------------ settle
+
+    async def settle(self, resv: Reservation, usage: Usage, model: str, backend: str | None = None,
+                     gpu_seconds: float | None = None) -> SettleOutcome:
+        """Replace the hold with actual usage. Never loses spend: a failed primary settle is queued and replayed."""
+        if resv.settled:
+            raise RuntimeError(f"reservation {resv.rid} settled twice")
+        resv.settled = True
+        p = find_price(model, self.cfg.prices, backend)
+        ccy = self.cfg.currency
+        amount = cost(model, usage, self.cfg.prices, gpu_seconds, backend)
+        if p is not None:
+            amount = convert(amount, p.currency, ccy, self.cfg.fx_rates)
+        now = self.clock()
+        args = SettleArgs(resv.rid, round(now, 3), usage.total_tokens, round(amount * NANO),
+                          self._scopes(resv.limits, now))
+        if resv.store == "local":
+            await self.local.settle(args)
+        else:
+            if self._pending:
+                self._pending.append(args)
+            else:
+                try:
+                    await self.primary.settle(args)
+                except StoreUnavailable as e:
+                    log.warning("budget settle of %s deferred: %s", resv.rid, e)
+                    self._down_until = self.clock() + self.cfg.redis_retry_s
+                    self._pending.append(args)
+        return SettleOutcome(amount, ccy, usage.total_tokens)
+
+    def price(self, model: str, usage: Usage, backend: str | None = None, gpu_seconds: float | None = None) -> float:
+        """Cost of `usage` in the budget currency (for requests without a reservation)."""
+        p = find_price(model, self.cfg.prices, backend)
+        if p is None:
+            return 0.0
+        return convert(cost(model, usage, self.cfg.prices, gpu_seconds, backend), p.currency, self.cfg.currency,
+                       self.cfg.fx_rates)
+
+    async def _flush_pending(self) -> None:
+        while self._pending:
+            try:
+                await self.primary.settle(self._pending[0])
+            except StoreUnavailable:
+                return
+            self._pending.pop(0)
+
+    async def _retry_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.redis_retry_s / 2)
+            if self._pending:
+                await self._flush_pending()
+
+    # ------------------------------------------------------------------------------------ headers/evidence
+
+    def _iter(self, args: ReserveArgs, res: ReserveResult):
+        for s, st in zip(args.scopes, res.scopes):
+            for w, ws in zip(s.windows, st.windows):
+                yield s, st, w, ws
+
+    def _reset_s(self, w: WindowPlan, ws: Any, now: float) -> float | None:
+        if w.rolling:
+            return max((ws.oldest_bucket + w.buckets) * w.bucket_s - now, 0.001)
+        return w.end - now if math.isfinite(w.end) else None
+
+    def _headers(self, args: ReserveArgs, res: ReserveResult, now: float) -> dict[str, str]:
+        """x-ratelimit-{limit,remaining,reset}-{requests,tokens} of the binding (least remaining) limit."""
+        best: dict[str, tuple[int, int, float | None]] = {}
+        tok = args.fixed_tokens + res.completion
+        for s, st, w, ws in self._iter(args, res):
+            reset = self._reset_s(w, ws, now)
+            if w.requests is not None:
+                rem = w.requests - ws.requests - (1 if res.ok else 0)
+                if "requests" not in best or rem < best["requests"][1]:
+                    best["requests"] = (w.requests, rem, reset)
+            if w.tokens is not None:
+                rem = w.tokens - ws.tokens - st.held_tokens - (tok if res.ok else 0)
+                if "tokens" not in best or rem < best["tokens"][1]:
+                    best["tokens"] = (w.tokens, rem, reset)
+        h: dict[str, str] = {}
+        for kind, (lim, rem, reset) in best.items():
+            h[f"x-ratelimit-limit-{kind}"] = str(lim)
+            h[f"x-ratelimit-remaining-{kind}"] = str(max(0, rem))
+            if reset is not None:
+                h[f"x-ratelimit-reset-{kind}"] = format_reset(reset)
+        return h
+
+    def _evidence(self, args: ReserveArgs, res: ReserveResult, resv: Reservation) -> dict[str, Any]:
+        nano = float(NANO)
+        limits = []
+        for s, st, w, ws in self._iter(args, res):
+            before = {"requests": ws.requests, "tokens": ws.tokens + st.held_tokens,
+                      "money": (ws.money + st.held_money) / nano}
+            after = dict(before)
+            if res.ok:
+                after = {"requests": before["requests"] + 1, "tokens": before["tokens"] + resv.reserved_tokens,
+                         "money": before["money"] + resv.reserved_money / nano}
+            limits.append({"scope": s.scope, "id": s.scope_id, "window": w.window,
+                           "limit": {"tokens": w.tokens, "money": None if w.money is None else w.money / nano,
+                                     "requests": w.requests},
+                           "before": before, "after": after})
+        for s, st in zip(args.scopes, res.scopes):
+            if s.concurrency is not None:
+                limits.append({"scope": s.scope, "id": s.scope_id, "window": "concurrent",
+                               "limit": {"concurrency": s.concurrency}, "before": {"concurrency": st.holds},
+                               "after": {"concurrency": st.holds + (1 if res.ok else 0)}})
+        ev: dict[str, Any] = {"store": resv.store, "currency": self.cfg.currency, "limits": limits,
+                              "reserved": {"tokens": resv.reserved_tokens, "money": resv.reserved_money / nano,
+                                           "completion_tokens": resv.completion}}
+        if not res.ok:
+            ev["refused"] = {"kind": res.fail_kind, "scope": args.scopes[res.fail_scope].scope,
+                             "window": "concurrent" if res.fail_window < 0
+                             else args.scopes[res.fail_scope].windows[res.fail_window].window}
+        return ev
+
+    def _refusal(self, args: ReserveArgs, res: ReserveResult, now: float, headers: dict[str, str],
+                 evidence: dict[str, Any]) -> GatewayError:
+        s = args.scopes[res.fail_scope]
+        kind = res.fail_kind
+        if res.fail_window < 0:
+            retry, what = 1.0, f"{s.scope} concurrency limit of {s.concurrency} requests"
+            code = "rate_limit_exceeded"
+        else:
+            w = s.windows[res.fail_window]
+            ws = res.scopes[res.fail_scope].windows[res.fail_window]
+            reset = self._reset_s(w, ws, now)
+            retry = reset if reset is not None else 86400.0
+            lim = {"requests": w.requests, "tokens": w.tokens,
+                   "money": None if w.money is None else f"{w.money / NANO:.2f} {self.cfg.currency}"}[kind]
+            what = f"{s.scope} {kind} limit of {lim} per {w.window}"
+            quota = kind == "money" or (kind == "tokens" and w.window not in ROLLING)
+            code = "insufficient_quota" if quota else "rate_limit_exceeded"
+        msg = (f"Rate limit reached: {what} for {s.scope} {s.scope_id!r}."
+               if code == "rate_limit_exceeded" else
+               f"You exceeded your current quota: {what} for {s.scope} {s.scope_id!r}.")
+        hdrs = dict(headers)
+        hdrs.update(retry_headers(retry))
+        return GatewayError(429, msg, code=code, headers=hdrs, extra={"budget": evidence.get("refused")})
+
+
+class _NoLimits(Exception):
+    """No spec applies to this principal's scopes; the stage does nothing."""
+
+
+_WORDER = {w: i for i, w in enumerate(("minute", "hour", "day", "month", "lifetime"))}

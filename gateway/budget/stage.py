@@ -1,0 +1,92 @@
+"""The budget stage ("reserve"): reserve the worst case before dispatch, settle actual usage after.
+
+run: no budgets in the Decision -> nothing (one attribute check). Otherwise reserve prompt estimate + max_tokens
+(or the default cap) atomically over every scope x window, set x-ratelimit-* headers, evidence, and for an
+uncapped request whose remaining budget is below the cap, `completion_token_allowance` so the proxy cuts the
+stream at the budget. finish: settle with the real usage (or what was delivered) and queue a ledger row.
+"""
+from __future__ import annotations
+
+import logging
+
+from gateway.budget.pricing import find_price
+from gateway.budget.service import BudgetService, Reservation, _NoLimits
+from gateway.pipeline import RequestContext, Usage
+
+log = logging.getLogger("gateway.budget.stage")
+
+
+class BudgetStage:
+    name = "reserve"
+
+    def __init__(self, service: BudgetService) -> None:
+        self.service = service
+
+    async def run(self, ctx: RequestContext) -> None:
+        d = ctx.decision
+        if d is None or not d.budgets or ctx.principal is None:
+            return
+        models = ctx.model_chain or ((ctx.model,) if ctx.model else ())
+        try:
+            out = await self.service.reserve(ctx.request_id, ctx.principal, d.budgets, models,
+                                             ctx.prompt_tokens_est, ctx.max_tokens, d.max_tokens_cap)
+        except _NoLimits:
+            return
+        except Exception as e:
+            # refusals carry headers + evidence; keep the evidence on the context for the record
+            ev = getattr(e, "extra", {}).get("budget") if hasattr(e, "extra") else None
+            if ev is not None:
+                ctx.evidence["budget"] = {"refused": ev}
+            if hasattr(e, "headers"):
+                ctx.extra_headers.update({k: v for k, v in e.headers.items() if k.startswith("x-ratelimit")})
+            raise
+        ctx.budget = out.reservation
+        ctx.extra_headers.update(out.headers)
+        ctx.evidence["budget"] = out.evidence
+        if out.allowance is not None:
+            ctx.completion_token_allowance = (out.allowance if ctx.completion_token_allowance is None
+                                              else min(out.allowance, ctx.completion_token_allowance))
+
+    async def finish(self, ctx: RequestContext) -> None:
+        """Settle (if reserved) and record the cost of every dispatched request in the ledger."""
+        resv = ctx.budget if isinstance(ctx.budget, Reservation) else None
+        if resv is not None and resv.settled:
+            return
+        usage = ctx.usage
+        if usage is None:  # no usage from the engine (error, cut stream): charge what we know was delivered
+            dispatched = ctx.backend is not None or ctx.delivered_completion_tokens > 0
+            if resv is None and not dispatched:
+                return  # refused before any engine saw it: nothing spent, nothing to record
+            usage = Usage(ctx.prompt_tokens_est if dispatched else 0, ctx.delivered_completion_tokens)
+        svc = self.service
+        model = self._price_model(ctx)
+        price = find_price(model, svc.cfg.prices, ctx.backend)
+        gpu_s = ctx.total_s if (price is not None and price.gpu_second is not None) else None
+        if resv is not None:
+            out = await svc.settle(resv, usage, model, ctx.backend, gpu_s)
+            amount, ccy = out.cost, out.currency
+        else:
+            amount, ccy = svc.price(model, usage, ctx.backend, gpu_s), svc.cfg.currency
+        ctx.evidence["cost"] = {"amount": amount, "currency": ccy, "model": model,
+                                "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+                                "cached_tokens": usage.cached_tokens, "gpu_seconds": gpu_s}
+        p = ctx.principal
+        svc.ledger.enqueue({
+            "request_id": ctx.request_id, "ts": ctx.received_wall, "principal_id": p.id if p else None,
+            "tenant": p.tenant if p else None, "team": p.team if p else None, "project": p.project if p else None,
+            "key_id": p.key_id if p else None, "partner": p.partner if p else None,
+            "end_user": p.end_user if p else None, "model": model, "backend": ctx.backend,
+            "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "cached_tokens": usage.cached_tokens, "total_tokens": usage.total_tokens, "cost": amount,
+            "currency": ccy, "gpu_seconds": gpu_s, "status": ctx.status, "cut_by_budget": ctx.cut_by_budget,
+            "budget_store": resv.store if resv is not None else None,
+        })
+
+    def _price_model(self, ctx: RequestContext) -> str:
+        """The model name prices are looked up by: the first priced of served/concrete/requested names."""
+        prices = self.service.cfg.prices
+        names = [n for n in (ctx.backend_model, *ctx.model_chain, ctx.model) if n]
+        for n in names:
+            if find_price(n, prices, ctx.backend) is not None:
+                return n
+        return names[0] if names else ""
