@@ -1,0 +1,574 @@
+"""The live KV index: which engine holds which prompt blocks, in which tier, keyed by the gateway's own hashes.
+
+Own key of a block = xxh3_64(block token ids as uint32 bytes, seed = own key of the parent block); the first
+block's seed folds in cache_salt and the LoRA name (what vLLM puts in the block's extra keys). Requests and
+events therefore meet in one key space that does not depend on vLLM's hash function or seed.
+
+Memory: no per-entry Python objects. One open-addressing table (numpy uint64 arrays) maps own key -> an
+"any tier" engine bitmask (bit = engine slot, up to 64 engines), with per-tier masks added only once a
+non-GPU medium shows up; each engine has its own table engine-hash -> own key so BlockRemoved can be applied.
+See docs/kv-index.md for the measurements behind this layout.
+"""
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import xxhash
+
+from gateway.telemetry.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
+M64 = (1 << 64) - 1
+_GOLD = 0x9E3779B97F4A7C15
+_ZERO_SUB = 0x5BD1E9955BD1E995  # stands in for a key of 0 (0 marks an empty slot)
+TIERS = ("GPU", "CPU", "DISK", "SHARED")  # priority order: the tier an engine would load a block from
+_MEDIUM_TIER = {None: 0, "GPU": 0, "CPU": 1, "CPU_PINNED": 1, "DISK": 2, "STORAGE": 2, "LOCAL_DISK": 2,
+                "SHARED": 3, "REMOTE": 3, "LMCACHE": 3}
+MAX_ENGINES = 64
+_h64 = xxhash.xxh3_64_intdigest
+_NO_SEED = _h64(b"gateway-kv-root")
+
+
+def tier_of(medium: str | None) -> int:
+    """Map vLLM's `medium` string to a tier index (unknown media count as shared/remote storage)."""
+    t = _MEDIUM_TIER.get(medium if medium is None else medium.upper())
+    return 3 if t is None else t
+
+
+def root_seed(salt: str | None, lora: str | None) -> int:
+    """Seed of a chain's first block: cache_salt and LoRA name separate caches exactly as in vLLM."""
+    if not salt and not lora:
+        return _NO_SEED
+    return _h64(b"salt\x00" + (salt or "").encode() + b"\x00lora\x00" + (lora or "").encode())
+
+
+def own_keys(token_ids: Sequence[int], block_size: int, salt: str | None = None, lora: str | None = None,
+             parent: int | None = None) -> list[int]:
+    """Own keys of every full block of `token_ids` (continuing from `parent` when given)."""
+    buf = memoryview(array("I", token_ids).tobytes())
+    step = block_size * 4
+    seed = root_seed(salt, lora) if parent is None else parent
+    out: list[int] = []
+    append = out.append
+    for off in range(0, (len(token_ids) // block_size) * step, step):
+        seed = _h64(buf[off:off + step], seed) or _ZERO_SUB
+        append(seed)
+    return out
+
+
+def _norm_hash(h: Any) -> int:
+    """Engine block hash as a non-zero uint64 (bytes hashes are folded with xxh3)."""
+    if isinstance(h, int):
+        h &= M64
+    else:
+        h = _h64(bytes(h))
+    return h or _ZERO_SUB
+
+
+class _Table:
+    """Linear-probing hash table uint64 key -> several uint64 values, in numpy arrays (key 0 = empty)."""
+
+    __slots__ = ("cap", "shift", "n", "keys", "vals", "_k", "_v", "mix")
+
+    def __init__(self, nvals: int, cap: int = 1024, mix: int = _GOLD) -> None:
+        self.mix = mix  # 1 for keys that are already uniform hashes (own keys): slot = top bits of the key
+        self.cap = cap
+        self.shift = 64 - (cap.bit_length() - 1)
+        self.n = 0
+        self.keys = np.zeros(cap, dtype=np.uint64)
+        self.vals = [np.zeros(cap, dtype=np.uint64) for _ in range(nvals)]
+        self._views()
+
+    def _views(self) -> None:
+        self._k = memoryview(self.keys).cast("B").cast("Q")
+        self._v = [memoryview(v).cast("B").cast("Q") for v in self.vals]
+
+    def add_values(self, init: np.ndarray | None = None) -> int:
+        self.vals.append(init.copy() if init is not None else np.zeros(self.cap, dtype=np.uint64))
+        self._views()
+        return len(self.vals) - 1
+
+    def slot(self, key: int) -> int:
+        """Slot holding `key`, or -1."""
+        k = self._k
+        mask = self.cap - 1
+        s = ((key * self.mix) & M64) >> self.shift
+        while True:
+            v = k[s]
+            if v == key:
+                return s
+            if v == 0:
+                return -1
+            s = (s + 1) & mask
+
+    def insert(self, key: int) -> int:
+        """Slot of `key`, inserting it (values 0) if absent."""
+        if (self.n + 1) * 4 > self.cap * 3:
+            self._grow()
+        k = self._k
+        mask = self.cap - 1
+        s = ((key * self.mix) & M64) >> self.shift
+        while True:
+            v = k[s]
+            if v == key:
+                return s
+            if v == 0:
+                k[s] = key
+                self.n += 1
+                return s
+            s = (s + 1) & mask
+
+    def delete_slot(self, s: int) -> None:
+        """Remove the entry at slot s (backward-shift deletion keeps probe chains intact)."""
+        k, vs, mask, sh, mix = self._k, self._v, self.cap - 1, self.shift, self.mix
+        j = s
+        while True:
+            j = (j + 1) & mask
+            kj = k[j]
+            if kj == 0:
+                break
+            home = ((kj * mix) & M64) >> sh
+            # move j back to s if its home is not cyclically within (s, j]
+            if (j > s and (home <= s or home > j)) or (j < s and (home <= s and home > j)):
+                k[s] = kj
+                for v in vs:
+                    v[s] = v[j]
+                s = j
+        k[s] = 0
+        for v in vs:
+            v[s] = 0
+        self.n -= 1
+
+    def _grow(self) -> None:
+        live = self.keys != 0
+        keys = self.keys[live]
+        vals = [v[live] for v in self.vals]
+        cap = self.cap * 2
+        self.__init__(len(vals), cap, self.mix)  # type: ignore[misc]
+        self._bulk_place(keys, vals)
+
+    def home_slots(self, keys: np.ndarray) -> np.ndarray:
+        with np.errstate(over="ignore"):
+            return ((keys * np.uint64(self.mix)) >> np.uint64(self.shift)).astype(np.intp)
+
+    def _bulk_place(self, keys: np.ndarray, vals: list[np.ndarray]) -> None:
+        """Vectorised insert of distinct keys into an empty table (rounds of conflict-free placement)."""
+        mask = self.cap - 1
+        slots = self.home_slots(keys)
+        pending = np.arange(keys.size)
+        while pending.size:
+            s = slots[pending]
+            free = self.keys[s] == 0
+            cand, cs = pending[free], s[free]
+            _, first = np.unique(cs, return_index=True)
+            win, ws = cand[first], cs[first]
+            self.keys[ws] = keys[win]
+            for dst, src in zip(self.vals, vals):
+                dst[ws] = src[win]
+            placed = np.zeros(keys.size, dtype=bool)
+            placed[win] = True
+            pending = pending[~placed[pending]]
+            slots[pending] = (slots[pending] + 1) & mask
+        self.n = int(keys.size)
+
+    def nbytes(self) -> int:
+        return int(self.keys.nbytes + sum(v.nbytes for v in self.vals))
+
+
+@dataclass
+class CachedPrefix:
+    """What one engine holds of a request: the longest cached prefix in tokens, split by tier."""
+
+    tokens: int = 0
+    by_tier: dict[str, int] = field(default_factory=dict)
+    blocks: int = 0
+
+
+@dataclass
+class _Engine:
+    slot: int
+    table: _Table
+    block_size: int | None = None
+    dups: dict[tuple[int, int], int] = field(default_factory=dict)  # (engine hash, tier) -> extra copies
+    stored: int = 0
+    removed: int = 0
+    orphans: int = 0  # stored blocks whose parent hash was unknown (after a loss)
+    skipped: int = 0  # events not indexed (other KV groups, malformed)
+    clears: int = 0
+
+
+class KVIndex:
+    """Per-engine, per-tier index of cached blocks; `apply` ingests vLLM event batches, `lookup` answers requests."""
+
+    def __init__(self, initial_capacity: int = 1 << 12) -> None:
+        self._g = _Table(1, initial_capacity, mix=1)  # value 0: any-tier engine mask
+        self._tier_vals: list[int] | None = None  # value indices of per-tier masks once a non-GPU tier is seen
+        self._engines: dict[str, _Engine] = {}
+        self._free_slots = list(range(MAX_ENGINES - 1, -1, -1))
+
+    # ----------------------------------------------------------------------------------- engines
+    def _engine(self, name: str) -> _Engine:
+        e = self._engines.get(name)
+        if e is None:
+            if not self._free_slots:
+                raise ValueError(f"KVIndex tracks at most {MAX_ENGINES} engines")
+            e = self._engines[name] = _Engine(self._free_slots.pop(), _Table(1, 1024))
+        return e
+
+    def block_size(self, engine: str) -> int | None:
+        e = self._engines.get(engine)
+        return e.block_size if e else None
+
+    def set_block_size(self, engine: str, block_size: int) -> None:
+        """Learned from events, or from vllm:cache_config_info before the first event arrives."""
+        e = self._engine(engine)
+        if e.block_size != block_size:
+            if e.block_size is not None:
+                self.reset(engine)
+            e.block_size = block_size
+
+    def engines(self) -> list[str]:
+        return list(self._engines)
+
+    def reset(self, engine: str) -> None:
+        """Forget everything about one engine (AllBlocksCleared, restart, unrecoverable gap)."""
+        e = self._engines.get(engine)
+        if e is None:
+            return
+        bit = 1 << e.slot
+        nbit = M64 ^ bit
+        g = self._g
+        live = np.flatnonzero((g.vals[0] & np.uint64(bit)) != 0)
+        if live.size:
+            for v in g.vals:
+                v[live] &= np.uint64(nbit)
+            empty = live[g.vals[0][live] == 0]
+            if empty.size:  # rebuild without the now-empty entries (vectorised; cheaper than many deletes)
+                keep = g.keys != 0
+                keep[empty] = False
+                keys = g.keys[keep]
+                vals = [v[keep] for v in g.vals]
+                cap = g.cap
+                while cap > 1024 and keys.size * 4 < cap:
+                    cap //= 2
+                g.__init__(len(vals), cap, 1)  # type: ignore[misc]
+                g._bulk_place(keys, vals)
+        e.table = _Table(1, 1024)
+        e.dups.clear()
+        e.clears += 1
+
+    def remove_engine(self, engine: str) -> None:
+        if engine in self._engines:
+            self.reset(engine)
+            self._free_slots.append(self._engines.pop(engine).slot)
+
+    # ----------------------------------------------------------------------------------- ingest
+    def _ensure_tiers(self) -> list[int]:
+        if self._tier_vals is None:
+            g = self._g
+            gpu = g.add_values(g.vals[0])  # everything seen so far was GPU
+            self._tier_vals = [gpu] + [g.add_values() for _ in TIERS[1:]]
+        return self._tier_vals
+
+    def apply(self, engine: str, batch: KVEventBatch) -> int:
+        """Apply one batch in order; returns the number of block events applied."""
+        e = self._engine(engine)
+        n = 0
+        for ev in batch.events:
+            if isinstance(ev, BlockStored):
+                n += self._stored(e, ev)
+            elif isinstance(ev, BlockRemoved):
+                n += self._removed(e, ev)
+            elif isinstance(ev, AllBlocksCleared):
+                self.reset(engine)
+        return n
+
+    def _stored(self, e: _Engine, ev: BlockStored) -> int:
+        if ev.group_idx not in (None, 0):
+            e.skipped += 1  # other KV-cache groups (hybrid models) repeat group 0's blocks
+            return 0
+        bs = ev.block_size
+        hashes = ev.block_hashes
+        toks = ev.token_ids
+        if bs <= 0 or len(toks) != len(hashes) * bs:
+            e.skipped += 1
+            return 0
+        if e.block_size != bs:
+            if e.block_size is not None:
+                self.reset_keep(e)
+            e.block_size = bs
+        tier = tier_of(ev.medium)
+        lora = ev.lora_name
+        extras = ev.extra_keys
+        parent = ev.parent_block_hash
+        if parent is None:
+            seed = None
+        else:
+            ps = e.table.slot(_norm_hash(parent))
+            if ps < 0:
+                e.orphans += len(hashes)
+                seed = _h64(b"orphan", _norm_hash(parent))  # a chain no request key can reach
+            else:
+                seed = e.table._v[0][ps]
+        buf = memoryview(array("I", toks).tobytes())
+        step = bs * 4
+        g = self._g
+        bit = 1 << e.slot
+        tv = self._tier_vals if tier == 0 else self._ensure_tiers()
+        et = e.table
+        for i, h in enumerate(hashes):
+            x = extras[i] if extras is not None and i < len(extras) else None
+            if seed is None:
+                salt, poison = _split_extra(x, lora, first=True)
+                seed = root_seed(salt, lora)
+            elif x is not None:
+                _, poison = _split_extra(x, lora, first=False)
+            else:
+                poison = None
+            if poison is not None:
+                seed = _h64(poison, seed)
+            key = _h64(buf[i * step:(i + 1) * step], seed) or _ZERO_SUB
+            seed = key
+            hh = _norm_hash(h)
+            es = et.insert(hh)
+            et._v[0][es] = key
+            gs = g.insert(key)
+            gv = g._v
+            if tv is None:
+                if gv[0][gs] & bit:
+                    e.dups[(hh, 0)] = e.dups.get((hh, 0), 0) + 1
+                gv[0][gs] |= bit
+            else:
+                t = gv[tv[tier]]
+                if t[gs] & bit:
+                    e.dups[(hh, tier)] = e.dups.get((hh, tier), 0) + 1
+                t[gs] |= bit
+                gv[0][gs] |= bit
+        e.stored += len(hashes)
+        return len(hashes)
+
+    def reset_keep(self, e: _Engine) -> None:
+        for name, x in self._engines.items():
+            if x is e:
+                self.reset(name)
+                return
+
+    def _removed(self, e: _Engine, ev: BlockRemoved) -> int:
+        if ev.group_idx not in (None, 0):
+            return 0
+        tier = tier_of(ev.medium)
+        g = self._g
+        bit = 1 << e.slot
+        nbit = M64 ^ bit
+        et = e.table
+        n = 0
+        for h in ev.block_hashes:
+            hh = _norm_hash(h)
+            es = et.slot(hh)
+            if es < 0:
+                continue
+            if e.dups:
+                d = e.dups.get((hh, tier))
+                if d:
+                    if d == 1:
+                        del e.dups[(hh, tier)]
+                    else:
+                        e.dups[(hh, tier)] = d - 1
+                    n += 1
+                    continue
+            key = et._v[0][es]
+            gs = g.slot(key)
+            still = False
+            if gs >= 0:
+                gv = g._v
+                tv = self._tier_vals
+                if tv is not None:
+                    gv[tv[tier]][gs] &= nbit
+                    still = any(gv[t][gs] & bit for t in tv)
+                if not still:
+                    m = gv[0][gs] & nbit
+                    gv[0][gs] = m
+                    if m == 0:
+                        g.delete_slot(gs)
+            if not still:
+                et.delete_slot(es)
+            n += 1
+        e.removed += n
+        return n
+
+    # ----------------------------------------------------------------------------------- lookup
+    def lookup(self, engine_names: Iterable[str], token_ids: Sequence[int] | "RequestKeys",
+               salt: str | None = None, lora: str | None = None) -> dict[str, CachedPrefix]:
+        """Per engine, the longest cached prefix of the request (tokens the engine would reuse) and its tiers.
+
+        One pass over the request's blocks per block size, stopping once no asked engine holds the next block.
+        Tokens are capped like vLLM's scheduler (at most prompt_len - 1 tokens can come from cache).
+        """
+        rk = token_ids if isinstance(token_ids, RequestKeys) else RequestKeys(token_ids, salt, lora)
+        out: dict[str, CachedPrefix] = {}
+        by_bs: dict[int, list[tuple[str, _Engine]]] = {}
+        for name in engine_names:
+            e = self._engines.get(name)
+            if e is None or e.block_size is None:
+                out[name] = CachedPrefix()
+            else:
+                by_bs.setdefault(e.block_size, []).append((name, e))
+        g = self._g
+        tv = self._tier_vals
+        for bs, engs in by_bs.items():
+            ka = rk.keys_np(bs)
+            nblk = min(int(ka.size), max(0, (rk.n_tokens - 1) // bs))  # vLLM reuses at most prompt_len - 1
+            if nblk == 0:
+                for name, _ in engs:
+                    out[name] = CachedPrefix()
+                continue
+            ka = ka[:nblk]
+            want = 0
+            for _, e in engs:
+                want |= 1 << e.slot
+            slots = g.home_slots(ka)
+            kv = g.keys[slots]
+            hit = kv == ka
+            if not hit.all():
+                for i in np.flatnonzero(~hit & (kv != 0)).tolist():  # collisions: probe on
+                    s2 = g.slot(int(ka[i]))
+                    if s2 >= 0:
+                        slots[i] = s2
+                        hit[i] = True
+            m = np.where(hit, g.vals[0][slots], np.uint64(0)) & np.uint64(want)
+            acc = np.bitwise_and.accumulate(m)
+            ends: dict[int, int] = {}
+            prev = want
+            first = int(acc[0])
+            if first != prev:
+                _drop(ends, prev ^ first, 0)
+                prev = first
+            if prev:
+                for c in (np.flatnonzero(acc[1:] != acc[:-1]) + 1).tolist():
+                    cur = int(acc[c])
+                    _drop(ends, prev ^ cur, c)
+                    prev = cur
+                _drop(ends, prev, nblk)
+            for name, e in engs:
+                b = 1 << e.slot
+                nb = ends.get(b, 0)
+                if nb == 0:
+                    out[name] = CachedPrefix()
+                elif tv is None:
+                    out[name] = CachedPrefix(nb * bs, {"GPU": nb * bs}, nb)
+                else:
+                    sl = slots[:nb]
+                    ub = np.uint64(b)
+                    left = np.ones(nb, dtype=bool)
+                    by: dict[str, int] = {}
+                    for ti, t in enumerate(tv):
+                        has = ((g.vals[t][sl] & ub) != 0) & left
+                        c = int(np.count_nonzero(has))
+                        if c:
+                            by[TIERS[ti]] = c * bs
+                        left &= ~has
+                    out[name] = CachedPrefix(nb * bs, by, nb)
+        return out
+
+    def holds(self, engine: str, key: int) -> bool:
+        e = self._engines.get(engine)
+        if e is None:
+            return False
+        s = self._g.slot(key)
+        return s >= 0 and bool(self._g._v[0][s] & (1 << e.slot))
+
+    # ----------------------------------------------------------------------------------- repair
+    def forget_from(self, engine: str, keys: Sequence[int]) -> None:
+        """Clear `engine`'s bit for these own keys (used when the engine reports less cache than predicted)."""
+        e = self._engines.get(engine)
+        if e is None:
+            return
+        nbit = M64 ^ (1 << e.slot)
+        g = self._g
+        for key in keys:
+            s = g.slot(key)
+            if s >= 0:
+                for v in g._v:
+                    v[s] &= nbit
+                if g._v[0][s] == 0:
+                    g.delete_slot(s)
+
+    # ----------------------------------------------------------------------------------- stats
+    def engine_blocks(self, engine: str) -> dict[str, int]:
+        """Blocks held by one engine, by tier."""
+        e = self._engines.get(engine)
+        if e is None:
+            return {}
+        b = np.uint64(1 << e.slot)
+        g = self._g
+        if self._tier_vals is None:
+            return {"GPU": int(np.count_nonzero(g.vals[0] & b))}
+        return {TIERS[i]: int(np.count_nonzero(g.vals[t] & b)) for i, t in enumerate(self._tier_vals)}
+
+    def memory_bytes(self) -> int:
+        return self._g.nbytes() + sum(e.table.nbytes() for e in self._engines.values())
+
+    def stats(self) -> dict[str, Any]:
+        """Sizes and counters for /admin/fleet and the benchmark."""
+        entries = sum(e.table.n for e in self._engines.values())
+        mem = self.memory_bytes()
+        return {
+            "distinct_blocks": self._g.n,
+            "block_engine_entries": entries,
+            "memory_bytes": mem,
+            "bytes_per_entry": round(mem / entries, 1) if entries else None,
+            "engines": {name: {"slot": e.slot, "block_size": e.block_size, "entries": e.table.n,
+                               "stored": e.stored, "removed": e.removed, "orphans": e.orphans,
+                               "skipped": e.skipped, "resets": e.clears} for name, e in self._engines.items()},
+        }
+
+
+def _split_extra(x: Any, lora: str | None, first: bool) -> tuple[str | None, bytes | None]:
+    """Split one block's extra keys into (cache_salt, poison). vLLM orders them LoRA name, multimodal keys,
+    cache_salt (first block only), prompt-embedding hashes. Anything but the LoRA name and the salt makes the
+    block unreachable from text requests, which is right: we cannot predict reuse of such blocks."""
+    if not x:
+        return None, None
+    rest = list(x)
+    if lora and rest and rest[0] == lora:
+        rest = rest[1:]
+    if not rest:
+        return None, None
+    if first and len(rest) == 1 and isinstance(rest[0], str):
+        return rest[0], None
+    return None, repr(rest).encode()
+
+
+def _drop(ends: dict[int, int], bits: int, at: int) -> None:
+    while bits:
+        low = bits & -bits
+        ends[low] = at
+        bits ^= low
+
+
+class RequestKeys:
+    """A request's own keys per block size, computed once and reused across candidates and retries."""
+
+    __slots__ = ("token_ids", "salt", "lora", "n_tokens", "_by_bs", "_np")
+
+    def __init__(self, token_ids: Sequence[int], salt: str | None = None, lora: str | None = None) -> None:
+        self.token_ids = token_ids
+        self.salt = salt
+        self.lora = lora
+        self.n_tokens = len(token_ids)
+        self._by_bs: dict[int, list[int]] = {}
+        self._np: dict[int, np.ndarray] = {}
+
+    def keys(self, block_size: int) -> list[int]:
+        k = self._by_bs.get(block_size)
+        if k is None:
+            k = self._by_bs[block_size] = own_keys(self.token_ids, block_size, self.salt, self.lora)
+        return k
+
+    def keys_np(self, block_size: int) -> np.ndarray:
+        a = self._np.get(block_size)
+        if a is None:
+            a = self._np[block_size] = np.array(self.keys(block_size), dtype=np.uint64)
+        return a
