@@ -1,0 +1,6 @@
+"""`python -m backends.sim ...`: see backends.sim.cli."""
+import sys
+
+from backends.sim.cli import main
+
+sys.exit(main())
