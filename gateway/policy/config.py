@@ -5,10 +5,17 @@ import msgspec
 
 
 class OPAConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    url: str
+    """Delegate the decision to Open Policy Agent's REST data API (POST /v1/data/<path>). Fail-closed."""
+
+    url: str  # e.g. http://127.0.0.1:8181
     path: str = "gateway/decision"
     timeout_ms: float = 50.0
     cache_ttl_s: float = 5.0
+    cache_size: int = 10000
+    # "merge": the YAML policy decides first and OPA can only add restrictions / set values;
+    # "replace": OPA alone decides (the YAML policy is not consulted).
+    mode: str = "merge"
+    token_env: str | None = None  # bearer token for OPA's authentication, from this env var
 
 
 class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

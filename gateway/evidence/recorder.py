@@ -1,0 +1,263 @@
+"""The evidence (audit) recorder: one structured record per request, written off the request path.
+
+`build_record` is pure: it turns a finished RequestContext into a JSON-able dict. `EvidenceRecorder.record`
+only builds and enqueues (bounded queue; drops and counts when full, never blocks a request); a background
+task writes JSON lines (and optionally Postgres). Zero-retention requests never carry prompt or completion
+text: content keys are stripped everywhere and any remaining string that quotes the prompt is redacted.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections import OrderedDict
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+import orjson
+
+from gateway.pipeline import RequestContext
+
+log = logging.getLogger("gateway.evidence")
+
+# Keys whose values are request or response content. Never recorded unless capture_content is on and the
+# request is not zero-retention; stripped from every nested evidence entry otherwise.
+CONTENT_KEYS = frozenset({"messages", "prompt", "input", "completion", "completion_text", "content", "response_text",
+                          "text", "tool_calls", "suffix", "instructions", "choices", "delta", "reasoning_content"})
+# ctx.evidence entries lifted to top-level fields of the record.
+_LIFTED = ("decision", "budget", "candidates", "route", "predicted_ttft_ms", "predicted_cached_tokens", "cost")
+_REDACTED = "[redacted: zero retention]"
+
+
+def _content_strings(body: Any, out: list[str]) -> None:
+    """Every text string inside the request body's content fields (used to redact echoes)."""
+    if isinstance(body, str):
+        if len(body) >= 4:
+            out.append(body)
+    elif isinstance(body, dict):
+        for k, v in body.items():
+            if k in CONTENT_KEYS or k in ("text", "arguments", "image_url", "url"):
+                _content_strings(v, out)
+            elif isinstance(v, (dict, list)):
+                _content_strings(v, out)
+    elif isinstance(body, list):
+        for v in body:
+            _content_strings(v, out)
+
+
+def _scrub(value: Any, secrets: list[str]) -> Any:
+    """Drop content keys and redact strings that quote any of `secrets`."""
+    if isinstance(value, dict):
+        return {k: _scrub(v, secrets) for k, v in value.items() if k not in CONTENT_KEYS}
+    if isinstance(value, (list, tuple)):
+        return [_scrub(v, secrets) for v in value]
+    if isinstance(value, str) and secrets:
+        for s in secrets:
+            if s in value:
+                return _REDACTED
+            # a long prompt may be echoed partially (truncated error messages): check its head
+            if len(s) > 64 and s[:64] in value:
+                return _REDACTED
+        return value
+    return value
+
+
+def _plain(v: Any) -> Any:
+    """JSON-able form of stage-owned objects (dataclasses, structs) for the record."""
+    if v is None or isinstance(v, (str, int, float, bool, list, dict, tuple)):
+        return v
+    to_ev = getattr(v, "to_evidence", None)
+    if callable(to_ev):
+        return to_ev()
+    slots = getattr(v, "__slots__", None)
+    if slots:
+        return {k: getattr(v, k, None) for k in slots}
+    return getattr(v, "__dict__", None) or str(v)
+
+
+def build_record(ctx: RequestContext, *, capture_content: bool = False,
+                 backend_lookup: Callable[[str], Any] | None = None) -> dict[str, Any]:
+    """The audit record for one finished request. Pure; never includes content for zero-retention requests."""
+    d = ctx.decision
+    ev = ctx.evidence
+    usage = ctx.usage
+    zero = ctx.zero_retention
+    location = None
+    if ctx.backend and backend_lookup is not None:
+        b = backend_lookup(ctx.backend)
+        loc = getattr(b, "location", None)
+        if loc is not None:
+            location = {"country": loc.country, "storage_country": loc.storage, "region": loc.region}
+        if b is not None:
+            location = {**(location or {}), "retention": getattr(b, "retention", None),
+                        "operator": getattr(b, "operator", None)}
+    rec: dict[str, Any] = {
+        "request_id": ctx.request_id,
+        "ts": datetime.fromtimestamp(ctx.received_wall, timezone.utc).isoformat(),
+        "endpoint": ctx.endpoint,
+        "model": ctx.model,
+        "model_chain": list(ctx.model_chain),
+        "stream": ctx.stream,
+        "principal": ctx.principal.to_evidence() if ctx.principal is not None else None,
+        "matched_rules": list(d.matched_rules) if d is not None else [],
+        "decision": ev.get("decision") or (d.to_evidence() if d is not None else None),
+        "zero_retention": zero,
+        "budget": _plain(ev.get("budget")),
+        "candidates": _plain(ev.get("candidates")),
+        "route": _plain(ev.get("route")),
+        "backend": ctx.backend,
+        "backend_model": ctx.backend_model,
+        "backend_location": location,
+        "attempts": [_plain(a) for a in ctx.attempts],
+        "ttft_ms": {"predicted": ev.get("predicted_ttft_ms"),
+                    "actual": round(ctx.ttft_s * 1000, 3) if ctx.ttft_s is not None else None},
+        "cached_tokens": {"predicted": ev.get("predicted_cached_tokens"),
+                          "actual": usage.cached_tokens if usage is not None else None},
+        "usage": ({"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+                   "cached_tokens": usage.cached_tokens} if usage is not None else None),
+        "delivered_completion_tokens": ctx.delivered_completion_tokens,
+        "cut_by_budget": ctx.cut_by_budget,
+        "cost": _plain(ev.get("cost")),
+        "status": ctx.status,
+        "error": ctx.error,
+        "total_ms": round(ctx.total_s * 1000, 3) if ctx.total_s is not None else None,
+        "stage_timings_us": {k: round(v, 1) for k, v in ctx.stage_timings_us.items()},
+        "evidence": {k: _plain(v) for k, v in ev.items() if k not in _LIFTED},
+    }
+    want_content = capture_content and not zero
+    content: dict[str, Any] | None = None
+    if want_content:
+        body = ctx.body or {}
+        content = {k: body[k] for k in ("messages", "prompt", "input") if k in body}
+        for k in ("completion", "completion_text"):
+            if k in ev:
+                content["completion"] = ev[k]
+    secrets: list[str] = []
+    if zero:
+        _content_strings(ctx.body or {}, secrets)
+        for k in ("completion", "completion_text"):
+            if isinstance(ev.get(k), str):
+                secrets.append(ev[k])
+    rec = _scrub(rec, secrets)
+    if content is not None:
+        rec["content"] = content
+    return rec
+
+
+def _dumps(rec: dict[str, Any]) -> bytes:
+    return orjson.dumps(rec, default=str, option=orjson.OPT_NON_STR_KEYS)
+
+
+class EvidenceRecorder:
+    """Queue records on the request path; write JSON lines (and optional sinks) in a background task."""
+
+    def __init__(self, path: str | Path | None, *, capture_content: bool = False, max_queue: int = 10000,
+                 recent: int = 4096, sink: Any = None, backend_lookup: Callable[[str], Any] | None = None,
+                 batch: int = 256) -> None:
+        self.path = Path(path) if path is not None else None
+        self.capture_content = capture_content
+        self.sink = sink  # e.g. PostgresSink: async start(), write_many(records), get(request_id), close()
+        self.backend_lookup = backend_lookup
+        self._queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue(maxsize=max_queue)
+        self._recent: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._recent_max = recent
+        self._batch = batch
+        self._task: asyncio.Task[None] | None = None
+        self.dropped = 0
+        self.written = 0
+
+    async def start(self) -> None:
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.sink is not None:
+            await self.sink.start()
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="evidence-writer")
+
+    def record(self, ctx: RequestContext) -> bool:
+        """Build and enqueue the record; never blocks. False when the queue is full (counted in `dropped`)."""
+        try:
+            rec = build_record(ctx, capture_content=self.capture_content, backend_lookup=self.backend_lookup)
+        except Exception:  # evidence must never break a request
+            log.exception("building evidence for %s failed", ctx.request_id)
+            return False
+        self._remember(rec)
+        try:
+            self._queue.put_nowait(rec)
+        except asyncio.QueueFull:
+            self.dropped += 1
+            return False
+        return True
+
+    def _remember(self, rec: dict[str, Any]) -> None:
+        self._recent[rec["request_id"]] = rec
+        self._recent.move_to_end(rec["request_id"])
+        while len(self._recent) > self._recent_max:
+            self._recent.popitem(last=False)
+
+    async def _run(self) -> None:
+        stop = False
+        while not stop:
+            item = await self._queue.get()
+            items = [item]
+            while len(items) < self._batch and not self._queue.empty():
+                items.append(self._queue.get_nowait())
+            recs = [r for r in items if r is not None]
+            stop = any(r is None for r in items)
+            if recs:
+                await self._write(recs)
+
+    async def _write(self, recs: list[dict[str, Any]]) -> None:
+        if self.path is not None:
+            data = b"".join(_dumps(r) + b"\n" for r in recs)
+            try:
+                await asyncio.to_thread(self._append, data)
+            except OSError:
+                log.exception("writing %d audit records to %s failed", len(recs), self.path)
+        if self.sink is not None:
+            try:
+                await self.sink.write_many(recs)
+            except Exception:
+                log.exception("writing %d audit records to the sink failed", len(recs))
+        self.written += len(recs)
+
+    def _append(self, data: bytes) -> None:
+        assert self.path is not None
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+
+    async def close(self) -> None:
+        """Flush everything queued, then stop the writer and the sink."""
+        if self._task is not None:
+            await self._queue.put(None)
+            await self._task
+            self._task = None
+        if self.sink is not None:
+            await self.sink.close()
+
+    async def get(self, request_id: str) -> dict[str, Any] | None:
+        """A record by request id: recent memory first, then the sink, then a scan of the JSON-lines file."""
+        rec = self._recent.get(request_id)
+        if rec is not None:
+            return rec
+        if self.sink is not None:
+            rec = await self.sink.get(request_id)
+            if rec is not None:
+                return rec
+        if self.path is None or not self.path.exists():
+            return None
+        return await asyncio.to_thread(self._scan, request_id)
+
+    def _scan(self, request_id: str) -> dict[str, Any] | None:
+        assert self.path is not None
+        needle = b'"request_id":' + orjson.dumps(request_id)
+        found = None
+        with open(self.path, "rb") as f:
+            for line in f:
+                if needle in line:
+                    found = line  # the last one wins
+        return orjson.loads(found) if found else None
