@@ -125,13 +125,15 @@ class RedisBudgetStore:
     redis-py's Script reloads the script after NOSCRIPT (e.g. a restarted Redis) transparently.
     """
 
-    def __init__(self, url: str, timeout_s: float = 0.25, max_connections: int = 256) -> None:
+    def __init__(self, url: str, timeout_s: float = 0.25, max_connections: int = 64) -> None:
         import redis.asyncio as aioredis
 
         self.url = url
-        self.client = aioredis.Redis.from_url(
+        # a blocking pool: a burst waits for a free connection instead of failing as "store unavailable"
+        pool = aioredis.BlockingConnectionPool.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, max_connections=max_connections,
-            retry_on_timeout=False, health_check_interval=0)
+            timeout=5.0, retry_on_timeout=False, health_check_interval=0)
+        self.client = aioredis.Redis(connection_pool=pool)
         self.script = self.client.register_script(LUA)
 
     async def start(self) -> None:

@@ -1,0 +1,241 @@
+"""The same reserve/settle suite against MemoryBudgetStore and RedisBudgetStore (real Redis), plus a
+hypothesis test that the Lua script and the Python reference model give identical answers on random sequences
+of reserves, settles, clock jumps and crashed (never settled) reservations."""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from zoneinfo import ZoneInfo
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from gateway.budget.model import BudgetState, ReserveArgs, ScopePlan, SettleArgs, WindowPlan
+from gateway.budget.store import MemoryBudgetStore, RedisBudgetStore
+from gateway.budget.windows import resolve
+
+UTC = ZoneInfo("UTC")
+
+
+def plan(prefix: str, now: float, limits: dict, conc: dict | None = None) -> tuple[ScopePlan, ...]:
+    """limits: {scope: {window: (tokens, money, requests)}}"""
+    out = []
+    for scope, wins in limits.items():
+        base = f"{prefix}:{scope}:id"
+        wps = []
+        for window, (t, m, r) in wins.items():
+            ref = resolve(window, now, UTC)
+            wps.append(WindowPlan(window, f"{base}:{ref.key_suffix()}", ref.rolling, ref.bucket, ref.buckets,
+                                  ref.bucket_s, ref.end, 300, t, m, r))
+        out.append(ScopePlan(scope, "id", f"{base}:hold", (conc or {}).get(scope), tuple(wps)))
+    return tuple(out)
+
+
+def rargs(prefix, now, limits, rid=None, prompt=10, maxc=100, minc=None, pin=0, pout=0, ttl=60.0, conc=None):
+    return ReserveArgs(rid or uuid.uuid4().hex, now, now + ttl, int(ttl) + 60, prompt, prompt * pin, maxc,
+                       maxc if minc is None else minc, pout, plan(prefix, now, limits, conc))
+
+
+def sargs(prefix, now, limits, rid, tokens, money=0):
+    return SettleArgs(rid, now, tokens, money, plan(prefix, now, limits))
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def store(request, tmp_path):
+    if request.param == "memory":
+        s = MemoryBudgetStore(tmp_path / "b.db", 60)
+    else:
+        url = request.getfixturevalue("redis_url")
+        s = RedisBudgetStore(url)
+    await s.start()
+    yield s
+    await s.close()
+
+
+T0 = 1_750_000_000.0
+
+
+async def test_reserve_until_token_limit_then_settle_returns_unused(store, prefix):
+    lim = {"team": {"minute": (1000, None, None), "day": (5000, None, None)}}
+    ok = []
+    for i in range(12):
+        r = await store.reserve(rargs(prefix, T0 + i * 0.01, lim, rid=f"r{i}", prompt=10, maxc=90))
+        ok.append(r.ok)
+    assert ok == [True] * 10 + [False] * 2  # 10 x 100 worst case fills 1000
+    r = await store.reserve(rargs(prefix, T0 + 0.2, lim, prompt=10, maxc=90))
+    assert not r.ok and r.fail_kind == "tokens" and r.fail_scope == 0 and r.fail_window == 0
+    assert r.scopes[0].held_tokens == 1000
+    for i in range(10):  # each used 30 of its 100
+        await store.settle(sargs(prefix, T0 + 0.3, lim, f"r{i}", 30))
+    r = await store.reserve(rargs(prefix, T0 + 0.4, lim, rid="after", prompt=10, maxc=90))
+    assert r.ok
+    assert r.scopes[0].held_tokens == 0 and r.scopes[0].windows[0].tokens == 300
+    assert r.scopes[0].windows[0].requests == 10  # the refused ones were not counted
+
+
+async def test_requests_per_minute_exact_at_window_edge(store, prefix):
+    """RPM 5: five at t=0.0..0.4; refused until second 60 drops bucket 0 — then exactly five more fit."""
+    lim = {"key": {"minute": (None, None, 5)}}
+    base = 1_750_000_020.0  # bucket boundary (multiple of 60 is not required; buckets are 1 s)
+    for i in range(5):
+        assert (await store.reserve(rargs(prefix, base + i * 0.1, lim))).ok
+    assert not (await store.reserve(rargs(prefix, base + 59.999, lim))).ok  # still within 60 s of bucket 0
+    res = [(await store.reserve(rargs(prefix, base + 60.0 + i * 0.01, lim))).ok for i in range(6)]
+    assert res == [True] * 5 + [False]
+
+
+async def test_elastic_completion_fills_remaining_budget(store, prefix):
+    lim = {"tenant": {"month": (1000, None, None)}}
+    r = await store.reserve(rargs(prefix, T0, lim, prompt=100, maxc=4096, minc=1))
+    assert r.ok and r.completion == 900
+    r2 = await store.reserve(rargs(prefix, T0, lim, prompt=0, maxc=4096, minc=1))
+    assert not r2.ok and r2.fail_kind == "tokens"
+
+
+async def test_money_limit_in_nano_units(store, prefix):
+    # 2 EUR = 2e9 nano; prompt 1000 tokens at 1000 nano/token = 1e6; output 5000 nano/token
+    lim = {"team": {"day": (None, 2_000_000_000, None)}}
+    r = await store.reserve(rargs(prefix, T0, lim, prompt=1000, maxc=1_000_000, minc=1, pin=1000, pout=5000))
+    assert r.ok and r.completion == (2_000_000_000 - 1_000_000) // 5000
+    r = await store.reserve(rargs(prefix, T0, lim, prompt=1000, maxc=10, pin=1000, pout=5000))
+    assert not r.ok and r.fail_kind == "money"
+
+
+async def test_concurrency_and_crashed_reservation_expires(store, prefix):
+    lim = {"key": {}}
+    conc = {"key": 2}
+    a = await store.reserve(rargs(prefix, T0, lim, conc=conc, ttl=30))
+    b = await store.reserve(rargs(prefix, T0 + 1, lim, conc=conc, ttl=30))
+    c = await store.reserve(rargs(prefix, T0 + 2, lim, conc=conc, ttl=30))
+    assert a.ok and b.ok and not c.ok and c.fail_kind == "concurrency" and c.fail_window == -1
+    # the replica holding `a` and `b` crashes: nobody settles. After the ttl both holds lapse.
+    d = await store.reserve(rargs(prefix, T0 + 29.9, lim, conc=conc, ttl=30))
+    assert not d.ok
+    e = await store.reserve(rargs(prefix, T0 + 31.5, lim, conc=conc, ttl=30))
+    assert e.ok and e.scopes[0].holds == 0
+
+
+async def test_crashed_token_hold_released_after_ttl_but_settled_spend_stays(store, prefix):
+    lim = {"tenant": {"lifetime": (500, None, None)}}
+    r1 = await store.reserve(rargs(prefix, T0, lim, rid="crash", prompt=0, maxc=300, ttl=10))
+    r2 = await store.reserve(rargs(prefix, T0, lim, rid="done", prompt=0, maxc=200, ttl=10))
+    assert r1.ok and r2.ok
+    await store.settle(sargs(prefix, T0 + 1, lim, "done", 150))
+    assert not (await store.reserve(rargs(prefix, T0 + 2, lim, prompt=0, maxc=100))).ok  # 300 held + 150
+    later = await store.reserve(rargs(prefix, T0 + 11, lim, prompt=0, maxc=350))
+    assert later.ok and later.scopes[0].windows[0].tokens == 150 and later.scopes[0].held_tokens == 0
+    # a settle arriving after its hold lapsed still records the spend (never lose spend)
+    await store.settle(sargs(prefix, T0 + 12, lim, "crash", 7))
+    fin = await store.reserve(rargs(prefix, T0 + 13, lim, prompt=0, maxc=1, ttl=10))
+    assert fin.scopes[0].windows[0].tokens == 157
+
+
+async def test_hierarchy_is_atomic(store, prefix):
+    """A refusal at the team level leaves the key level untouched (all or nothing)."""
+    lim = {"key": {"minute": (None, None, 100)}, "team": {"minute": (None, None, 1)}}
+    assert (await store.reserve(rargs(prefix, T0, lim))).ok
+    r = await store.reserve(rargs(prefix, T0, lim))
+    assert not r.ok and r.fail_scope == 1 and r.fail_kind == "requests"
+    r = await store.reserve(rargs(prefix, T0, lim))
+    assert r.scopes[0].windows[0].requests == 1
+
+
+async def test_concurrent_reserves_never_overshoot(store, prefix):
+    lim = {"tenant": {"hour": (10_000, None, None)}}
+    res = await asyncio.gather(*[store.reserve(rargs(prefix, T0, lim, prompt=50, maxc=50)) for _ in range(300)])
+    assert sum(r.ok for r in res) == 100
+
+
+async def test_memory_store_persists_across_restart(tmp_path, prefix):
+    lim = {"tenant": {"month": (1000, None, 100)}}
+    now = time.time()  # the snapshot drops counters whose period ended (by the real clock)
+    s = MemoryBudgetStore(tmp_path / "b.db", 60)
+    await s.start()
+    r = await s.reserve(rargs(prefix, now, lim, rid="x", prompt=0, maxc=500))
+    await s.settle(sargs(prefix, now, lim, "x", 400))
+    await s.reserve(rargs(prefix, now, lim, rid="held", prompt=0, maxc=100, ttl=1e9))
+    await s.close()
+    s2 = MemoryBudgetStore(tmp_path / "b.db", 60)
+    await s2.start()
+    r = await s2.reserve(rargs(prefix, now + 1, lim, prompt=0, maxc=1))
+    assert r.ok and r.scopes[0].windows[0].tokens == 400 and r.scopes[0].held_tokens == 100
+    assert r.scopes[0].windows[0].requests == 2
+    await s2.close()
+
+
+# ------------------------------------------------------------------ Lua == reference model, property-based
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("reserve"), st.integers(0, 40), st.integers(1, 60), st.booleans(), st.integers(0, 3)),
+        st.tuples(st.just("settle"), st.integers(0, 30), st.integers(0, 80), st.booleans(), st.integers(0, 3)),
+        st.tuples(st.just("tick"), st.sampled_from([0.4, 1, 7, 30, 59, 61, 130, 3600, 86400]), st.just(0),
+                  st.just(False), st.just(0)),
+    ),
+    min_size=1, max_size=40)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(ops=ops, tok=st.integers(50, 400), rpm=st.integers(1, 8), conc=st.integers(1, 4),
+       money=st.integers(10_000, 400_000))
+def test_lua_matches_reference_model(redis_url, ops, tok, rpm, conc, money):
+    """Random reserve/settle/crash/clock sequences: identical replies and identical final state."""
+    prefix = f"gwbprop:{uuid.uuid4().hex[:10]}"
+    lim = {"key": {"minute": (tok, None, rpm)}, "team": {"hour": (tok * 3, money, None), "day": (None, None, 50)},
+           "tenant": {"lifetime": (tok * 10, None, None)}}
+    conc_l = {"key": conc}
+
+    async def run() -> None:
+        red = RedisBudgetStore(redis_url)
+        ref = BudgetState()
+        now = T0
+        live: list[str] = []
+        try:
+            for kind, a, b, flag, extra in ops:
+                if kind == "tick":
+                    now += a
+                    continue
+                if kind == "reserve":
+                    rid = uuid.uuid4().hex
+                    args = rargs(prefix, now, lim, rid=rid, prompt=a, maxc=b, minc=1 if flag else None,
+                                 pin=extra * 100, pout=extra * 300, ttl=45.0, conc=conc_l)
+                    got = await red.reserve(args)
+                    want = ref.reserve(args)
+                    assert [got.ok, got.completion, got.fail_kind] == [want[0] == 1, want[1], want[4]]
+                    assert [[s.held_tokens, s.held_money, s.holds, [(w.requests, w.tokens, w.money, w.oldest_bucket)
+                              for w in s.windows]] for s in got.scopes] == _ref_scopes(want, args)
+                    if got.ok:
+                        live.append(rid)
+                elif live:
+                    rid = live.pop(a % len(live))
+                    if flag:  # crash: this reservation is never settled
+                        continue
+                    sa = sargs(prefix, now, lim, rid, b, b * extra * 100)
+                    await red.settle(sa)
+                    ref.settle(sa)
+            final = rargs(prefix, now + 0.5, lim, prompt=0, maxc=1, conc=conc_l)
+            got = await red.reserve(final)
+            want = ref.reserve(final)
+            assert got.ok == (want[0] == 1) and [[s.held_tokens, s.holds] for s in got.scopes] == \
+                [[x[0], x[2]] for x in _ref_scopes(want, final)]
+        finally:
+            keys = [k async for k in red.client.scan_iter(f"{prefix}:*")]
+            if keys:
+                await red.client.delete(*keys)
+            await red.close()
+
+    asyncio.run(run())
+
+
+def _ref_scopes(flat, args):
+    i = 5
+    out = []
+    for s in args.scopes:
+        row = [flat[i], flat[i + 1], flat[i + 2], []]
+        i += 3
+        for _ in s.windows:
+            row[3].append(tuple(flat[i:i + 4]))
+            i += 4
+        out.append(row)
+    return out
