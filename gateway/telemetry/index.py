@@ -70,9 +70,11 @@ def _norm_hash(h: Any) -> int:
 class _Table:
     """Linear-probing hash table uint64 key -> several uint64 values, in numpy arrays (key 0 = empty)."""
 
-    __slots__ = ("cap", "shift", "n", "keys", "vals", "_k", "_v", "mix")
+    __slots__ = ("cap", "shift", "n", "keys", "vals", "_k", "_v", "mix", "load_num", "load_den")
 
     def __init__(self, nvals: int, cap: int = 1024, mix: int = _GOLD) -> None:
+        # max load 3/4 for engine tables; 1/2 for the global table, whose lookups are vectorised per probe round
+        self.load_num, self.load_den = (3, 4) if mix != 1 else (1, 2)
         self.mix = mix  # 1 for keys that are already uniform hashes (own keys): slot = top bits of the key
         self.cap = cap
         self.shift = 64 - (cap.bit_length() - 1)
@@ -105,7 +107,7 @@ class _Table:
 
     def insert(self, key: int) -> int:
         """Slot of `key`, inserting it (values 0) if absent."""
-        if (self.n + 1) * 4 > self.cap * 3:
+        if (self.n + 1) * self.load_den > self.cap * self.load_num:
             self._grow()
         k = self._k
         mask = self.cap - 1
@@ -431,12 +433,22 @@ class KVIndex:
             slots = g.home_slots(ka)
             kv = g.keys[slots]
             hit = kv == ka
-            if not hit.all():
-                for i in np.flatnonzero(~hit & (kv != 0)).tolist():  # collisions: probe on
-                    s2 = g.slot(int(ka[i]))
-                    if s2 >= 0:
-                        slots[i] = s2
-                        hit[i] = True
+            pend = np.flatnonzero(~hit & (kv != 0))  # collisions: probe on, vectorised, a few rounds
+            rounds = 0
+            gmask = g.cap - 1
+            while pend.size and rounds < 6:
+                sp = (slots[pend] + 1) & gmask
+                slots[pend] = sp
+                kvp = g.keys[sp]
+                h = kvp == ka[pend]
+                hit[pend[h]] = True
+                pend = pend[~h & (kvp != 0)]
+                rounds += 1
+            for i in pend.tolist():  # rare long chains
+                s2 = g.slot(int(ka[i]))
+                if s2 >= 0:
+                    slots[i] = s2
+                    hit[i] = True
             m = np.where(hit, g.vals[0][slots], np.uint64(0)) & np.uint64(want)
             acc = np.bitwise_and.accumulate(m)
             ends: dict[int, int] = {}

@@ -1,0 +1,155 @@
+"""Request -> token ids for KV-index matching: local tokenizer, else the engine's /tokenize, else approximate.
+
+The approximate source hashes the rendered text in fixed-size character chunks into pseudo token ids, so two
+requests sharing a text prefix share leading pseudo blocks; it can rank engines by overlap but its counts are
+not the engine's tokens (evidence says which source was used).
+"""
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import xxhash
+
+APPROX_CHARS_PER_TOKEN = 4
+
+
+def render_messages_plain(messages: list[dict[str, Any]]) -> str:
+    """A stable ChatML-like text rendering (for the approximate source and as a last-resort template)."""
+    parts = []
+    for m in messages:
+        c = m.get("content")
+        if isinstance(c, list):
+            c = "".join(p.get("text", "") for p in c if isinstance(p, dict))
+        parts.append(f"<|im_start|>{m.get('role', 'user')}\n{c or ''}<|im_end|>\n")
+    return "".join(parts) + "<|im_start|>assistant\n"
+
+
+def approx_tokens(text: str) -> list[int]:
+    """Pseudo token ids: one per 4-char chunk, hashed (stable across processes)."""
+    n = APPROX_CHARS_PER_TOKEN
+    return [xxhash.xxh32_intdigest(text[i:i + n]) for i in range(0, len(text), n)]
+
+
+class LocalTokenizer:
+    """tokenizer.json (HF `tokenizers`) + the model's chat template (jinja2), rendered like vLLM does."""
+
+    def __init__(self, path: str) -> None:
+        from tokenizers import Tokenizer  # optional dependency
+
+        p = Path(path)
+        self._tok = Tokenizer.from_file(str(p / "tokenizer.json" if p.is_dir() else p))
+        d = p if p.is_dir() else p.parent
+        self._template = None
+        cfg = d / "tokenizer_config.json"
+        if cfg.exists():
+            tmpl = json.loads(cfg.read_text()).get("chat_template")
+            if tmpl:
+                import jinja2.sandbox
+
+                self._template = jinja2.sandbox.ImmutableSandboxedEnvironment(
+                    trim_blocks=True, lstrip_blocks=True).from_string(tmpl)
+
+    def encode_body(self, body: dict[str, Any]) -> list[int]:
+        if "messages" in body:
+            if self._template is None:
+                raise ValueError("no chat template")
+            text = self._template.render(messages=body["messages"], add_generation_prompt=True)
+            return self._tok.encode(text, add_special_tokens=False).ids
+        prompt = body.get("prompt", "")
+        if isinstance(prompt, list):
+            if prompt and isinstance(prompt[0], int):
+                return list(prompt)
+            prompt = "".join(map(str, prompt))
+        return self._tok.encode(prompt, add_special_tokens=True).ids
+
+
+class TokenSource:
+    """Resolves a request body to (token ids, source); caches by (model, rendered request) in an LRU."""
+
+    def __init__(self, mode: str = "auto", client: httpx.AsyncClient | None = None, cache_size: int = 4096,
+                 timeout_s: float = 0.5) -> None:
+        self.mode = mode  # auto | engine | approx | <path to tokenizer.json or its folder>
+        self._client = client
+        self._own_client = client is None
+        self.timeout_s = timeout_s
+        self._local: LocalTokenizer | None = None
+        self.local_error: str | None = None
+        if mode not in ("auto", "engine", "approx"):
+            try:
+                self._local = LocalTokenizer(mode)
+            except Exception as e:  # missing lib/file: fall back, and say so in stats
+                self.local_error = f"{type(e).__name__}: {e}"
+        self._cache: OrderedDict[bytes, tuple[list[int], str]] = OrderedDict()
+        self._cache_size = cache_size
+        self.hits = 0
+        self.misses = 0
+        self.by_source: dict[str, int] = {}
+
+    async def close(self) -> None:
+        if self._own_client and self._client is not None:
+            await self._client.aclose()
+
+    def _key(self, endpoint: str | None, body: dict[str, Any]) -> bytes:
+        sub = {k: body.get(k) for k in ("model", "messages", "prompt", "tools", "chat_template_kwargs")}
+        return xxhash.xxh3_128_digest(orjson.dumps(sub, option=orjson.OPT_SORT_KEYS, default=str)) + \
+            (endpoint or "").encode()
+
+    async def tokens(self, endpoint: str | None, body: dict[str, Any]) -> tuple[list[int], str]:
+        """Token ids for the request's prompt and the source that produced them ("local"/"engine"/"approx")."""
+        key = self._key(endpoint if self._local is None else None, body)
+        hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
+            self.hits += 1
+            return hit
+        self.misses += 1
+        res = await self._resolve(endpoint, body)
+        self._cache[key] = res
+        if len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        self.by_source[res[1]] = self.by_source.get(res[1], 0) + 1
+        return res
+
+    async def _resolve(self, endpoint: str | None, body: dict[str, Any]) -> tuple[list[int], str]:
+        if self._local is not None:
+            try:
+                return self._local.encode_body(body), "local"
+            except Exception:
+                pass
+        if self.mode in ("auto", "engine") or self._local is None and self.mode != "approx":
+            if endpoint:
+                ids = await self._engine_tokenize(endpoint, body)
+                if ids is not None:
+                    return ids, "engine"
+        if "messages" in body:
+            text = render_messages_plain(body["messages"])
+        else:
+            p = body.get("prompt", "")
+            text = p if isinstance(p, str) else "".join(map(str, p))
+        return approx_tokens(text), "approx"
+
+    async def _engine_tokenize(self, server_root: str, body: dict[str, Any]) -> list[int] | None:
+        """vLLM's POST /tokenize: {model, messages, add_generation_prompt} or {model, prompt}."""
+        if self._client is None:
+            self._client = httpx.AsyncClient()
+        req: dict[str, Any] = {"model": body.get("model")}
+        if "messages" in body:
+            req.update(messages=body["messages"], add_generation_prompt=True)
+            if body.get("tools"):
+                req["tools"] = body["tools"]
+        else:
+            p = body.get("prompt", "")
+            req["prompt"] = p if isinstance(p, str) else "".join(map(str, p))
+        try:
+            r = await self._client.post(server_root.rstrip("/") + "/tokenize", json=req, timeout=self.timeout_s)
+            if r.status_code != 200:
+                return None
+            toks = r.json().get("tokens")
+            return list(toks) if isinstance(toks, list) else None
+        except (httpx.HTTPError, ValueError):
+            return None
