@@ -1,0 +1,138 @@
+"""Revocation reaches other replicas: two IdentityService instances sharing one store.
+
+Postgres: LISTEN/NOTIFY delivers the change in milliseconds even with a long cache TTL; with notifications
+lost (change written behind the service's back, or the listener connection killed) the TTL bounds staleness.
+SQLite (single replica + CLI on the same file): the TTL bounds it.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+
+from gateway.errors import GatewayError
+from gateway.identity.service import IdentityService
+
+from .conftest import PG_DSN, make_config
+
+
+async def until_rejected(svc: IdentityService, secret: str, limit_s: float) -> float:
+    """Seconds until `svc` rejects the key (polling every 10 ms); fails after limit_s."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit_s:
+        try:
+            await svc.authenticate({"authorization": f"Bearer {secret}"}, "r")
+        except GatewayError as e:
+            assert e.code == "revoked_api_key"
+            return time.monotonic() - t0
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"still accepted after {limit_s}s")
+
+
+async def two(tmp_path: Path, store: str, schema: str | None, ttl: float) -> tuple[IdentityService, IdentityService]:
+    a = IdentityService(make_config(tmp_path, store, schema, cache_ttl_s=ttl))
+    b = IdentityService(make_config(tmp_path, store, schema, cache_ttl_s=ttl))
+    await a.start()
+    await b.start()
+    return a, b
+
+
+async def test_postgres_notify_propagates_revocation_fast(tmp_path: Path, pg_schema: str) -> None:
+    a, b = await two(tmp_path, "postgres", pg_schema, ttl=60.0)  # TTL far above the bound: NOTIFY must do it
+    try:
+        await a.create_tenant("acme")
+        k, secret = await a.create_key("acme")
+        assert (await b.authenticate({"authorization": f"Bearer {secret}"}, "r")).key_id == k.id  # cached in b
+        await a.revoke_key(k.id)
+        took = await until_rejected(b, secret, limit_s=2.0)
+        assert took < 2.0
+        # rotation with zero overlap also propagates (the old key expires right away everywhere)
+        k2, s2 = await a.create_key("acme")
+        await b.authenticate({"authorization": f"Bearer {s2}"}, "r")
+        await a.rotate_key(k2.id, overlap_s=0)
+        t0 = time.monotonic()
+        while True:
+            try:
+                await b.authenticate({"authorization": f"Bearer {s2}"}, "r")
+            except GatewayError as e:
+                assert e.code == "expired_api_key"
+                break
+            assert time.monotonic() - t0 < 2.0
+            await asyncio.sleep(0.01)
+        # label edits propagate too
+        await a.update_tenant_labels("acme", {"residency": "eea"})
+        _, s3 = await a.create_key("acme")
+        t0 = time.monotonic()
+        while (await b.authenticate({"authorization": f"Bearer {s3}"}, "r")).labels.get("residency") != "eea":
+            assert time.monotonic() - t0 < 2.0
+            await asyncio.sleep(0.01)
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_postgres_ttl_bounds_staleness_without_notify(tmp_path: Path, pg_schema: str) -> None:
+    a, b = await two(tmp_path, "postgres", pg_schema, ttl=0.5)
+    try:
+        await a.create_tenant("acme")
+        k, secret = await a.create_key("acme")
+        await b.authenticate({"authorization": f"Bearer {secret}"}, "r")
+        conn = await asyncpg.connect(PG_DSN, server_settings={"search_path": pg_schema})
+        try:  # revoke behind the services' backs: no NOTIFY is sent
+            await conn.execute("UPDATE api_keys SET revoked_at = $1 WHERE id = $2", time.time(), k.id)
+        finally:
+            await conn.close()
+        took = await until_rejected(b, secret, limit_s=1.5)
+        assert took <= 0.5 + 0.2
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_postgres_listener_reconnects_and_flushes(tmp_path: Path, pg_schema: str) -> None:
+    a, b = await two(tmp_path, "postgres", pg_schema, ttl=60.0)
+    try:
+        await a.create_tenant("acme")
+        k, secret = await a.create_key("acme")
+        await b.authenticate({"authorization": f"Bearer {secret}"}, "r")
+        store_b: Any = b.store
+        pid = store_b._listen_conn.get_server_pid()
+        admin = await asyncpg.connect(PG_DSN)
+        try:
+            await admin.execute("SELECT pg_terminate_backend($1)", pid)
+        finally:
+            await admin.close()
+        await asyncio.sleep(0.1)
+        await a.revoke_key(k.id)  # this NOTIFY is lost for b (its listener is gone)
+        took = await until_rejected(b, secret, limit_s=4.0)  # reconnect (1 s poll) flushes b's cache
+        assert took < 4.0
+        assert store_b._listen_conn.get_server_pid() != pid
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_sqlite_second_instance_bounded_by_ttl(tmp_path: Path) -> None:
+    a, b = await two(tmp_path, "sqlite", None, ttl=0.3)
+    try:
+        await a.create_tenant("acme")
+        k, secret = await a.create_key("acme")
+        await b.authenticate({"authorization": f"Bearer {secret}"}, "r")
+        await a.revoke_key(k.id)
+        took = await until_rejected(b, secret, limit_s=1.0)
+        assert took <= 0.3 + 0.15
+    finally:
+        await a.close()
+        await b.close()
+
+
+@pytest.mark.parametrize("n", [1])
+async def test_concurrent_migration_is_safe(tmp_path: Path, pg_schema: str, n: int) -> None:
+    svcs = [IdentityService(make_config(tmp_path, "postgres", pg_schema)) for _ in range(3)]
+    await asyncio.gather(*(s.start() for s in svcs))
+    for s in svcs:
+        await s.close()
