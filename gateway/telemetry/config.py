@@ -8,5 +8,11 @@ class TelemetryConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kv_events: bool = True
     kv_topic: str = "kv"
     scrape_interval_s: float = 1.0
-    tokenizer: str = "auto"  # auto | engine | approx | path to tokenizer.json
-    max_pending_batches: int = 10000
+    scrape_timeout_s: float = 1.0
+    tokenizer: str = "auto"  # auto | engine | approx | path to tokenizer.json (or its folder)
+    tokenize_timeout_s: float = 0.5
+    token_cache_size: int = 4096
+    max_pending_batches: int = 10000  # per engine; beyond it batches are dropped and recovered by replay
+    replay_timeout_s: float = 2.0
+    agreement_window: int = 200  # requests per engine used to judge recovery of a stale view
+    agreement_recovered: float = 0.99  # token agreement over the window that clears "stale"

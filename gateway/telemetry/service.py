@@ -1,0 +1,258 @@
+"""TelemetryService: the telemetry plane behind one object the request path calls.
+
+Owns the KV index, one KVEventSubscriber per engine with kv_events, one metrics scrape loop per engine, the
+token source, the gateway's own in-flight accounting, and the agreement between predicted and actual cached
+tokens (exported as Prometheus metrics and in /admin/fleet).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import httpx
+from prometheus_client import Counter
+
+from gateway.config import BackendConfig, Config
+from gateway.telemetry.index import CachedPrefix, KVIndex, RequestKeys
+from gateway.telemetry.scraper import EngineLoad, scrape
+from gateway.telemetry.subscriber import KVEventSubscriber
+from gateway.telemetry.tokens import TokenSource
+
+_METRICS: dict[str, Counter] = {}
+
+
+def _metrics() -> dict[str, Counter]:
+    if not _METRICS:
+        _METRICS["pred"] = Counter("gateway_kv_predicted_cached_tokens", "Cached tokens the KV index predicted",
+                                   ["engine"])
+        _METRICS["actual"] = Counter("gateway_kv_actual_cached_tokens", "Cached tokens the engine reported",
+                                     ["engine"])
+        _METRICS["agreed"] = Counter("gateway_kv_agreed_cached_tokens", "min(predicted, actual) cached tokens",
+                                     ["engine"])
+        _METRICS["req"] = Counter("gateway_kv_agreement_requests", "Requests compared", ["engine", "result"])
+    return _METRICS
+
+
+@dataclass
+class Agreement:
+    """Predicted vs actual cached tokens for one engine (tokens and requests), all-time and over a window."""
+
+    requests: int = 0
+    requests_exact: int = 0
+    predicted_tokens: int = 0
+    actual_tokens: int = 0
+    agreed_tokens: int = 0  # sum of min(predicted, actual)
+    window: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=200))
+
+    @staticmethod
+    def ratio(agreed: int, pred: int, actual: int) -> float:
+        """Token agreement: agreed / max(pred total, actual total) (1.0 when both are 0)."""
+        den = max(pred, actual)
+        return 1.0 if den == 0 else agreed / den
+
+    def token_agreement(self) -> float:
+        return self.ratio(self.agreed_tokens, self.predicted_tokens, self.actual_tokens)
+
+    def window_agreement(self) -> float:
+        p = sum(x for x, _ in self.window)
+        a = sum(y for _, y in self.window)
+        return self.ratio(sum(min(x, y) for x, y in self.window), p, a)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"requests": self.requests, "requests_exact": self.requests_exact,
+                "request_agreement": round(self.requests_exact / self.requests, 4) if self.requests else None,
+                "predicted_tokens": self.predicted_tokens, "actual_tokens": self.actual_tokens,
+                "agreed_tokens": self.agreed_tokens, "token_agreement": round(self.token_agreement(), 4),
+                "window_token_agreement": round(self.window_agreement(), 4)}
+
+
+@dataclass
+class InFlight:
+    requests: int = 0
+    prefill_tokens: int = 0
+
+
+def _telemetry_backends(config: Config) -> list[BackendConfig]:
+    return [b for b in config.backends if b.kind in ("vllm", "sim")]
+
+
+class TelemetryService:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.index = KVIndex()
+        tc = config.raw.telemetry
+        self._client = httpx.AsyncClient()
+        self.tokens = TokenSource(tc.tokenizer, self._client, tc.token_cache_size, tc.tokenize_timeout_s)
+        self.subscribers: dict[str, KVEventSubscriber] = {}
+        self._scrapers: dict[str, asyncio.Task[None]] = {}
+        self._loads: dict[str, EngineLoad] = {}
+        self._inflight: dict[str, InFlight] = {}
+        self._agree: dict[str, Agreement] = {}
+        self._backends: dict[str, BackendConfig] = {}
+        self._started = False
+
+    # ------------------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        self._started = True
+        for b in _telemetry_backends(self.config):
+            await self._start_backend(b)
+
+    async def _start_backend(self, b: BackendConfig) -> None:
+        tc = self.config.raw.telemetry
+        self._backends[b.name] = b
+        if tc.kv_events and b.kv_events:
+            sub = KVEventSubscriber(b.name, b.kv_events, b.replay, tc.kv_topic, self.index,
+                                    max_pending=tc.max_pending_batches, replay_timeout_s=tc.replay_timeout_s)
+            await sub.start()
+            self.subscribers[b.name] = sub
+        url = b.metrics or (b.server_root.rstrip("/") + "/metrics")
+        self._scrapers[b.name] = asyncio.create_task(self._scrape_loop(b.name, url), name=f"scrape-{b.name}")
+
+    async def _stop_backend(self, name: str, forget: bool = True) -> None:
+        sub = self.subscribers.pop(name, None)
+        if sub is not None:
+            await sub.close()
+        t = self._scrapers.pop(name, None)
+        if t is not None:
+            t.cancel()
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._backends.pop(name, None)
+        if forget:
+            self.index.remove_engine(name)
+            self._loads.pop(name, None)
+
+    async def close(self) -> None:
+        for name in list(self._backends):
+            await self._stop_backend(name, forget=False)
+        await self._client.aclose()
+
+    async def swap_config(self, config: Config) -> None:
+        """Hot reload: start new engines, stop removed ones, restart those whose endpoints changed."""
+        old = self._backends
+        self.config = config
+        new = {b.name: b for b in _telemetry_backends(config)}
+        for name in list(old):
+            if name not in new:
+                await self._stop_backend(name)
+            elif (old[name].kv_events, old[name].replay, old[name].metrics, old[name].url) != \
+                    (new[name].kv_events, new[name].replay, new[name].metrics, new[name].url):
+                await self._stop_backend(name)
+        if self._started:
+            for name, b in new.items():
+                if name not in self._backends:
+                    await self._start_backend(b)
+
+    async def _scrape_loop(self, name: str, url: str) -> None:
+        tc = self.config.raw.telemetry
+        while True:
+            load = await scrape(self._client, url, tc.scrape_timeout_s)
+            self._loads[name] = load
+            if load.block_size and self.index.block_size(name) is None:
+                self.index.set_block_size(name, load.block_size)
+            await asyncio.sleep(tc.scrape_interval_s)
+
+    # ------------------------------------------------------------------------------ request path
+    async def tokens_for(self, backend_name: str | None, endpoint: str | None, body: dict[str, Any]
+                         ) -> tuple[list[int], str]:
+        """Token ids of a request and their source ("local" | "engine" | "approx")."""
+        if endpoint is None and backend_name in self._backends:
+            endpoint = self._backends[backend_name].server_root
+        return await self.tokens.tokens(endpoint, body)
+
+    def lookup(self, engine_names: Iterable[str], tokens: Sequence[int] | RequestKeys, salt: str | None = None,
+               lora: str | None = None) -> dict[str, CachedPrefix]:
+        """Per engine: longest cached prefix (tokens, by tier). Stale engines are still answered (see fleet)."""
+        return self.index.lookup(engine_names, tokens, salt, lora)
+
+    def is_stale(self, engine: str) -> bool:
+        s = self.subscribers.get(engine)
+        return bool(s and s.stale)
+
+    def load(self, engine: str) -> EngineLoad | None:
+        return self._loads.get(engine)
+
+    def inflight(self, engine: str) -> InFlight:
+        return self._inflight.setdefault(engine, InFlight())
+
+    def begin(self, engine: str, prefill_tokens: int) -> None:
+        f = self.inflight(engine)
+        f.requests += 1
+        f.prefill_tokens += prefill_tokens
+
+    def end(self, engine: str, prefill_tokens: int = 0) -> None:
+        f = self.inflight(engine)
+        f.requests = max(0, f.requests - 1)
+        f.prefill_tokens = max(0, f.prefill_tokens - prefill_tokens)
+
+    def observe_cached(self, engine: str, predicted: int, actual: int,
+                       request_keys: RequestKeys | None = None) -> None:
+        """Record predicted vs actual cached tokens for a finished request on `engine`.
+
+        While the engine's view is stale (rebuilding after an unrecoverable gap), an over-prediction also
+        removes the blocks the engine proved it does not hold; agreement back above the threshold over the
+        window clears the stale mark.
+        """
+        predicted, actual = int(predicted), int(actual)
+        a = self._agree.setdefault(engine, Agreement(window=deque(maxlen=self.config.raw.telemetry.agreement_window)))
+        a.requests += 1
+        a.requests_exact += predicted == actual
+        a.predicted_tokens += predicted
+        a.actual_tokens += actual
+        a.agreed_tokens += min(predicted, actual)
+        a.window.append((predicted, actual))
+        m = _metrics()
+        m["pred"].labels(engine).inc(predicted)
+        m["actual"].labels(engine).inc(actual)
+        m["agreed"].labels(engine).inc(min(predicted, actual))
+        m["req"].labels(engine, "exact" if predicted == actual else "differ").inc()
+        sub = self.subscribers.get(engine)
+        if sub is not None and sub.stale:
+            bs = self.index.block_size(engine)
+            if predicted > actual and request_keys is not None and bs:
+                self.index.forget_from(engine, request_keys.keys(bs)[actual // bs: predicted // bs])
+            tc = self.config.raw.telemetry
+            if len(a.window) >= min(20, a.window.maxlen or 20) and a.window_agreement() >= tc.agreement_recovered:
+                sub.mark_fresh()
+
+    def agreement(self, engine: str | None = None) -> dict[str, Any]:
+        if engine is not None:
+            return self._agree.get(engine, Agreement()).to_dict()
+        tot = Agreement()
+        for a in self._agree.values():
+            tot.requests += a.requests
+            tot.requests_exact += a.requests_exact
+            tot.predicted_tokens += a.predicted_tokens
+            tot.actual_tokens += a.actual_tokens
+            tot.agreed_tokens += a.agreed_tokens
+        d = tot.to_dict()
+        d.pop("window_token_agreement")
+        return d
+
+    def fleet_snapshot(self) -> dict[str, Any]:
+        """For /admin/fleet: per engine cached blocks by tier, load, staleness, agreement."""
+        engines: dict[str, Any] = {}
+        for name in self._backends:
+            sub = self.subscribers.get(name)
+            load = self._loads.get(name)
+            f = self._inflight.get(name, InFlight())
+            engines[name] = {
+                "block_size": self.index.block_size(name),
+                "cached_blocks": self.index.engine_blocks(name),
+                "kv_events": sub.snapshot() if sub else None,
+                "stale": bool(sub and sub.stale),
+                "load": load.to_dict() if load else None,
+                "inflight": {"requests": f.requests, "prefill_tokens": f.prefill_tokens},
+                "agreement": self.agreement(name),
+            }
+        st = self.index.stats()
+        return {"generated_at": time.time(), "engines": engines, "agreement": self.agreement(),
+                "index": {k: v for k, v in st.items() if k != "engines"},
+                "tokens": {"mode": self.tokens.mode, "by_source": dict(self.tokens.by_source),
+                           "cache_hits": self.tokens.hits, "cache_misses": self.tokens.misses,
+                           "local_error": self.tokens.local_error}}
