@@ -177,10 +177,8 @@ class SimEngine:
                     f.cancel()
 
     def reset_prefix_cache(self) -> bool:
-        ok = self.sched.reset_prefix_cache()
-        if ok:
-            self._publish(self.sched.pool.take_events())
-        return ok
+        # vLLM publishes AllBlocksCleared with the next step's batch (seen in captured traffic), not at once.
+        return self.sched.reset_prefix_cache()
 
     def _publish(self, events: list) -> None:
         if events and self.publisher is not None:

@@ -11,6 +11,11 @@ from collections import OrderedDict
 
 from backends.sim.kv_wire import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, Event
 
+# vLLM 0.32 (captured bytes in tests/data/vllm_kv_events) always sends extra_keys as a per-block list,
+# group_idx 0 and kv_cache_spec_kind "full_attention" on stores, and group_idx 0 on removals.
+GROUP_IDX = 0
+SPEC_KIND = "full_attention"
+
 
 class BlockPool:
     """Reference-counted KV blocks, a hash -> block map for prefix hits, and the events they cause."""
@@ -75,7 +80,7 @@ class BlockPool:
             out.append(b)
         if removed:
             # vLLM emits one BlockRemoved per evicted block.
-            self.events.extend(BlockRemoved([h], MEDIUM_GPU) for h in removed)
+            self.events.extend(BlockRemoved([h], MEDIUM_GPU, GROUP_IDX) for h in removed)
         return out
 
     def release(self, block_ids: list[int]) -> None:
@@ -106,14 +111,12 @@ class BlockPool:
             prev = parent
             for i, h in enumerate(hashes):
                 if h in stored_hashes and self.cached.get(h) == block_ids[i]:
-                    ek = [extra_keys[i]] if any(x is not None for x in extra_keys) else None
                     self.events.append(BlockStored([h], prev, token_ids[i * bs:(i + 1) * bs], bs, lora_id,
-                                                   MEDIUM_GPU, lora_name, ek))
+                                                   MEDIUM_GPU, lora_name, [extra_keys[i]], GROUP_IDX, SPEC_KIND))
                 prev = h
             return
-        ek_all = extra_keys if any(x is not None for x in extra_keys) else None
         self.events.append(BlockStored(list(hashes), parent, list(token_ids), self.block_size, lora_id,
-                                       MEDIUM_GPU, lora_name, ek_all))
+                                       MEDIUM_GPU, lora_name, list(extra_keys), GROUP_IDX, SPEC_KIND))
 
     def reset(self) -> bool:
         """Drop every cached hash (AllBlocksCleared); refused, like vLLM, while any block is in use."""

@@ -4,8 +4,9 @@ Written from vLLM's source (`vllm/distributed/kv_events.py`): `KVCacheEvent` is 
 (`tag=True`: the tag key is "type", the value is the class name) with `omit_defaults=True`; newer vLLM
 encodes events as maps, older ones (array_like=True) as arrays whose first element is the tag. The batch is
 `EventBatch(ts, events, data_parallel_rank)`. Frames on the PUB socket are `(topic, seq 8-byte big-endian,
-payload)`; the replay ROUTER answers `(identity, b"", seq, payload)` per buffered batch and ends with
-`(identity, b"", END_SEQ, b"")` where END_SEQ is -1 as 8 signed big-endian bytes.
+payload)`; vLLM 0.32's replay ROUTER answers `(identity, b"", topic, seq, payload)` per buffered batch and
+ends with `(identity, b"", b"", END_SEQ, b"")` where END_SEQ is -1 as 8 signed big-endian bytes (a DEALER
+sees the frames without the identity). Captured 0.32 traffic: batch = array, events = tagged maps.
 
 The decoder accepts both the map and the array forms of events and of the batch, so it reads every vLLM
 version we know of; the encoder writes the form selected by `WireForm`.

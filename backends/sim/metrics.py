@@ -70,7 +70,7 @@ class EngineCollector:
         yield counter("vllm:generation_tokens", "Number of generation tokens processed.", st.generation_tokens)
         succ = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
                                    labels=labels + ["finished_reason"])
-        for reason in ("stop", "length", "abort"):
+        for reason in ("stop", "length", "abort", "error", "repetition"):
             succ.add_metric(lv + [reason], st.success.get(reason, 0))
         yield succ
         yield _hist("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", labels, lv,

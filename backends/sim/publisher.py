@@ -2,8 +2,8 @@
 
 Mirrors `ZmqEventPublisher` (vllm/distributed/kv_events.py): PUB frames `(topic, seq 8-byte BE, payload)`,
 seq from 0 per publisher instance, a bounded replay buffer served by a ROUTER socket that answers
-`(identity, b"", seq, payload)` per buffered batch with seq >= start and ends with `(identity, b"", END_SEQ,
-b"")`. Runs on the asyncio loop (zmq.asyncio) instead of a thread. A "lost" batch consumes its seq and stays
+`(identity, b"", topic, seq, payload)` per buffered batch with seq >= start and ends with `(identity, b"", b"",
+END_SEQ, b"")` (vLLM 0.32 as captured from a live engine; older sources had no topic frame). Runs on the asyncio loop (zmq.asyncio) instead of a thread. A "lost" batch consumes its seq and stays
 in the replay buffer but never reaches PUB subscribers, which is exactly a gap a subscriber must repair.
 """
 from __future__ import annotations
@@ -110,8 +110,8 @@ class KVEventPublisher:
             try:
                 for seq, buf in list(self._buffer):
                     if seq >= start:
-                        await self._router.send_multipart((client_id, b"", seq_bytes(seq), buf))
-                await self._router.send_multipart((client_id, b"", END_SEQ, b""))
+                        await self._router.send_multipart((client_id, b"", self._topic_b, seq_bytes(seq), buf))
+                await self._router.send_multipart((client_id, b"", b"", END_SEQ, b""))
             except zmq.ZMQError:
                 if self._closed:
                     return

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 _ERR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError", 503: "ServiceUnavailable"}
 _SALT_BAD = set("@/\\\x00")
+SYSTEM_FINGERPRINT = "vllm-0.32.0-sim"
 
 
 class ApiError(Exception):
@@ -257,11 +258,20 @@ class EngineServer:
         return self.engine.submit(ids, mt, stop_reason=reason, cache_salt=c["cache_salt"], lora_name=c["lora"],
                                   priority=c["priority"], seed=seed)
 
-    def _usage(self, req: SimRequest) -> dict[str, Any]:
+    def _usage(self, req: SimRequest, stream: bool = False) -> dict[str, Any]:
+        """vLLM 0.32's usage; in streams fields that are None are left out (as captured)."""
         u: dict[str, Any] = {"prompt_tokens": req.prompt_len, "total_tokens": req.prompt_len + req.num_output,
                              "completion_tokens": req.num_output}
         if self.enable_prompt_tokens_details:
-            u["prompt_tokens_details"] = {"cached_tokens": max(req.num_cached_tokens, 0)}
+            cached = max(req.num_cached_tokens, 0)
+            bs = self.engine.profile.block_size
+            created = max(0, (req.prompt_len // bs) * bs - cached) if self.engine.enable_prefix_caching else 0
+            d: dict[str, Any] = {"cached_tokens": cached, "created_cache_tokens": created}
+            if not stream:
+                d["multimodal_tokens"] = None
+            u["prompt_tokens_details"] = d
+        if not stream:
+            u["completion_tokens_details"] = None
         return u
 
     def _text(self, req: SimRequest, start: int, end: int) -> str:
@@ -289,11 +299,16 @@ class EngineServer:
                                      media_type="text/event-stream")
         await self._await(req, req.listener.done)
         return _json({"id": rid, "object": "chat.completion", "created": created, "model": model,
-                      "choices": [{"index": 0, "message": {"role": "assistant", "reasoning_content": None,
+                      "choices": [{"index": 0, "message": {"role": "assistant",
                                                            "content": self._text(req, 0, req.num_output),
-                                                           "tool_calls": []},
-                                   "logprobs": None, "finish_reason": req.finish_reason, "stop_reason": None}],
-                      "usage": self._usage(req), "prompt_logprobs": None, "kv_transfer_params": None})
+                                                           "refusal": None, "annotations": None, "audio": None,
+                                                           "function_call": None, "reasoning": None},
+                                   "logprobs": None, "finish_reason": req.finish_reason, "stop_reason": None,
+                                   "token_ids": None, "routed_experts": None}],
+                      "service_tier": None, "system_fingerprint": SYSTEM_FINGERPRINT,
+                      "usage": self._usage(req), "prompt_logprobs": None, "prompt_token_ids": None,
+                      "prompt_text": None, "kv_transfer_params": None, "ec_transfer_params": None,
+                      "metrics": None})
 
     async def completions(self, request: Request) -> Response:
         body = await _body(request)
@@ -321,7 +336,8 @@ class EngineServer:
         return _json({"id": rid, "object": "text_completion", "created": created, "model": model,
                       "choices": [{"index": 0, "text": self._text(req, 0, req.num_output), "logprobs": None,
                                    "finish_reason": req.finish_reason, "stop_reason": None,
-                                   "prompt_logprobs": None}],
+                                   "prompt_logprobs": None, "token_ids": None}],
+                      "service_tier": None, "system_fingerprint": SYSTEM_FINGERPRINT,
                       "usage": self._usage(req), "kv_transfer_params": None})
 
     async def _await(self, req: SimRequest, fut: asyncio.Future[None]) -> None:
@@ -342,12 +358,13 @@ class EngineServer:
                 choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
                 if finish is not None:
                     choice["stop_reason"] = None
+                choice["token_ids"] = None
                 out = _sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]})
                 if first:  # vLLM sends the role in its own chunk right before the first content
                     role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None}
                     out = _sse({"id": rid, "object": obj, "created": created, "model": model,
-                                "choices": [role]}) + out
+                                "choices": [role], "prompt_token_ids": None, "prompt_text": None}) + out
                 return out
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None}
             return _sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]})
@@ -357,10 +374,10 @@ class EngineServer:
         try:
             await w.first
             sent = req.num_output
-            if w.done.done():
+            if w.done.done():  # done at the first token: the token and finish_reason share one chunk
                 w.done.result()
                 finished = True
-                yield chunk(self._text(req, 0, sent), None, first=True)
+                yield chunk(self._text(req, 0, sent), req.finish_reason, first=True)
             else:
                 yield chunk(self._text(req, 0, sent), None, first=True)
                 while not w.done.done():
@@ -373,10 +390,10 @@ class EngineServer:
                         sent = n
                 w.done.result()  # raises EngineDead if the engine died: the connection drops
                 finished = True
-            yield chunk(self._text(req, sent, req.num_output), req.finish_reason)
+                yield chunk(self._text(req, sent, req.num_output), req.finish_reason)
             if include_usage:
                 yield _sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [],
-                            "usage": self._usage(req)})
+                            "usage": self._usage(req, stream=True), "system_fingerprint": SYSTEM_FINGERPRINT})
             yield b"data: [DONE]\n\n"
         finally:
             if not finished:
