@@ -49,6 +49,7 @@ class KVEventSubscriber:
             "batches", "block_events", "gaps", "replayed_batches", "replays_ok", "replays_failed",
             "unrecoverable_gaps", "restarts", "clears", "dropped_overflow", "duplicates", "decode_errors")}
         self.last_event_at: float | None = None
+        self._overflowed = False
         self.applied = asyncio.Event()  # set after each applied batch (tests and readiness wait on it)
 
     # ------------------------------------------------------------------------------ lifecycle
@@ -90,6 +91,7 @@ class KVEventSubscriber:
                 self._queue.put_nowait((seq, frames[2]))
             except asyncio.QueueFull:
                 self.counters["dropped_overflow"] += 1  # becomes a gap, recovered by replay
+                self._overflowed = True
 
     async def _apply_loop(self) -> None:
         while True:
@@ -98,7 +100,19 @@ class KVEventSubscriber:
                 await self._handle(seq, payload)
             except Exception:  # never let one bad batch kill the stream
                 log.exception("kv events: engine %s: failed to apply batch %s", self.engine, seq)
+            if self._overflowed and self._queue.empty():
+                await self._catch_up()  # the newest batches may have been dropped: no later seq would show it
             await asyncio.sleep(0)
+
+    async def _catch_up(self) -> None:
+        self._overflowed = False
+        if self.last_seq is None or not self.replay_endpoint:
+            return
+        got = await self.replay(self.last_seq + 1)
+        for s, p in got or []:
+            if s == self.last_seq + 1:
+                self._apply(s, p)
+                self.counters["replayed_batches"] += 1
 
     async def _handle(self, seq: int, payload: bytes) -> None:
         last = self.last_seq
