@@ -153,11 +153,15 @@ class RedisBudgetStore:
         await self._call(args.keys(), args.to_wire())
 
     async def _call(self, keys: list[str], wire: dict[str, Any]) -> Any:
-        from redis.exceptions import RedisError
+        from redis.exceptions import ConnectionError as RedisConnectionError, RedisError
 
         try:
             return await self.script(keys=keys, args=[orjson.dumps(wire)])
         except (RedisError, OSError, asyncio.TimeoutError) as e:
+            # no blind retry: reserve/settle are not idempotent if the reply (not the command) was lost.
+            # Drop pooled sockets so the next call after a Redis restart starts on fresh connections.
+            if isinstance(e, (RedisConnectionError, OSError)):
+                await self.client.connection_pool.disconnect(inuse_connections=False)
             raise StoreUnavailable(f"budget redis: {type(e).__name__}: {e}") from e
 
 
