@@ -34,13 +34,13 @@ requirements := {"jurisdiction": "EEA", "retention": "zero", "priority": "standa
 
 denied := [d | some d in denials]
 
-# The decision is only defined for requests with a tenant; anything else is undefined, hence denied.
+# The decision is only defined for requests with a (non-empty) tenant; otherwise it is undefined, hence denied.
 decision := object.union({"allow": true}, requirements) if {
-	input.principal.tenant
+	input.principal.tenant != ""
 	count(denials) == 0
 }
 
 decision := {"allow": false, "rule": denied[0].rule, "reason": denied[0].reason} if {
-	input.principal.tenant
+	input.principal.tenant != ""
 	count(denials) > 0
 }
