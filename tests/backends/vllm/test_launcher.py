@@ -51,7 +51,8 @@ def test_optional_flags_are_left_out_by_default_and_extra_args_come_last() -> No
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"block_size": 16}, "multiple of 32"),
-    ({"block_size": 0}, "multiple of 32"),
+    ({"block_size": 0}, "positive"),
+    ({"block_size": -32, "device": "cuda"}, "positive"),
     ({"num_gpu_blocks_override": 0}, "positive"),
 ])
 def test_invalid_engine_sizes_are_rejected(kwargs: dict, match: str) -> None:
@@ -63,6 +64,11 @@ def test_invalid_engine_sizes_are_rejected(kwargs: dict, match: str) -> None:
 def test_bad_or_clashing_ports_are_rejected(ports: tuple[int, int, int]) -> None:
     with pytest.raises(ValueError):
         launcher.build_command("m", *ports, python="py")
+
+
+def test_gpu_block_sizes_are_passed_through() -> None:
+    cmd = launcher.build_command("m", 8000, 5557, 5558, python="py", block_size=16, device="cuda")
+    assert _flag(cmd, "--block-size") == "16"
 
 
 def test_env_is_offline_cpu_and_dev_mode() -> None:
