@@ -32,7 +32,7 @@ def render_messages_plain(messages: list[dict[str, Any]]) -> str:
 def approx_tokens(text: str) -> list[int]:
     """Pseudo token ids: one per 4-char chunk, hashed (stable across processes)."""
     n = APPROX_CHARS_PER_TOKEN
-    return [xxhash.xxh32_intdigest(text[i:i + n]) for i in range(0, len(text), n)]
+    return [xxhash.xxh32_intdigest(text[i:i + n].encode("utf-8")) for i in range(0, len(text), n)]
 
 
 class LocalTokenizer:
