@@ -15,7 +15,7 @@ class ModelPrice(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class BudgetsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     store: str = "memory"  # memory | redis
     redis_url: str = "redis://127.0.0.1:6379/0"
-    redis_timeout_s: float = 0.25  # per command; a dead Redis is detected within this
+    redis_timeout_s: float = 1.0  # per command; a dead Redis is detected within this
     redis_retry_s: float = 1.0  # after a Redis failure, how long to wait before trying it again
     key_prefix: str = "gwb"
     on_store_error: str = "closed"  # closed | open

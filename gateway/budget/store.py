@@ -125,7 +125,7 @@ class RedisBudgetStore:
     redis-py's Script reloads the script after NOSCRIPT (e.g. a restarted Redis) transparently.
     """
 
-    def __init__(self, url: str, timeout_s: float = 0.25, max_connections: int = 64) -> None:
+    def __init__(self, url: str, timeout_s: float = 1.0, max_connections: int = 64) -> None:
         import redis.asyncio as aioredis
 
         self.url = url

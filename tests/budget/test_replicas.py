@@ -64,8 +64,8 @@ def test_two_replicas_rpm_exact_and_money_budget(tmp_path, redis_url, prefix):
                                {"window": "month", "scope": "tenant", "money": 1.0}]})
              for i, n in enumerate(["a", "b"])]
     outs = collect(procs)
-    assert sum(o["ok"] for o in outs) == rpm
-    assert sum(o["rate"] for o in outs) == 200 - rpm
+    assert sum(o["ok"] for o in outs) == rpm, outs
+    assert sum(o["rate"] for o in outs) == 200 - rpm, [{k: v for k, v in o.items() if k != "ids"} for o in outs]
 
 
 def test_redis_restart_mid_run_no_overspend_no_lost_rows(tmp_path, private_redis, prefix):
