@@ -13,6 +13,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import zmq
+
 from backends.sim.kv_wire import WireForm
 from backends.sim.profiles import EngineProfile
 from backends.sim.publisher import KVEventPublisher
@@ -91,8 +93,15 @@ class SimEngine:
         return ids[(((req.seed + req.num_output) * 2654435761) >> 9) % len(ids)]
 
     async def start(self) -> None:
-        self.publisher = KVEventPublisher(self.host, self._zmq_ports[0], self._zmq_ports[1], self.topic,
-                                          batch_form=self._forms[0], event_form=self._forms[1])
+        for attempt in range(100):  # zmq closes listeners asynchronously: a rebind after restart may need a moment
+            try:
+                self.publisher = KVEventPublisher(self.host, self._zmq_ports[0], self._zmq_ports[1], self.topic,
+                                                  batch_form=self._forms[0], event_form=self._forms[1])
+                break
+            except zmq.ZMQError as e:
+                if e.errno != zmq.EADDRINUSE or attempt == 99:
+                    raise
+                await asyncio.sleep(0.02)
         self._zmq_ports = (self.publisher.port, self.publisher.replay_port)  # keep them across restarts
         self.publisher.start()
         self.apply_faults()
