@@ -122,17 +122,26 @@ class _StrMatch:
 
 
 def _principal_cond(name: str, attr: str, m: _StrMatch) -> Condition:
-    def test(p: Principal, r: RequestAttrs, _a: str = attr, _m: _StrMatch = m) -> bool:
-        return _m(getattr(p, _a))
+    if m.exact_only:
+        ex = m.exact
 
-    return Condition(name, f"{name} is {m}", test)
+        def test(p: Principal, r: RequestAttrs) -> bool:
+            return getattr(p, attr) in ex
+
+        return Condition(name, f"{name} is {m}", test, dim=name, exact=ex)
+
+    def gtest(p: Principal, r: RequestAttrs) -> bool:
+        return m(getattr(p, attr))
+
+    return Condition(name, f"{name} is {m}", gtest)
 
 
 def _label_cond(key: str, m: _StrMatch) -> Condition:
-    def test(p: Principal, r: RequestAttrs) -> bool:
-        return m(p.labels.get(key))
-
-    return Condition(f"labels.{key}", f"principal label {key} is {m}", test)
+    if m.exact_only:
+        ex = m.exact
+        return Condition(f"labels.{key}", f"principal label {key} is {m}", lambda p, r: p.labels.get(key) in ex,
+                         dim=f"label:{key}", exact=ex)
+    return Condition(f"labels.{key}", f"principal label {key} is {m}", lambda p, r: m(p.labels.get(key)))
 
 
 def _scopes_cond(m: _StrMatch) -> Condition:
@@ -146,6 +155,9 @@ def _scopes_cond(m: _StrMatch) -> Condition:
 
 
 def _model_cond(m: _StrMatch) -> Condition:
+    if m.exact_only:
+        ex = m.exact
+        return Condition("model", f"model is {m}", lambda p, r: r.model in ex, dim="model", exact=ex)
     return Condition("model", f"model is {m}", lambda p, r: m(r.model))
 
 
@@ -155,6 +167,9 @@ def _header_cond(name: str, spec: Any) -> Condition:
     if spec is False or spec is None:
         return Condition(f"headers.{name}", f"header {name} is absent", lambda p, r: name not in r.headers)
     m = _StrMatch(spec)
+    if m.exact_only:
+        ex = m.exact
+        return Condition(f"headers.{name}", f"header {name} is {m}", lambda p, r: r.headers.get(name) in ex)
     return Condition(f"headers.{name}", f"header {name} is {m}", lambda p, r: m(r.headers.get(name)))
 
 
@@ -372,19 +387,6 @@ def _compile_rule(raw: dict[str, Any], order: int, path: str, src: _Src, errors:
             errors.append(src.err(f"{path}.deny.models", "denies every model the same rule allows"))
 
     specificity = (level, len(conds))
-    index_keys: tuple[tuple[str, ...], ...] = ()
-    for name in ("key", "project", "team", "tenant", "partner"):
-        if name in match and _StrMatch(match[name]).exact_only:
-            index_keys = tuple((name, v) for v in _StrMatch(match[name]).exact)
-            break
-    else:
-        for k, v in (match.get("labels") or {}).items():
-            if _StrMatch(v).exact_only:
-                index_keys = tuple(("label", k, x) for x in _StrMatch(v).exact)
-                break
-        else:
-            if "model" in match and _StrMatch(match["model"]).exact_only:
-                index_keys = tuple(("model", v) for v in _StrMatch(match["model"]).exact)
     match_key = json.dumps(match, sort_keys=True, default=str)
     rm = glob_regex(deny_models) if deny_models else None
     return Rule(id=rid, order=order, source=f"{src.source}:{src.line(path) or '?'}", conditions=tuple(conds),
@@ -392,7 +394,7 @@ def _compile_rule(raw: dict[str, Any], order: int, path: str, src: _Src, errors:
                 allowed_models=allowed_models, allowed_models_re=glob_regex(allowed_models) if allowed_models else None,
                 countries=countries, jurisdiction=jurisdiction, retention_zero=retention_zero, sets=sets,
                 cache_isolation=cache_isolation, budgets=tuple(budgets), reason=raw.get("reason"),
-                match_key=match_key, index_keys=index_keys)
+                match_key=match_key)
 
 
 def _check_pairs(rules: list[Rule], errors: list[str]) -> None:

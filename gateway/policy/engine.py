@@ -36,54 +36,82 @@ class CompiledPolicy:
         self.tests = list(tests or [])
         self.sources = sources
         self._by_id = {r.id: r for r in rules}
-        buckets: dict[tuple[str, ...], list[Rule]] = {}
-        wild: list[Rule] = []
-        label_keys: set[str] = set()
+        self._build_index(rules)
+        self._combined: dict[tuple[Any, ...], Decision] = {}
+
+    # Each rule is filed under its "signature": the exact-valued dimensions it matches on (e.g. tenant+team),
+    # keyed by the value combination. A request looks up each signature once with its own values, so it only
+    # sees rules whose exact conditions already hold; only the rest of their conditions are tested.
+    _MAX_COMBOS = 64
+
+    def _build_index(self, rules: list[Rule]) -> None:
+        sigs: dict[tuple[str, ...], dict[Any, list[tuple[int, Rule, tuple[Any, ...]]]]] = {}
+        wild: list[tuple[int, Rule, tuple[Any, ...]]] = []
         for r in rules:
-            if not r.index_keys:
-                wild.append(r)
-            for k in r.index_keys:
-                buckets.setdefault(k, []).append(r)
-                if k[0] == "label":
-                    label_keys.add(k[1])
-        self._buckets = {k: tuple(v) for k, v in buckets.items()}
+            idx = [c for c in r.conditions if c.dim is not None and c.exact is not None]
+            idx.sort(key=lambda c: c.dim or "")
+            combos = 1
+            chosen = []
+            for c in idx:
+                if combos * len(c.exact or ()) <= self._MAX_COMBOS and all(c.dim != x.dim for x in chosen):
+                    chosen.append(c)
+                    combos *= len(c.exact or ())
+            residual = tuple(c.test for c in r.conditions if c not in chosen)
+            if not chosen:
+                wild.append((r.order, r, residual))
+                continue
+            sig = tuple(c.dim or "" for c in chosen)
+            keys: list[tuple[str, ...]] = [()]
+            for c in chosen:
+                keys = [k + (v,) for k in keys for v in sorted(c.exact or ())]
+            table = sigs.setdefault(sig, {})
+            for k in keys:
+                table.setdefault(k[0] if len(k) == 1 else k, []).append((r.order, r, residual))
         self._wild = tuple(wild)
-        self._label_keys = tuple(sorted(label_keys))
+        self._sigs = tuple((sig, _getter(sig), {k: tuple(v) for k, v in t.items()}) for sig, t in sigs.items())
 
     def rule(self, rule_id: str) -> Rule:
         return self._by_id[rule_id]
 
     # ------------------------------------------------------------------------------------------- evaluation
 
-    def candidates(self, p: Principal, req: RequestAttrs) -> list[Rule]:
-        """Rules that could match (bucket lookups plus unindexed rules), in rule order."""
-        b = self._buckets
-        got: list[Rule] = list(self._wild)
-        n = 1 if got else 0
-        for key in (("key", p.key_id), ("project", p.project), ("team", p.team), ("tenant", p.tenant),
-                    ("partner", p.partner), ("model", req.model)):
-            lst = b.get(key)  # type: ignore[arg-type]
+    def _entries(self, p: Principal, req: RequestAttrs) -> list[tuple[int, Rule, tuple[Any, ...]]]:
+        got = list(self._wild)
+        lists = 1 if got else 0
+        for _sig, get, table in self._sigs:
+            lst = table.get(get(p, req))
             if lst:
                 got.extend(lst)
-                n += 1
-        if self._label_keys and p.labels:
-            for lk in self._label_keys:
-                v = p.labels.get(lk)
-                if v is not None:
-                    lst = b.get(("label", lk, v))
-                    if lst:
-                        got.extend(lst)
-                        n += 1
-        if n > 1:
-            got.sort(key=_order)
+                lists += 1
+        if lists > 1:
+            got.sort(key=_first)
         return got
 
+    def candidates(self, p: Principal, req: RequestAttrs) -> list[Rule]:
+        """Rules whose indexed conditions hold (plus unindexed rules), in rule order."""
+        return [e[1] for e in self._entries(p, req)]
+
     def matched(self, p: Principal, req: RequestAttrs) -> list[Rule]:
-        return [r for r in self.candidates(p, req) if r.matches(p, req)]
+        out = []
+        for _o, rule, residual in self._entries(p, req):
+            for t in residual:
+                if not t(p, req):
+                    break
+            else:
+                out.append(rule)
+        return out
 
     def decide(self, principal: Principal, request: RequestAttrs) -> Decision:
-        """The decision for one request. Pure: same inputs, same Decision."""
-        return self._combine(self.matched(principal, request), request.model)
+        """The decision for one request. Pure: same inputs, same Decision (combinations are memoized)."""
+        matched = self.matched(principal, request)
+        key = (tuple(r.order for r in matched), request.model)
+        d = self._combined.get(key)
+        if d is None:
+            d = self._combine(matched, request.model)
+            if len(self._combined) >= 65536:
+                self._combined.clear()
+            self._combined[key] = d
+        return d
 
     def _combine(self, matched: list[Rule], model: str) -> Decision:
         deny: Rule | None = None
@@ -168,8 +196,28 @@ class CompiledPolicy:
                               "ties by order"}
 
 
-def _order(r: Rule) -> int:
-    return r.order
+def _first(e: tuple[int, Any, Any]) -> int:
+    return e[0]
+
+
+def _getter(sig: tuple[str, ...]) -> Any:
+    """A function (principal, request) -> the bucket key for a signature (a value, or a tuple of values)."""
+    def one(dim: str) -> Any:
+        if dim == "model":
+            return lambda p, r: r.model
+        if dim.startswith("label:"):
+            k = dim[6:]
+            return lambda p, r: p.labels.get(k)
+        attr = {"key": "key_id"}.get(dim, dim)
+        return lambda p, r: getattr(p, attr)
+
+    gs = [one(d) for d in sig]
+    if len(gs) == 1:
+        return gs[0]
+    if len(gs) == 2:
+        g0, g1 = gs
+        return lambda p, r: (g0(p, r), g1(p, r))
+    return lambda p, r: tuple(g(p, r) for g in gs)
 
 
 def model_permitted(decision: Decision, model: str) -> bool:

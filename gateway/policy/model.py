@@ -35,6 +35,10 @@ class Condition:
     name: str
     describe: str
     test: Predicate
+    # For exact-valued conditions the index can serve: the dimension ("tenant", "label:tier", "model", ...)
+    # and the accepted values. A rule found in that index bucket needs no further test of this condition.
+    dim: str | None = None
+    exact: frozenset[str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,8 +64,6 @@ class Rule:
     budgets: tuple[BudgetSpec, ...] = ()
     reason: str | None = None
     match_key: str = ""  # canonical form of `match`, to find rules with identical conditions
-    # Index buckets this rule lives in, e.g. (("team", "search"),) or (("label", "tier", "gold"),); () = always check
-    index_keys: tuple[tuple[str, ...], ...] = ()
 
     @property
     def rank(self) -> tuple[int, int, int]:
