@@ -13,13 +13,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-import httpx
 import orjson
 
 from gateway.errors import GatewayError, retry_headers
 from gateway.pipeline import RequestContext, Usage
 from gateway.proxy import sse
 from gateway.proxy.health import Health
+from gateway.proxy.transport import UpstreamBroken, UpstreamConnectError, UpstreamResponse
 from gateway.proxy.upstream import Upstreams
 from gateway.routing.plan import Candidate, RoutePlan
 
@@ -60,7 +60,7 @@ class RetryBudget:
 class StreamStart:
     """An upstream stream that produced its first event(s); the rest is read by `stream_body`."""
 
-    response: httpx.Response
+    response: UpstreamResponse
     candidate: Candidate
     first: list[bytes]
     splitter: sse.EventSplitter
@@ -197,18 +197,17 @@ class Dispatcher:
         b = cand.backend
         client = self._upstreams().client(b.name)
         self.health.begin(b.name)
-        req = client.build_request("POST", PATHS[ctx.endpoint], content=upstream_body(ctx, cand),
-                                   headers=self._headers(ctx, cand))
+        body = upstream_body(ctx, cand)
         t0 = time.perf_counter()
         limit = b.timeouts.first_token_s if ctx.stream else b.timeouts.total_s
-        resp: httpx.Response | None = None
+        resp: UpstreamResponse | None = None
         try:
             async with asyncio.timeout(limit):
-                resp = await client.send(req, stream=True)
-                if resp.status_code != 200:
+                resp = await client.post(PATHS[ctx.endpoint], body, self._headers(ctx, cand))
+                if resp.status != 200:
                     err_body = await _read_limited(resp, _MAX_ERROR_BODY)
                     await resp.aclose()
-                    return self._upstream_status(ctx, cand, resp.status_code, err_body, resp.headers)
+                    return self._upstream_status(ctx, cand, resp.status, err_body, resp.headers)
                 if not ctx.stream:
                     body = await resp.aread()
                     await resp.aclose()
@@ -227,7 +226,7 @@ class Dispatcher:
                     if any(_is_first_token(e) for e in events):
                         break
                 if not first:
-                    raise httpx.RemoteProtocolError("upstream closed the stream before any event")
+                    raise UpstreamBroken("upstream closed the stream before any event")
                 self.health.success(b.name)
                 return StreamStart(resp, cand, first, splitter, it, t0)
         except TimeoutError:
@@ -237,19 +236,19 @@ class Dispatcher:
             what = "first token" if ctx.stream else "response"
             raise GatewayError(504, f"Upstream timed out waiting for the {what} after {limit:g}s.",
                                code="upstream_timeout") from None
-        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as e:
-            self.health.failure(b.name, type(e).__name__)
+        except UpstreamConnectError as e:
+            self.health.failure(b.name, str(e))
             raise GatewayError(503, "Upstream is unreachable.", code="upstream_unavailable",
                                headers=retry_headers(1.0), extra={"_retryable": True}) from None
-        except (httpx.HTTPError, OSError) as e:  # died before the first token: nothing reached the client
+        except (UpstreamBroken, OSError) as e:  # died before the first token: nothing reached the client
             if resp is not None:
                 await resp.aclose()
-            self.health.failure(b.name, type(e).__name__)
+            self.health.failure(b.name, str(e) or type(e).__name__)
             raise GatewayError(502, "Upstream failed before the first token.", code="upstream_error",
                                extra={"_retryable": True}) from None
 
     def _upstream_status(self, ctx: RequestContext, cand: Candidate, status: int, body: bytes,
-                         headers: httpx.Headers) -> JsonResult:
+                         headers) -> JsonResult:
         name = cand.backend.name
         msg = _upstream_error_message(status, body)
         if status >= 500:
@@ -286,7 +285,7 @@ def _is_first_token(event: bytes) -> bool:
     return data == sse.DONE or sse.has_usage(data) or sse.has_token(data)
 
 
-async def _read_limited(resp: httpx.Response, limit: int) -> bytes:
+async def _read_limited(resp: UpstreamResponse, limit: int) -> bytes:
     out = b""
     async for chunk in resp.aiter_raw():
         out += chunk
@@ -340,13 +339,16 @@ async def stream_body(ctx: RequestContext, start: StreamStart,
         ctx.error = "upstream_timeout"
         ctx.status = 504
         yield GatewayError(504, "Upstream stopped sending (idle or total timeout).", code="upstream_timeout").sse_event()
-    except (httpx.HTTPError, OSError):
+    except (UpstreamBroken, OSError):
         ctx.error = "upstream_stream_broken"
         ctx.status = 502
         yield GatewayError(502, "Upstream connection broke mid-stream.", code="upstream_error").sse_event()
     finally:
         if ctx.usage is None:
             ctx.usage = Usage(prompt_tokens=ctx.prompt_tokens_est, completion_tokens=st.delivered_tokens)
+        aclose = getattr(it, "aclose", None)
+        if aclose is not None:
+            await aclose()
         await start.response.aclose()
         await on_end()
 

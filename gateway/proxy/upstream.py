@@ -1,12 +1,11 @@
-"""One pooled httpx client per backend (keep-alive, HTTP/1.1, pool limits from config) and its credential."""
+"""One pooled upstream client per backend (keep-alive, HTTP/1.1, pool limits from config) and its credential."""
 from __future__ import annotations
 
 import asyncio
 import logging
 
-import httpx
-
 from gateway.config import BackendConfig, Config, read_secret
+from gateway.proxy.transport import Transport, make_transport
 
 log = logging.getLogger("gateway.upstream")
 
@@ -16,24 +15,25 @@ class Upstreams:
     while in-flight requests finish on the old one (closed after a grace period)."""
 
     def __init__(self, config: Config) -> None:
-        self._clients: dict[str, tuple[tuple, httpx.AsyncClient]] = {}
+        self._clients: dict[str, tuple[tuple, Transport]] = {}
         self._auth: dict[str, str | None] = {}
-        self._retired: list[httpx.AsyncClient] = []
+        self._retired: list[Transport] = []
         self.swap_config(config)
 
     @staticmethod
-    def _identity(b: BackendConfig) -> tuple:
-        return (b.url, b.limits, b.timeouts.connect_s)
+    def _identity(b: BackendConfig, kind: str) -> tuple:
+        return (b.url, b.limits, b.timeouts.connect_s, kind)
 
     def swap_config(self, config: Config) -> None:
-        new: dict[str, tuple[tuple, httpx.AsyncClient]] = {}
+        new: dict[str, tuple[tuple, Transport]] = {}
+        kind = config.server.upstream_client
         for b in config.backends:
-            ident = self._identity(b)
+            ident = self._identity(b, kind)
             old = self._clients.get(b.name)
             if old is not None and old[0] == ident:
                 new[b.name] = old
             else:
-                new[b.name] = (ident, self._make_client(b))
+                new[b.name] = (ident, make_transport(kind, b))
                 if old is not None:
                     self._retired.append(old[1])
             key = read_secret(b.api_key_env, b.api_key_file, config.base_dir)
@@ -50,22 +50,11 @@ class Upstreams:
                 pass
 
     @staticmethod
-    def _close_later(clients: list[httpx.AsyncClient]) -> None:
+    def _close_later(clients: list[Transport]) -> None:
         for c in clients:
             asyncio.ensure_future(c.aclose())
 
-    @staticmethod
-    def _make_client(b: BackendConfig) -> httpx.AsyncClient:
-        limits = httpx.Limits(max_connections=b.limits.max_connections,
-                              max_keepalive_connections=b.limits.max_keepalive,
-                              keepalive_expiry=b.limits.keepalive_expiry_s)
-        timeout = httpx.Timeout(connect=b.timeouts.connect_s, read=None, write=b.timeouts.idle_s,
-                                pool=b.timeouts.connect_s)
-        # HTTP/1.1 only; the gateway manages first-token/idle/total deadlines itself.
-        return httpx.AsyncClient(base_url=b.url.rstrip("/") + "/", limits=limits, timeout=timeout,
-                                 http1=True, http2=False, follow_redirects=False, trust_env=False)
-
-    def client(self, name: str) -> httpx.AsyncClient:
+    def client(self, name: str) -> Transport:
         return self._clients[name][1]
 
     def auth(self, name: str) -> str | None:

@@ -21,15 +21,16 @@ UP_KEY = "upstream-secret-abcdef"
 pytestmark = pytest.mark.e2e
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+@pytest.fixture(scope="module", params=["aiohttp", "httpx"])
+def stack(request, tmp_path_factory):
+    """The same suite runs over both upstream transports."""
     tmp = tmp_path_factory.mktemp("core")
     up, up_port = start_upstream(tmp, key=UP_KEY)
     dead_port = free_port()
     gw_port = free_port()
     cfg = tmp / "gateway.yaml"
     cfg.write_text(f"""
-server: {{host: 127.0.0.1, port: {gw_port}, max_body_bytes: 200000}}
+server: {{host: 127.0.0.1, port: {gw_port}, max_body_bytes: 200000, upstream_client: {request.param}}}
 backends:
   - name: local
     kind: openai

@@ -1,0 +1,184 @@
+"""Upstream HTTP transports behind one small interface: aiohttp (default) or httpx.
+
+Profiling the proxy showed httpx/httpcore's pool and anyio stream layers taking ~60% of the gateway's CPU
+per request; aiohttp's client (C parser, plain asyncio transports) does the same work for far less (see
+docs/benchmarks.md, "Proxy overhead"). Both are kept: httpx remains selectable with
+`server.upstream_client: httpx` and is tested by the same suite.
+"""
+from __future__ import annotations
+
+from typing import AsyncIterator, Mapping, Protocol
+
+import aiohttp
+import httpx
+
+from gateway.config import BackendConfig
+
+
+class UpstreamConnectError(Exception):
+    """The upstream could not be reached (nothing was sent): always safe to retry elsewhere."""
+
+
+class UpstreamBroken(Exception):
+    """The upstream connection broke while sending or receiving."""
+
+
+class UpstreamResponse(Protocol):
+    status: int
+    headers: Mapping[str, str]
+
+    async def aread(self) -> bytes: ...
+
+    def aiter_raw(self) -> AsyncIterator[bytes]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class Transport(Protocol):
+    async def post(self, path: str, body: bytes, headers: dict[str, str]) -> UpstreamResponse: ...
+
+    async def get(self, path: str, timeout: float) -> int: ...
+
+    async def aclose(self) -> None: ...
+
+
+# ------------------------------------------------------------------------------------------------ aiohttp
+
+
+class _AiohttpResponse:
+    __slots__ = ("_r", "status", "headers", "_done")
+
+    def __init__(self, r: aiohttp.ClientResponse) -> None:
+        self._r = r
+        self.status = r.status
+        self.headers = r.headers
+        self._done = False
+
+    async def aread(self) -> bytes:
+        try:
+            body = await self._r.read()
+        except (aiohttp.ClientError, OSError) as e:
+            raise UpstreamBroken(type(e).__name__) from None
+        self._done = True
+        return body
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._r.content.iter_any():
+                yield chunk
+        except (aiohttp.ClientError, OSError) as e:
+            raise UpstreamBroken(type(e).__name__) from None
+        self._done = True
+
+    async def aclose(self) -> None:
+        if self._done:
+            self._r.release()  # fully read: the connection goes back to the pool
+        else:
+            self._r.close()  # abandoned mid-body: close the connection so the engine stops working on it
+
+
+class AiohttpTransport:
+    def __init__(self, b: BackendConfig) -> None:
+        self._base = b.url.rstrip("/") + "/"
+        self._b = b
+        self._session: aiohttp.ClientSession | None = None
+
+    def _sess(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            b = self._b
+            conn = aiohttp.TCPConnector(limit=b.limits.max_connections, limit_per_host=0,
+                                        keepalive_timeout=b.limits.keepalive_expiry_s, ttl_dns_cache=60,
+                                        enable_cleanup_closed=False)
+            self._session = aiohttp.ClientSession(
+                connector=conn, auto_decompress=False, raise_for_status=False, trust_env=False,
+                timeout=aiohttp.ClientTimeout(total=None, connect=b.timeouts.connect_s,
+                                              sock_connect=b.timeouts.connect_s),
+                skip_auto_headers=("User-Agent", "Accept-Encoding"))
+        return self._session
+
+    async def post(self, path: str, body: bytes, headers: dict[str, str]) -> UpstreamResponse:
+        try:
+            r = await self._sess().post(self._base + path, data=body, headers=headers, allow_redirects=False)
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
+            raise UpstreamConnectError(type(e).__name__) from None
+        except (aiohttp.ClientError, OSError) as e:
+            raise UpstreamBroken(type(e).__name__) from None
+        return _AiohttpResponse(r)
+
+    async def get(self, url: str, timeout: float) -> int:
+        try:
+            async with self._sess().get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                await r.read()
+                return r.status
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
+            raise UpstreamConnectError(type(e).__name__) from None
+        except (aiohttp.ClientError, OSError, TimeoutError) as e:
+            raise UpstreamBroken(type(e).__name__) from None
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+# ------------------------------------------------------------------------------------------------ httpx
+
+
+class _HttpxResponse:
+    __slots__ = ("_r", "status", "headers")
+
+    def __init__(self, r: httpx.Response) -> None:
+        self._r = r
+        self.status = r.status_code
+        self.headers = r.headers
+
+    async def aread(self) -> bytes:
+        try:
+            return await self._r.aread()
+        except (httpx.HTTPError, OSError) as e:
+            raise UpstreamBroken(type(e).__name__) from None
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._r.aiter_raw():
+                yield chunk
+        except (httpx.HTTPError, OSError) as e:
+            raise UpstreamBroken(type(e).__name__) from None
+
+    async def aclose(self) -> None:
+        await self._r.aclose()
+
+
+class HttpxTransport:
+    def __init__(self, b: BackendConfig) -> None:
+        limits = httpx.Limits(max_connections=b.limits.max_connections,
+                              max_keepalive_connections=b.limits.max_keepalive,
+                              keepalive_expiry=b.limits.keepalive_expiry_s)
+        timeout = httpx.Timeout(connect=b.timeouts.connect_s, read=None, write=b.timeouts.idle_s,
+                                pool=b.timeouts.connect_s)
+        self._c = httpx.AsyncClient(base_url=b.url.rstrip("/") + "/", limits=limits, timeout=timeout, http1=True,
+                                    http2=False, follow_redirects=False, trust_env=False)
+
+    async def post(self, path: str, body: bytes, headers: dict[str, str]) -> UpstreamResponse:
+        req = self._c.build_request("POST", path, content=body, headers=headers)
+        try:
+            return _HttpxResponse(await self._c.send(req, stream=True))
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as e:
+            raise UpstreamConnectError(type(e).__name__) from None
+        except (httpx.HTTPError, OSError) as e:
+            raise UpstreamBroken(type(e).__name__) from None
+
+    async def get(self, url: str, timeout: float) -> int:
+        try:
+            r = await self._c.get(url, timeout=timeout)
+            return r.status_code
+        except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+            raise UpstreamConnectError(type(e).__name__) from None
+        except (httpx.HTTPError, OSError) as e:
+            raise UpstreamBroken(type(e).__name__) from None
+
+    async def aclose(self) -> None:
+        await self._c.aclose()
+
+
+def make_transport(kind: str, b: BackendConfig) -> Transport:
+    return HttpxTransport(b) if kind == "httpx" else AiohttpTransport(b)
