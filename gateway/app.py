@@ -148,6 +148,11 @@ class Gateway:
         self.stages: list[Stage] = self.build_stages()
         self.pipeline = Pipeline(self.stages)
         self.extra_routes: list[Route] = []
+        # subsystems attached by gateway.wiring.wire (None when not wired, e.g. in unit tests)
+        self.identity: Any = None
+        self.policy: Any = None
+        self.telemetry: Any = None
+        self.evidence: Any = None
 
     # ---- assembly
     def build_stages(self) -> list[Stage]:
@@ -204,7 +209,9 @@ class Gateway:
             for s in self.services:
                 swap = getattr(s, "swap_config", None)
                 if swap is not None:
-                    swap(new)
+                    res = swap(new)
+                    if asyncio.iscoroutine(res):
+                        await res
             self.config = new
             self.metrics.reloads.labels("ok").inc()
             log.info("config reloaded (generation %d)", new.generation)

@@ -5,16 +5,191 @@ observe -> authenticate -> decide -> reserve -> route (predict, admit) -> dispat
 """
 from __future__ import annotations
 
-from gateway.app import Gateway
-from gateway.config import Config
+from typing import Any, Awaitable, Callable
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from gateway.app import Gateway, request_id
+from gateway.config import Config, ConfigError
+from gateway.errors import GatewayError
 
 
 def wire(gw: Gateway) -> None:
     """Attach every subsystem to the gateway (called once, before the app starts)."""
     gw.stages = gw.build_stages()
     gw.pipeline.stages = gw.stages
+    _wire_identity(gw)
+    _wire_policy(gw)
+    _wire_budgets(gw)
+    _wire_telemetry(gw)
+    _wire_evidence(gw)
+
+
+def _replace_stage(gw: Gateway, name: str, stage: Any) -> None:
+    gw.stages = [stage if getattr(st, "name", "") == name else st for st in gw.stages]
+    gw.pipeline.stages = gw.stages
+
+
+def _insert_after(gw: Gateway, after: str, stage: Any) -> None:
+    names = [getattr(st, "name", "") for st in gw.stages]
+    at = names.index(after) + 1 if after in names else len(names)
+    gw.stages.insert(at, stage)
+    gw.pipeline.stages = gw.stages
+
+
+def admin_endpoint(gw: Gateway, handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    """Wrap an admin handler behind the admin credential (401/403 OpenAI-shaped)."""
+
+    async def endpoint(request: Request) -> Response:
+        try:
+            await gw.admin_auth(request.headers)
+        except GatewayError as e:
+            return JSONResponse(e.body(), status_code=e.status,
+                                headers={"x-request-id": request_id(request.headers), **e.headers})
+        return await handler(request)
+
+    return endpoint
+
+
+def _wire_identity(gw: Gateway) -> None:
+    """API keys, JWT/OIDC, partners and the admin CRUD plane (SQLite by default, Postgres for replicas)."""
+    from gateway.identity.admin import admin_routes
+    from gateway.identity.service import IdentityService
+    from gateway.identity.stage import AuthStage
+
+    svc = IdentityService(gw.config)
+    gw.services.append(svc)
+    gw.identity = svc
+    gw.auth = AuthStage(svc)
+    _replace_stage(gw, "authenticate", gw.auth)
+
+    async def admin_auth(headers: Any) -> Any:
+        return await svc.authenticate_admin(headers)
+
+    gw.admin_auth = admin_auth
+    gw.extra_routes.extend(admin_routes(svc))
+
+
+class PolicyHolder:
+    """The compiled policy of the current config snapshot; recompiled and swapped on reload."""
+
+    def __init__(self, config: Config) -> None:
+        self.current = self._compile(config)
+        self.opa = None
+        if config.raw.policy.opa is not None:
+            from gateway.policy.opa import OPAPolicy
+
+            self.opa = OPAPolicy(config.raw.policy.opa, local=lambda: self.current)
+
+    @staticmethod
+    def _compile(config: Config) -> Any:
+        from gateway.policy.cli import load_for_config
+        from gateway.policy.compiler import PolicyError
+
+        try:
+            return load_for_config(config)
+        except PolicyError as e:
+            raise ConfigError(f"policy: {e}") from None
+
+    def provider(self) -> Any:
+        return self.opa if self.opa is not None else self.current
+
+    def check_config(self, config: Config) -> None:
+        self._pending = self._compile(config)
+
+    def swap_config(self, config: Config) -> None:
+        pending = getattr(self, "_pending", None)
+        self.current = pending if pending is not None else self._compile(config)
+        self._pending = None
+
+    async def start(self) -> None:
+        if self.opa is not None:
+            await self.opa.start()
+
+    async def close(self) -> None:
+        if self.opa is not None:
+            await self.opa.close()
+
+
+def _wire_policy(gw: Gateway) -> None:
+    """YAML policies (optionally delegated to OPA) decide allow/deny, residency, retention, budgets, SLOs."""
+    from gateway.policy.stage import PolicyStage
+
+    holder = PolicyHolder(gw.config)
+    gw.policy = holder
+    gw.services.append(holder)
+    _insert_after(gw, "authenticate", PolicyStage(holder.provider))
+
+
+def _wire_telemetry(gw: Gateway) -> None:
+    """KV-event subscribers and metric scrapers for engines that publish them (kind vllm/sim)."""
+    from gateway.telemetry.service import TelemetryService
+
+    svc = TelemetryService(gw.config)
+    gw.services.append(svc)
+    gw.telemetry = svc
+
+    async def fleet(request: Request) -> Response:
+        return JSONResponse({"engines": svc.fleet_snapshot(), "health": gw.health.snapshot()})
+
+    gw.extra_routes.append(Route("/admin/fleet", admin_endpoint(gw, fleet), methods=["GET"]))
+
+
+def _wire_evidence(gw: Gateway) -> None:
+    """One audit record per request (JSON lines; Postgres optional), readable at /admin/decisions/{id}."""
+    from gateway.evidence.admin import make_decision_handler
+    from gateway.evidence.recorder import EvidenceRecorder
+
+    cfg = gw.config
+    rec = EvidenceRecorder(cfg.resolve_path(cfg.raw.policy.audit_path),
+                           capture_content=cfg.raw.observability.capture_content,
+                           backend_lookup=lambda name: _backend_or_none(gw, name))
+    gw.services.append(rec)
+    gw.evidence = rec
+
+    async def record(ctx: Any) -> None:
+        rec.record(ctx)
+
+    gw.finish_hooks.append(record)
+    gw.extra_routes.append(Route("/admin/decisions/{request_id}", admin_endpoint(gw, make_decision_handler(rec)),
+                                 methods=["GET"]))
+
+
+def _backend_or_none(gw: Gateway, name: str) -> Any:
+    try:
+        return gw.config.backend(name)
+    except KeyError:
+        return None
+    _wire_routing(gw)
+
+
+def _wire_budgets(gw: Gateway) -> None:
+    """Budget reserve right after the policy decision (before routing); settle runs in its finish."""
+    from gateway.budget.service import BudgetService
+    from gateway.budget.stage import BudgetStage
+
+    svc = BudgetService(gw.config)
+    gw.services.append(svc)
+    names = [getattr(st, "name", "") for st in gw.stages]
+    at = names.index("decide") + 1 if "decide" in names else (names.index("route") if "route" in names else len(names))
+    gw.stages.insert(at, BudgetStage(svc))
+    gw.pipeline.stages = gw.stages
+
+
+def _wire_routing(gw: Gateway) -> None:
+    """Replace the plain round-robin route stage with the predictive router (prediction, plugins, admission)."""
+    from gateway.routing.admin import routing_admin_route
+    from gateway.routing.stage import PredictiveRouteStage
+
+    stage = PredictiveRouteStage(lambda: gw.config, gw.health, lambda: getattr(gw, "telemetry", None))
+    gw.stages = [stage if getattr(st, "name", "") == "route" else st for st in gw.stages]
+    gw.pipeline.stages = gw.stages
+    gw.router = stage  # type: ignore[attr-defined]
+    gw.extra_routes.append(routing_admin_route(gw, stage))
 
 
 def check_config(cfg: Config) -> None:
     """Deeper checks than parsing (policy files compile, ...); raises ConfigError."""
-    return None
+    PolicyHolder._compile(cfg)
