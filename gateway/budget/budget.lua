@@ -40,9 +40,9 @@ local function advance(k, now_b, n)
   while b <= floor_b do
     local v = redis.call('HMGET', k, 'r' .. b, 't' .. b, 'm' .. b)
     if v[1] then
-      redis.call('HINCRBY', k, 'R', I(-tonumber(v[1])))
-      redis.call('HINCRBY', k, 'T', I(-tonumber(v[2])))
-      redis.call('HINCRBY', k, 'M', I(-tonumber(v[3])))
+      if v[1] ~= '0' then redis.call('HINCRBY', k, 'R', '-' .. v[1]) end
+      if v[2] and v[2] ~= '0' then redis.call('HINCRBY', k, 'T', I(-tonumber(v[2]))) end
+      if v[3] and v[3] ~= '0' then redis.call('HINCRBY', k, 'M', I(-tonumber(v[3]))) end
       redis.call('HDEL', k, 'r' .. b, 't' .. b, 'm' .. b)
     end
     b = b + 1
@@ -52,18 +52,19 @@ local function advance(k, now_b, n)
   return b
 end
 
-local function add(k, w, r, t, m)
+-- add to a counter; `lo` (optional) is the window's oldest bucket from an advance earlier in this call
+local function add(k, w, r, t, m, lo)
   if w.n then
-    local lo = advance(k, w.b, w.n)
+    if not lo then lo = advance(k, w.b, w.n) end
     local b = w.b
     if lo > b then b = lo end
-    redis.call('HINCRBY', k, 'r' .. b, I(r))
-    redis.call('HINCRBY', k, 't' .. b, I(t))
-    redis.call('HINCRBY', k, 'm' .. b, I(m))
+    if r ~= 0 then redis.call('HINCRBY', k, 'r' .. b, I(r)) else redis.call('HSETNX', k, 'r' .. b, '0') end
+    if t ~= 0 then redis.call('HINCRBY', k, 't' .. b, I(t)) end
+    if m ~= 0 then redis.call('HINCRBY', k, 'm' .. b, I(m)) end
   end
-  redis.call('HINCRBY', k, 'R', I(r))
-  redis.call('HINCRBY', k, 'T', I(t))
-  redis.call('HINCRBY', k, 'M', I(m))
+  if r ~= 0 then redis.call('HINCRBY', k, 'R', I(r)) end
+  if t ~= 0 then redis.call('HINCRBY', k, 'T', I(t)) end
+  if m ~= 0 then redis.call('HINCRBY', k, 'M', I(m)) end
   if w.x then redis.call('EXPIRE', k, I(w.x)) end
 end
 
@@ -71,6 +72,7 @@ if p.op == 'r' then
   local out = {}
   local ok, c, fs, fw, fk = 1, p.maxc, 0, 0, ''
   local cs, cw, ck = 0, 0, ''
+  local los = {}
   for si, s in ipairs(p.s) do
     local z, h = KEYS[ki], KEYS[ki + 1]
     ki = ki + 2
@@ -88,6 +90,7 @@ if p.op == 'r' then
       local old = 0
       if w.n then
         local lo = advance(k, w.b, w.n)
+        los[k] = lo
         if redis.call('HEXISTS', k, 'r' .. lo) == 1 then old = lo else old = w.b end
       end
       local v = redis.call('HMGET', k, 'R', 'T', 'M')
@@ -129,7 +132,7 @@ if p.op == 'r' then
       redis.call('EXPIRE', z, I(p.hx))
       redis.call('EXPIRE', h, I(p.hx))
       for _, w in ipairs(s.w) do
-        add(KEYS[ki], w, 1, 0, 0)
+        add(KEYS[ki], w, 1, 0, 0, los[KEYS[ki]])
         ki = ki + 1
       end
     end

@@ -82,6 +82,8 @@ class BudgetService:
         self._down_until = 0.0
         self._pending: list[SettleArgs] = []  # settles the primary could not take yet, replayed in order
         self._retry_task: asyncio.Task[None] | None = None
+        self._limits_cache: dict[Any, Any] = {}  # (scopes, budgets, scale) -> merged limits; cleared on swap
+        self._period_cache: dict[str, Any] = {}  # calendar window -> WindowRef valid until its end
 
     def _make_store(self, cfg: BudgetsConfig) -> BudgetStore:
         if cfg.store == "redis":
@@ -109,6 +111,8 @@ class BudgetService:
         self._config = config
         self.cfg = config.raw.budgets
         self.tz = ZoneInfo(self.cfg.timezone)
+        self._limits_cache = {}
+        self._period_cache = {}
 
     @property
     def available(self) -> bool:
@@ -119,7 +123,19 @@ class BudgetService:
     def limits_for(self, principal: Principal, budgets: tuple[BudgetSpec, ...], scale: float = 1.0
                    ) -> tuple[tuple[str, str, int | None, tuple[tuple[str, _Limit], ...]], ...]:
         """Merge specs per (scope, window) (the tightest wins) over the principal's scopes, most specific first."""
-        ids = principal.budget_scopes()
+        ids = tuple(principal.budget_scopes())
+        ck = (ids, budgets, scale)
+        hit = self._limits_cache.get(ck)
+        if hit is not None:
+            return hit
+        out = self._merge(ids, budgets, scale)
+        if len(self._limits_cache) > 10_000:
+            self._limits_cache.clear()
+        self._limits_cache[ck] = out
+        return out
+
+    def _merge(self, ids: tuple[tuple[str, str], ...], budgets: tuple[BudgetSpec, ...], scale: float
+               ) -> tuple[tuple[str, str, int | None, tuple[tuple[str, _Limit], ...]], ...]:
         out = []
         for scope, sid in ids:
             conc: int | None = None
@@ -152,7 +168,7 @@ class BudgetService:
             base = f"{pre}:{scope}:{sid}"
             wps = []
             for window, lim in wins:
-                ref = resolve(window, now, self.tz)
+                ref = self._resolve(window, now)
                 if ref.rolling:
                     ttl = ref.bucket_s * ref.buckets * 2
                 elif math.isfinite(ref.end):
@@ -163,6 +179,17 @@ class BudgetService:
                                       ref.bucket_s, ref.end, ttl, lim.tokens, lim.money, lim.requests))
             plans.append(ScopePlan(scope, sid, f"{base}:hold", conc, tuple(wps)))
         return tuple(plans)
+
+    def _resolve(self, window: str, now: float) -> Any:
+        """resolve() with calendar periods cached until they end (zoneinfo arithmetic is the slow part)."""
+        if window in ROLLING:
+            return resolve(window, now, self.tz)
+        ref = self._period_cache.get(window)
+        if ref is None or not (ref.start <= now < ref.end):
+            r = resolve(window, now, self.tz)
+            ref = _Period(r, r.start_ts, r.end)
+            self._period_cache[window] = ref
+        return ref.ref
 
     def _price(self, models: tuple[str, ...]) -> tuple[float, float, float]:
         """Worst-case (input, output, fixed) nano-units per token over the models that may serve it."""
@@ -369,6 +396,13 @@ class BudgetService:
         hdrs = dict(headers)
         hdrs.update(retry_headers(retry))
         return GatewayError(429, msg, code=code, headers=hdrs, extra={"budget": evidence.get("refused")})
+
+
+@dataclass(frozen=True, slots=True)
+class _Period:
+    ref: Any
+    start: float
+    end: float
 
 
 class _NoLimits(Exception):

@@ -32,6 +32,7 @@ class WindowRef:
     buckets: int = 0
     bucket: int = 0
     end: float = math.inf
+    start_ts: float = -math.inf  # calendar: when the period began
 
     def key_suffix(self) -> str:
         return f"{self.window}:{self.period}"
@@ -73,8 +74,8 @@ def resolve(window: str, now: float, tz: ZoneInfo) -> WindowRef:
         b = bucket_index(now, bs)
         return WindowRef(window, "r", True, bs, n, b, (b + 1) * bs)
     if window in CALENDAR:
-        pid, _, end = calendar_period(window, now, tz)
-        return WindowRef(window, pid, False, end=end)
+        pid, start, end = calendar_period(window, now, tz)
+        return WindowRef(window, pid, False, end=end, start_ts=start)
     if window == "lifetime":
         return WindowRef(window, "all", False)
     raise ValueError(f"unknown budget window {window!r}; use one of {', '.join(WINDOWS)}")
