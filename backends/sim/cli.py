@@ -84,10 +84,20 @@ async def run(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="gateway sim", description="Run simulated vLLM engines.")
     add_arguments(p)
-    args = p.parse_args(argv)
+    return _cmd(p.parse_args(argv))
+
+
+def _cmd(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        import uvloop  # noqa: F401
+        import uvloop
         return uvloop.run(run(args))  # type: ignore[no-any-return]
     except ImportError:
         return asyncio.run(run(args))
+
+
+def add_sim_command(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """Hook that gateway/cli.py calls to register `gateway sim`."""
+    p = sub.add_parser("sim", help="run a fleet of simulated vLLM engines and write a manifest")
+    add_arguments(p)
+    p.set_defaults(func=_cmd)
