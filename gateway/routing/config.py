@@ -11,3 +11,13 @@ class RoutingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     batch_queue_size: int = 256
     batch_queue_timeout_s: float = 30.0
     affinity_headers: list[str] = msgspec.field(default_factory=lambda: ["x-session-id", "x-opper-trace-id"])
+    # --- added by the predictive router
+    admission_quantile: float = 0.9  # the calibrated upper quantile of the TTFT prediction admission checks
+    batch_headroom: float = 0.5  # batch is admitted only while the best upper prediction is under this x target
+    batch_ttft_target_ms: float | None = None  # batch's own target when it has none (default: none -> admit)
+    affinity_slack_ms: float = 15.0  # a session's previous engine wins when within this (or affinity_rel) of best
+    affinity_rel: float = 0.1
+    priority_values: dict[str, int] = msgspec.field(
+        default_factory=lambda: {"realtime": 0, "standard": 5, "batch": 10})  # vLLM priority: lower runs first
+    cache_salt_secret_env: str | None = None  # keys the per-tenant cache_salt; default: a fixed gateway secret
+    cold_margin: float = 0.5  # upper = mean x (1 + cold_margin) until an engine has min_samples observations

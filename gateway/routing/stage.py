@@ -1,19 +1,37 @@
-"""The route stage: candidate (backend, model) pairs for the request, filtered, then ordered by a strategy.
+"""The route stage: candidates (residency first), per-engine TTFT prediction, plugin ordering, admission.
 
-Filters run first and cannot be configured away: model served, residency/retention of the policy decision,
-circuit state. Residency is a filter, never a score.
+`candidates` is the hard filter (residency/retention of the policy decision, then health, then capability);
+it runs before any plugin and cannot be configured away. `RouteStage` (plain round robin) stays for minimal
+assemblies; `PredictiveRouteStage` is the product's router: it predicts each allowed engine's TTFT from the
+KV index and engine load (when telemetry is attached) or the gateway's own in-flight counts, orders the
+candidates with the configured strategy, refuses at once (429 ttft_slo_unattainable) what no engine can
+serve in time, queues batch traffic, spills to partners where policy allows, and on finish feeds the observed
+TTFT back into the chosen engine's learner.
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
-from typing import Callable
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import xxhash
 
 from gateway.config import Config
 from gateway.errors import GatewayError, retry_headers
 from gateway.pipeline import RequestContext
 from gateway.proxy.health import Health
+from gateway.routing.admission import BatchQueue, QueueFull, decide, slo_ms
 from gateway.routing.plan import Candidate, RoutePlan
+from gateway.routing.plugins import ApproxPrefixIndex, EngineView, Scored, Strategy, build_strategy, text_blocks
+from gateway.routing.predictor import Features, Predictor, PredictorParams
 from gateway.types import Decision
+
+APPROX_BLOCK_CHARS = 256
+CHARS_PER_TOKEN = 4
+_SALT_DEFAULT_SECRET = "policy-gateway-cache-salt-v1"
 
 
 def residency_reason(decision: Decision | None, backend) -> str | None:
@@ -44,8 +62,18 @@ def candidates(config: Config, ctx: RequestContext, health: Health) -> RoutePlan
     return RoutePlan(candidates=kept, dropped=dropped)
 
 
+def _no_candidates(ctx: RequestContext, plan: RoutePlan) -> GatewayError:
+    d = ctx.decision
+    if plan.dropped and d is not None and all(x["filter"] == "residency" for x in plan.dropped):
+        rule = d.residency_rule or d.retention_rule
+        return GatewayError(403, f"No backend for '{ctx.model}' satisfies the residency/retention required by "
+                            f"rule '{rule}'.", code="residency_unsatisfiable")
+    return GatewayError(503, f"No backend is available for model '{ctx.model}'.", code="no_backend_available",
+                        headers=retry_headers(1.0))
+
+
 class RouteStage:
-    """Builds the RoutePlan. Ordering within a model: round robin (the predictor-based picker replaces this)."""
+    """Builds the RoutePlan. Ordering within a model: round robin (minimal assemblies and tests)."""
 
     name = "route"
 
@@ -61,13 +89,7 @@ class RouteStage:
         plan = candidates(self._config(), ctx, self._health)
         ctx.evidence["dropped"] = plan.dropped
         if not plan.candidates:
-            d = ctx.decision
-            if plan.dropped and d is not None and all(x["filter"] == "residency" for x in plan.dropped):
-                rule = d.residency_rule or d.retention_rule
-                raise GatewayError(403, f"No backend for '{ctx.model}' satisfies the residency/retention required by "
-                                   f"rule '{rule}'.", code="residency_unsatisfiable")
-            raise GatewayError(503, f"No backend is available for model '{ctx.model}'.", code="no_backend_available",
-                               headers=retry_headers(1.0))
+            raise _no_candidates(ctx, plan)
         # rotate within each model group so load spreads; fallback models stay after primary ones
         n = next(self._rr)
         first_model = plan.candidates[0].model
@@ -80,3 +102,341 @@ class RouteStage:
 
     async def finish(self, ctx: RequestContext) -> None:
         return None
+
+
+# --------------------------------------------------------------------------------------------- pure helpers
+
+
+def tenant_cache_salt(tenant: str, secret: str) -> str:
+    """A per-tenant cache_salt vLLM accepts (<= 128 chars, no '@', '/', '\\' or NUL): a keyed hash, so the
+    salt names no tenant and cannot be guessed by another tenant."""
+    return "t" + xxhash.xxh3_128_hexdigest(secret.encode() + b"\x00" + tenant.encode())
+
+
+def prompt_text(body: dict[str, Any]) -> str:
+    """The prompt as plain text (for the approximate prefix tree)."""
+    msgs = body.get("messages")
+    if isinstance(msgs, list):
+        from gateway.telemetry.tokens import render_messages_plain
+
+        return render_messages_plain([m for m in msgs if isinstance(m, dict)])
+    p = body.get("prompt", body.get("input", ""))
+    return p if isinstance(p, str) else "".join(map(str, p)) if isinstance(p, list) else str(p)
+
+
+@dataclass(slots=True)
+class _Flight:
+    """A request this gateway dispatched; counts as prefill work ahead until its first token."""
+
+    ctx: RequestContext
+    engine: str
+    uncached: int
+    started: float
+    predicted_s: float
+    features: dict[str, Features] = field(default_factory=dict)
+    cached: dict[str, int] = field(default_factory=dict)
+    blocks: list[int] = field(default_factory=list)
+    telemetry: bool = False
+
+    def prefilling(self, now: float) -> bool:
+        if self.ctx.ttft_s is not None:
+            return False
+        if self.ctx.stream:
+            return True
+        return now - self.started < self.predicted_s  # non-streamed: the prediction says when prefill ends
+
+
+class PredictiveRouteStage:
+    """Candidates -> views -> predictions -> strategy plugins -> admission; finish feeds the learner."""
+
+    name = "route"
+
+    def __init__(self, config: Callable[[], Config], health: Health, telemetry: Any = None,
+                 clock: Callable[[], float] = time.perf_counter, predictor: Predictor | None = None) -> None:
+        self._config = config
+        self._health = health
+        # the telemetry service, or a getter for it (wiring order: telemetry may be attached after routing)
+        self._telemetry = telemetry
+        self.clock = clock
+        rc = config().raw.routing
+        self.predictor = predictor or Predictor(PredictorParams(quantile=rc.admission_quantile,
+                                                                cold_margin=rc.cold_margin), clock)
+        self.approx = ApproxPrefixIndex()
+        self.flights: dict[str, dict[str, _Flight]] = {}
+        self._by_rid: dict[str, _Flight] = {}
+        self.avg_uncached: dict[str, float] = {}
+        self.affinity: dict[str, str] = {}  # session/trace header value -> engine last used
+        self.batch = BatchQueue(rc.batch_queue_size)
+        self.stats = {"admitted": 0, "rejected": 0, "spilled": 0, "queued": 0, "shed": 0}
+        self._strategies: dict[tuple, Strategy] = {}
+
+    @property
+    def telemetry(self) -> Any:
+        t = self._telemetry
+        if t is not None and not hasattr(t, "lookup") and callable(t):
+            return t()
+        return t
+
+    # ---------------------------------------------------------------- state views
+    def _strategy(self, cfg: Config) -> Strategy:
+        rc = cfg.raw.routing
+        key = (rc.strategy, rc.affinity_slack_ms, rc.affinity_rel)
+        s = self._strategies.get(key)
+        if s is None:
+            s = self._strategies[key] = build_strategy(*key)
+        return s
+
+    def _telemetry_for(self, cand: Candidate) -> bool:
+        return self.telemetry is not None and cand.backend.kind in ("vllm", "sim")
+
+    def _view(self, name: str, now: float, has_tel: bool) -> EngineView:
+        fl = self.flights.get(name, {})
+        pre_tok = 0
+        decoding = 0
+        for f in fl.values():
+            if f.prefilling(now):
+                pre_tok += f.uncached
+            else:
+                decoding += 1
+        v = EngineView(inflight=len(fl), prefilling_tokens=pre_tok, running=float(decoding), ahead_tokens=pre_tok)
+        if has_tel:
+            load = self.telemetry.load(name)
+            if load is not None and getattr(load, "healthy", False) and time.time() - load.scraped_at < 5.0:
+                v.running = max(v.running, float(load.running))
+                v.waiting = float(load.waiting)
+                v.kv_usage = float(load.kv_usage)
+                # other replicas' queued prefills show up as the engine's waiting count
+                v.ahead_tokens = max(v.ahead_tokens, v.waiting * self.avg_uncached.get(name, 512.0))
+        return v
+
+    async def _prompt(self, ctx: RequestContext, cands: list[Candidate], salt: str | None
+                      ) -> tuple[int, dict[str, int], str, list[int]]:
+        """(prompt tokens, cached tokens per engine, token source, approx blocks)."""
+        text = prompt_text(ctx.body)
+        blocks = text_blocks((salt or "") + text, APPROX_BLOCK_CHARS)
+        n_tokens = max(1, ctx.prompt_tokens_est)
+        cached: dict[str, int] = {}
+        source = "estimate"
+        tel = [c.backend.name for c in cands if self._telemetry_for(c)]
+        if tel:
+            try:
+                lora = None
+                toks, source = await self.telemetry.tokens_for(tel[0], None, ctx.body)
+                n_tokens = max(1, len(toks))
+                found = self.telemetry.lookup(tel, toks, salt=salt, lora=lora)
+                cached = {k: int(v.tokens) for k, v in found.items()}
+            except Exception:  # telemetry trouble must never fail a request: fall back to the approx tree
+                source = "estimate"
+        for c in cands:
+            n = c.backend.name
+            if n not in cached:
+                m = self.approx.match(n, blocks)
+                cached[n] = min(n_tokens - 1, m * APPROX_BLOCK_CHARS // CHARS_PER_TOKEN) if m else 0
+        return n_tokens, cached, source, blocks
+
+    def _score(self, ctx: RequestContext, cands: list[Candidate], n_tokens: int, cached: dict[str, int],
+               blocks: list[int], affinity_engine: str | None) -> tuple[list[Scored], dict[str, Features]]:
+        now = self.clock()
+        items: list[Scored] = []
+        feats: dict[str, Features] = {}
+        for c in cands:
+            name = c.backend.name
+            v = self._view(name, now, self._telemetry_for(c))
+            v.prompt_tokens = n_tokens
+            v.cached_tokens = max(0, min(cached.get(name, 0), n_tokens - 1))
+            v.approx_match = (self.approx.match(name, blocks) / len(blocks)) if blocks else 0.0
+            v.affinity = affinity_engine == name
+            f = Features(ahead_tokens=v.ahead_tokens, uncached_tokens=n_tokens - v.cached_tokens, running=v.running)
+            feats[name] = f
+            mean, upper = self.predictor.predict(name, f)
+            c.predicted_ttft_ms = round(mean * 1000, 3)
+            c.predicted_ttft_upper_ms = round(upper * 1000, 3)
+            c.cached_tokens = v.cached_tokens
+            c.info = {"predicted_ttft_upper_ms": c.predicted_ttft_upper_ms, "ahead_tokens": int(v.ahead_tokens),
+                      "running": v.running, "waiting": v.waiting, "inflight": v.inflight,
+                      "operator": c.backend.operator}
+            items.append(Scored(c, v))
+        return items, feats
+
+    def _order(self, cfg: Config, items: list[Scored], n_tokens: int, dropped: list[dict]) -> list[Candidate]:
+        """Strategy per model group, groups in alias-chain order."""
+        strat = self._strategy(cfg)
+        groups: dict[str, list[Scored]] = {}
+        for s in items:
+            groups.setdefault(s.cand.model, []).append(s)
+        out: list[Candidate] = []
+        for model, grp in groups.items():
+            kept, drops = strat.run(grp, n_tokens)
+            for s, fname, why in drops:
+                dropped.append({"backend": s.cand.backend.name, "model": model, "reason": why, "filter": fname})
+            out.extend(s.cand for s in kept)
+        return out
+
+    # ---------------------------------------------------------------- the stage
+    async def run(self, ctx: RequestContext) -> None:
+        t_start = time.perf_counter()
+        if not ctx.model_chain:
+            raise GatewayError(404, f"The model '{ctx.model}' does not exist or you do not have access to it.",
+                               code="model_not_found", param="model")
+        cfg = self._config()
+        rc = cfg.raw.routing
+        plan = candidates(cfg, ctx, self._health)  # residency first, always
+        ctx.evidence["dropped"] = plan.dropped
+        if not plan.candidates:
+            raise _no_candidates(ctx, plan)
+        d = ctx.decision
+        own = [c for c in plan.candidates if c.backend.operator != "partner"]
+        partners = [c for c in plan.candidates if c.backend.operator == "partner"]
+        if not own:  # a model only partners serve: they are the route, not a spill
+            own, partners = partners, []
+        can_spill = bool(d is not None and d.spill_to_partner and partners)
+        if partners and not can_spill:
+            for c in partners:
+                plan.dropped.append({"backend": c.backend.name, "model": c.model,
+                                     "reason": "spill to partner not allowed by policy", "filter": "spill"})
+            partners = []
+
+        salt = None
+        if d is not None and d.cache_isolation and ctx.principal is not None:
+            secret = os.environ.get(rc.cache_salt_secret_env, "") if rc.cache_salt_secret_env else ""
+            salt = tenant_cache_salt(ctx.principal.tenant, secret or _SALT_DEFAULT_SECRET)
+            ctx.body_overrides["cache_salt"] = salt
+        if d is not None and ctx.endpoint != "embeddings":
+            prio = rc.priority_values.get(d.priority)
+            if prio is not None:
+                ctx.body_overrides["priority"] = int(prio)
+
+        aff_key = None
+        for h in rc.affinity_headers:
+            val = ctx.headers.get(h) if ctx.headers is not None else None
+            if val:
+                aff_key = f"{ctx.principal.tenant if ctx.principal else ''}|{h}|{val}"
+                break
+        n_tokens, cached, source, blocks = await self._prompt(ctx, own + partners, salt)
+        priority = d.priority if d is not None else "standard"
+        hdr = ctx.headers.get("x-ttft-slo-ms") if ctx.headers is not None else None
+        target = slo_ms(hdr, d.ttft_slo_ms if d is not None else None, rc.default_ttft_slo_ms)
+        deadline = time.monotonic() + rc.batch_queue_timeout_s
+        while True:
+            items, feats = self._score(ctx, own + partners, n_tokens, cached, blocks, self.affinity.get(aff_key or ""))
+            own_names = {c.backend.name for c in own}
+            ordered = self._order(cfg, items, n_tokens, plan.dropped)
+            own_ord = [c for c in ordered if c.backend.name in own_names]
+            part_ord = [c for c in ordered if c.backend.name not in own_names]
+            if not own_ord and not part_ord:
+                raise _no_candidates(ctx, plan)
+            if rc.admission and target is not None and own_ord:
+                adm = decide(target, [c.predicted_ttft_upper_ms for c in own_ord],  # type: ignore[misc]
+                             [c.predicted_ttft_ms for c in own_ord], priority=priority,  # type: ignore[misc]
+                             can_spill=bool(part_ord), batch_headroom=rc.batch_headroom,
+                             batch_target_ms=rc.batch_ttft_target_ms)
+            else:
+                adm = decide(None, [], [], priority=priority, can_spill=False)
+            if adm.action != "queue":
+                break
+            self.stats["queued"] += 1
+            left = deadline - time.monotonic()
+            try:
+                woke = left > 0 and await self.batch.wait(min(left, 1.0))
+            except QueueFull:
+                woke = None
+            if woke is None or (not woke and time.monotonic() >= deadline):
+                self.stats["shed"] += 1
+                self._evidence(ctx, ordered, target, adm.action, source, t_start, salt)
+                raise GatewayError(429, "The fleet is above its batch headroom and the batch queue is "
+                                   + ("full." if woke is None else "past its wait limit."), code="request_shed",
+                                   headers={**retry_headers(max(1.0, adm.retry_after_s)),
+                                            "x-predicted-ttft-ms": f"{adm.best_ms:.0f}"})
+        if target is not None and len(own_ord) > 1:  # engines predicted to meet the target first (stable)
+            own_ord.sort(key=lambda c: (c.predicted_ttft_upper_ms or 0) > target)
+        if adm.action == "reject":
+            self.stats["rejected"] += 1
+            self._evidence(ctx, own_ord, target, "reject", source, t_start, salt)
+            best = own_ord[0]
+            raise GatewayError(
+                429, f"No allowed engine is predicted to meet the TTFT target of {target:g} ms "
+                     f"(best predicted {best.predicted_ttft_ms:.0f} ms, upper {best.predicted_ttft_upper_ms:.0f} ms).",
+                code="ttft_slo_unattainable",
+                headers={**retry_headers(adm.retry_after_s), "x-predicted-ttft-ms": f"{best.predicted_ttft_ms:.0f}",
+                         "x-predicted-ttft-upper-ms": f"{best.predicted_ttft_upper_ms:.0f}",
+                         "x-ttft-slo-ms": f"{target:g}"},
+                extra={"predicted_ttft_ms": best.predicted_ttft_ms, "ttft_slo_ms": target})
+        if adm.action == "spill":
+            self.stats["spilled"] += 1
+            final = part_ord + own_ord
+        else:
+            self.stats["admitted"] += 1
+            final = own_ord + part_ord
+        plan.candidates = final
+        ctx.route = plan
+        pick = final[0]
+        self._evidence(ctx, final, target, adm.action, source, t_start, salt)
+        ctx.extra_headers["x-predicted-ttft-ms"] = f"{pick.predicted_ttft_ms:.0f}"
+        name = pick.backend.name
+        fl = _Flight(ctx, name, n_tokens - (pick.cached_tokens or 0), self.clock(),
+                     (pick.predicted_ttft_ms or 0) / 1000, feats, {c.backend.name: c.cached_tokens or 0 for c in final},
+                     blocks, self._telemetry_for(pick))
+        self.flights.setdefault(name, {})[ctx.request_id] = fl
+        self._by_rid[ctx.request_id] = fl
+        if fl.telemetry:
+            self.telemetry.begin(name, fl.uncached)
+        if aff_key:
+            self.affinity[aff_key] = name
+            if len(self.affinity) > 100_000:
+                self.affinity.pop(next(iter(self.affinity)))
+
+    def _evidence(self, ctx: RequestContext, cands: list[Candidate], target: float | None,
+                  action: str, source: str, t_start: float, salt: str | None) -> None:
+        ctx.evidence["candidates"] = [c.to_evidence() for c in cands]
+        if cands:
+            ctx.evidence["predicted_ttft_ms"] = cands[0].predicted_ttft_ms
+            ctx.evidence["predicted_cached_tokens"] = cands[0].cached_tokens
+        ctx.evidence["route"] = {"strategy": self._config().raw.routing.strategy, "pick": cands[0].backend.name
+                                 if cands else None, "ttft_slo_ms": target, "admission": action,
+                                 "token_source": source, "cache_isolation": salt is not None,
+                                 "decided_us": round((time.perf_counter() - t_start) * 1e6, 1),
+                                 "since_arrival_ms": round((time.perf_counter() - ctx.received_at) * 1000, 3)}
+
+    async def finish(self, ctx: RequestContext) -> None:
+        fl = self._by_rid.pop(ctx.request_id, None)
+        if fl is None:
+            return
+        self.flights.get(fl.engine, {}).pop(ctx.request_id, None)
+        self.batch.wake(2)
+        served = ctx.backend or fl.engine
+        if fl.telemetry:
+            self.telemetry.end(fl.engine, fl.uncached)
+        ev = ctx.evidence
+        ev["actual_ttft_ms"] = round(ctx.ttft_s * 1000, 3) if ctx.ttft_s is not None else None
+        ev["predicted_cached_tokens"] = fl.cached.get(served)
+        actual_cached = ctx.usage.cached_tokens if ctx.usage is not None else None
+        ev["actual_cached_tokens"] = actual_cached
+        if ctx.backend is None or ctx.status not in (0, 200):
+            return
+        self.approx.insert(served, fl.blocks)
+        uncached = (ctx.usage.prompt_tokens - (actual_cached or 0)) if ctx.usage and ctx.usage.prompt_tokens else fl.uncached
+        a = self.avg_uncached.get(served)
+        self.avg_uncached[served] = uncached if a is None else 0.9 * a + 0.1 * uncached
+        failed_before = any("error" in x for x in ctx.attempts)
+        f = fl.features.get(served)
+        if ctx.ttft_s is not None and f is not None and not failed_before:
+            rel = self.predictor.observe(served, f, ctx.ttft_s)
+            ev["ttft_prediction_error"] = round(rel, 4)
+        if actual_cached is not None and self.telemetry is not None and served in fl.cached \
+                and ctx.backend_model is not None and self._telemetry_for_name(served):
+            try:
+                self.telemetry.observe_cached(served, fl.cached[served], actual_cached)
+            except Exception:
+                pass
+
+    def _telemetry_for_name(self, name: str) -> bool:
+        try:
+            return self.telemetry is not None and self._config().backend(name).kind in ("vllm", "sim")
+        except KeyError:
+            return False
+
+    def snapshot(self) -> dict[str, Any]:
+        """For /admin/routing: learned parameters and MAPE per engine, admission counters, queue depth."""
+        return {"strategy": self._config().raw.routing.strategy, "engines": self.predictor.snapshot(),
+                "admission": dict(self.stats), "batch_queue": len(self.batch),
+                "inflight": {k: len(v) for k, v in self.flights.items()}}

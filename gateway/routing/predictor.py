@@ -1,0 +1,184 @@
+"""Per-engine TTFT prediction, learned online from the TTFTs the gateway observes.
+
+Model (per engine, no shared constants):
+
+    ttft = t0 + t1 * W + t2 * D + t3 * W * D        W = prefill tokens ahead + own uncached tokens (thousands)
+                                                    D = running decodes (tens)
+
+t0 is the fixed overhead (gateway + scheduling + one step), t1 the time per 1k prefill tokens (1 / prefill
+rate), t2 the slowdown per running decode, t3 the extra per-token cost when decodes share the steps.
+Parameters are fit by recursive least squares on *relative* residuals (each equation divided by the
+prediction, so a 20 ms and a 5 s TTFT weigh alike and the fit minimises percentage error), with Huber
+clipping of residuals (one outlier moves the fit by a bounded step) and a forgetting factor (engines drift).
+An empirical quantile of recent out-of-sample relative errors turns the mean prediction into the calibrated
+upper bound admission uses. Everything is pure and synchronous with an injectable clock.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+_N = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Features:
+    """What is known about one request on one engine at routing time."""
+
+    ahead_tokens: float  # prefill tokens queued ahead of this request on the engine
+    uncached_tokens: float  # this request's prompt tokens not in the engine's prefix cache
+    running: float  # sequences decoding on the engine
+
+    def vector(self) -> list[float]:
+        w = (self.ahead_tokens + self.uncached_tokens) / 1000.0
+        d = self.running / 10.0
+        return [1.0, w, d, w * d]
+
+
+@dataclass(frozen=True, slots=True)
+class PredictorParams:
+    """Cold-start prior and learning knobs (the same for every engine; the learned values are per engine)."""
+
+    prior: tuple[float, ...] = (0.030, 0.125, 0.005, 0.0)  # 30 ms overhead, 8k tok/s, 0.5 ms per decode
+    prior_var: tuple[float, ...] = (4.0, 4.0, 4.0, 1.0)  # P0 diagonal, relative-residual units
+    forgetting: float = 0.995
+    huber_k: float = 2.5  # clip residuals at k * running scale of |relative residual|
+    quantile: float = 0.9  # admission's upper bound
+    window: int = 256  # residuals kept for the quantile
+    min_samples: int = 16  # before this many, the upper bound uses cold_margin
+    cold_margin: float = 0.5  # upper = mean * (1 + cold_margin) while cold
+    floor_s: float = 0.001
+    max_trace: float = 1e4  # cap on trace(P) so idle directions cannot blow up under forgetting
+    regime_bias: float = 0.3  # |mean signed relative error| that counts as a change of regime
+    lower: tuple[float, ...] = (0.0005, 1e-5, 0.0, 0.0)  # physical lower bounds (non-negative costs)
+
+
+@dataclass
+class EngineLearner:
+    """The online fit for one engine. `predict` is the mean TTFT in seconds; `upper` the calibrated quantile."""
+
+    params: PredictorParams = field(default_factory=PredictorParams)
+    clock: Callable[[], float] = time.monotonic
+    theta: list[float] = field(default_factory=list)
+    P: list[list[float]] = field(default_factory=list)
+    scale: float = 0.2  # running mean of |relative residual| (Huber scale)
+    bias: float = 0.0  # running mean of the signed relative residual (change detection)
+    regime_changes: int = 0
+    residuals: deque[float] = field(default_factory=deque)
+    samples: int = 0
+    clipped: int = 0
+    ape_sum: float = 0.0  # sum of |actual - predicted| / actual, out of sample
+    last_update: float | None = None
+    _q_cache: tuple[int, float] | None = None
+
+    def __post_init__(self) -> None:
+        p = self.params
+        if not self.theta:
+            self.theta = list(p.prior)
+        if not self.P:
+            self.P = [[p.prior_var[i] if i == j else 0.0 for j in range(_N)] for i in range(_N)]
+        self.residuals = deque(self.residuals, maxlen=p.window)
+
+    # ---------------------------------------------------------------- prediction
+    def predict(self, f: Features) -> float:
+        x = f.vector()
+        lo = self.params.lower
+        return max(self.params.floor_s, sum(max(t, lo[i]) * xi for i, (t, xi) in enumerate(zip(self.theta, x))))
+
+    def margin(self) -> float:
+        """Relative margin of the upper quantile over the mean prediction."""
+        p = self.params
+        if self.samples < p.min_samples or not self.residuals:
+            return p.cold_margin
+        n = len(self.residuals)
+        if self._q_cache is None or self._q_cache[0] != self.samples:
+            xs = sorted(self.residuals)
+            k = min(n - 1, max(0, math.ceil(p.quantile * n) - 1))
+            self._q_cache = (self.samples, max(0.0, xs[k]))
+        return self._q_cache[1]
+
+    def upper(self, f: Features) -> float:
+        return self.predict(f) * (1.0 + self.margin())
+
+    # ---------------------------------------------------------------- learning
+    def observe(self, f: Features, ttft_s: float) -> float:
+        """Fold one observed TTFT into the fit; returns the out-of-sample relative error (actual/pred - 1)."""
+        p = self.params
+        if not (ttft_s > 0 and math.isfinite(ttft_s)):
+            return 0.0
+        pred = self.predict(f)
+        self.samples += 1
+        self.ape_sum += abs(ttft_s - pred) / ttft_s
+        self.residuals.append(ttft_s / pred - 1.0)
+        # Weighted least squares with weight 1/y^2 (minimises squared *relative* error): the equation
+        # x.theta = y divided by y becomes (x / y).theta = 1, whose residual r = (y - x.theta) / y.
+        x = [xi / ttft_s for xi in f.vector()]
+        r = 1.0 - sum(t * xi for t, xi in zip(self.theta, x))
+        # Huber: a residual beyond k * scale is clipped to it (bounded influence of outliers).
+        c = max(p.huber_k * self.scale, 0.1)
+        rc = r
+        if abs(r) > c:
+            rc = math.copysign(c, r)
+            self.clipped += 1
+        self.scale = 0.97 * self.scale + 0.03 * min(abs(r), c)
+        # Change detection: a persistent one-sided error (an engine slowed down or sped up) is no outlier;
+        # reopen the covariance so the fit moves to the new regime in tens of samples, not hundreds.
+        self.bias = 0.9 * self.bias + 0.1 * max(-1.0, min(1.0, r))
+        if abs(self.bias) > p.regime_bias:
+            self.P = [[p.prior_var[i] if i == j else 0.0 for j in range(_N)] for i in range(_N)]
+            self.bias = 0.0
+            self.scale = max(self.scale, abs(r))
+            self.regime_changes += 1
+            rc = r
+        P = self.P
+        px = [sum(P[i][j] * x[j] for j in range(_N)) for i in range(_N)]
+        lam = p.forgetting
+        denom = lam + sum(x[i] * px[i] for i in range(_N))
+        k = [v / denom for v in px]
+        self.theta = [t + ki * rc for t, ki in zip(self.theta, k)]
+        trace = sum(P[i][i] for i in range(_N))
+        div = lam if trace < p.max_trace else 1.0
+        self.P = [[(P[i][j] - k[i] * px[j]) / div for j in range(_N)] for i in range(_N)]
+        self.last_update = self.clock()
+        return ttft_s / pred - 1.0
+
+    def mape(self) -> float | None:
+        return self.ape_sum / self.samples if self.samples else None
+
+    def snapshot(self) -> dict[str, float | int | None]:
+        t = self.theta
+        return {"overhead_ms": round(t[0] * 1000, 3),
+                "prefill_tokens_per_s": round(1000.0 / t[1], 1) if t[1] > 0 else None,
+                "ms_per_10_decodes": round(t[2] * 1000, 3), "interaction_ms": round(t[3] * 1000, 4),
+                "samples": self.samples, "clipped": self.clipped, "regime_changes": self.regime_changes, "upper_margin": round(self.margin(), 4),
+                "mape": round(self.mape(), 4) if self.samples else None}
+
+
+class Predictor:
+    """One EngineLearner per engine name, created on first use with the cold-start prior."""
+
+    def __init__(self, params: PredictorParams | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.params = params or PredictorParams()
+        self.clock = clock
+        self.engines: dict[str, EngineLearner] = {}
+
+    def learner(self, engine: str) -> EngineLearner:
+        lr = self.engines.get(engine)
+        if lr is None:
+            lr = self.engines[engine] = EngineLearner(self.params, self.clock)
+        return lr
+
+    def predict(self, engine: str, f: Features) -> tuple[float, float]:
+        """(mean, upper) predicted TTFT in seconds."""
+        lr = self.learner(engine)
+        m = lr.predict(f)
+        return m, m * (1.0 + lr.margin())
+
+    def observe(self, engine: str, f: Features, ttft_s: float) -> float:
+        return self.learner(engine).observe(f, ttft_s)
+
+    def snapshot(self) -> dict[str, dict[str, float | int | None]]:
+        return {name: lr.snapshot() for name, lr in sorted(self.engines.items())}

@@ -1,0 +1,90 @@
+"""Predictor: learns per-engine parameters from synthetic TTFTs of known models, resists outliers, calibrates."""
+from __future__ import annotations
+
+import random
+
+from gateway.routing.predictor import EngineLearner, Features, Predictor, PredictorParams
+
+
+def true_ttft(f: Features, overhead: float, per_tok: float, per_dec: float) -> float:
+    return overhead + per_tok * (f.ahead_tokens + f.uncached_tokens) + per_dec * f.running
+
+
+def _feed(lr: EngineLearner, rng: random.Random, n: int, params: tuple[float, float, float], noise: float = 0.03,
+          outliers: float = 0.0) -> None:
+    for _ in range(n):
+        f = Features(ahead_tokens=rng.choice([0, 0, rng.uniform(0, 8000)]), uncached_tokens=rng.uniform(10, 4000),
+                     running=rng.uniform(0, 40))
+        y = true_ttft(f, *params) * (1 + rng.gauss(0, noise))
+        if rng.random() < outliers:
+            y *= 20  # a GC pause or network hiccup
+        lr.observe(f, y)
+
+
+def test_cold_start_default_is_sensible():
+    lr = EngineLearner()
+    f = Features(0, 1000, 0)
+    assert 0.05 < lr.predict(f) < 0.5  # tens to hundreds of ms for 1k tokens
+    assert lr.upper(f) > lr.predict(f)  # cold: a margin, never a promise tighter than the mean
+
+
+def test_learns_two_engines_separately():
+    rng = random.Random(1)
+    h200 = (0.010, 1 / 16000, 0.0002)
+    l40s = (0.025, 1 / 6000, 0.0005)
+    p = Predictor()
+    _feed(p.learner("h200"), rng, 400, h200)
+    _feed(p.learner("l40s"), rng, 400, l40s)
+    for name, par in (("h200", h200), ("l40s", l40s)):
+        errs = []
+        for _ in range(200):
+            f = Features(rng.uniform(0, 4000), rng.uniform(10, 4000), rng.uniform(0, 40))
+            y = true_ttft(f, *par)
+            errs.append(abs(p.predict(name, f)[0] - y) / y)
+        assert sum(errs) / len(errs) < 0.05, name
+    snap = p.snapshot()
+    assert 13000 < snap["h200"]["prefill_tokens_per_s"] < 19000
+    assert 5000 < snap["l40s"]["prefill_tokens_per_s"] < 7200
+
+
+def test_outliers_have_bounded_influence():
+    rng = random.Random(2)
+    par = (0.010, 1 / 16000, 0.0002)
+    robust = EngineLearner()
+    _feed(robust, rng, 500, par, outliers=0.05)
+    f = Features(0, 2000, 10)
+    y = true_ttft(f, *par)
+    assert abs(robust.predict(f) - y) / y < 0.15
+    assert robust.clipped > 0
+
+
+def test_upper_quantile_is_calibrated():
+    rng = random.Random(3)
+    par = (0.015, 1 / 8000, 0.0003)
+    lr = EngineLearner(PredictorParams(quantile=0.9))
+    _feed(lr, rng, 600, par, noise=0.1)
+    inside = 0
+    n = 1000
+    for _ in range(n):
+        f = Features(rng.uniform(0, 4000), rng.uniform(10, 4000), rng.uniform(0, 40))
+        y = true_ttft(f, *par) * (1 + rng.gauss(0, 0.1))
+        inside += y <= lr.upper(f)
+    assert 0.84 < inside / n < 0.96
+
+
+def test_adapts_when_an_engine_slows_down():
+    rng = random.Random(4)
+    lr = EngineLearner()
+    _feed(lr, rng, 300, (0.010, 1 / 16000, 0.0002))
+    _feed(lr, rng, 600, (0.010, 1 / 4000, 0.0002))  # 4x slower (thermal throttling, a noisy neighbour)
+    f = Features(0, 2000, 0)
+    y = 0.010 + 2000 / 4000
+    assert abs(lr.predict(f) - y) / y < 0.1
+
+
+def test_ignores_non_positive_observations():
+    lr = EngineLearner()
+    before = list(lr.theta)
+    lr.observe(Features(0, 100, 0), 0.0)
+    lr.observe(Features(0, 100, 0), float("nan"))
+    assert lr.theta == before and lr.samples == 0
