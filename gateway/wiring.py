@@ -24,6 +24,7 @@ def wire(gw: Gateway) -> None:
     _wire_policy(gw)
     _wire_budgets(gw)
     _wire_telemetry(gw)
+    _wire_routing(gw)
     _wire_evidence(gw)
 
 
@@ -162,7 +163,6 @@ def _backend_or_none(gw: Gateway, name: str) -> Any:
         return gw.config.backend(name)
     except KeyError:
         return None
-    _wire_routing(gw)
 
 
 def _wire_budgets(gw: Gateway) -> None:
