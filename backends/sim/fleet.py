@@ -169,3 +169,15 @@ class FleetProcess:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+
+
+def manifest_backends(manifest: dict[str, Any], kind: str = "vllm") -> list[dict[str, Any]]:
+    """The manifest's engines as gateway `backends:` entries (url, kv_events, replay, metrics taken as they are)."""
+    out = []
+    for e in manifest["engines"]:
+        b: dict[str, Any] = {"name": e["name"], "url": e["url"], "kind": kind, "models": [e.get("model", "sim-model")],
+                             "kv_events": e["kv_events"], "replay": e["replay"], "metrics": e["metrics"]}
+        if e.get("location"):
+            b["location"] = e["location"]
+        out.append(b)
+    return out

@@ -255,3 +255,18 @@ def test_cli_subprocess_fleet_writes_manifest(tmp_path):
             assert e["url"].endswith("/v1") and e["kv_events"].startswith("tcp://")
             r = httpx.post(e["url"] + "/completions", json={"prompt": "hi there", "max_tokens": 2}, timeout=10)
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+async def test_manifest_feeds_a_gateway_config():
+    import yaml
+
+    from backends.sim.fleet import manifest_backends
+    from gateway.config import parse_config
+
+    async with start_fleet(2, profiles=["tiny", "l40s-8b"], locations=["DE:eu-central", "US"]) as fleet:
+        m = fleet.manifest()
+        cfg = parse_config(yaml.safe_dump({"backends": manifest_backends(m)}))
+        assert [b.url for b in cfg.backends] == [e["url"] for e in m["engines"]]
+        assert [b.kv_events for b in cfg.backends] == [e["kv_events"] for e in m["engines"]]
+        assert cfg.backends[0].kind == "vllm" and cfg.backends[0].location.country == "DE"
+        assert cfg.backends[1].server_root + "/metrics" == m["engines"][1]["metrics"]
