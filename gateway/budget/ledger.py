@@ -12,6 +12,7 @@ import fcntl
 import logging
 import os
 import sqlite3
+import threading
 from collections import deque
 from pathlib import Path
 from typing import Any, Protocol
@@ -48,38 +49,48 @@ class SqliteSink:
     def __init__(self, path: Path, table: str = "budget_ledger") -> None:
         self.path = path
         self.table = table
+        self._db: sqlite3.Connection | None = None
+        self._lock = threading.Lock()
 
     async def open(self) -> None:
         await asyncio.to_thread(self._init)
 
     def _conn(self) -> sqlite3.Connection:
-        db = sqlite3.connect(self.path, timeout=5.0)
-        db.execute("PRAGMA journal_mode=WAL")
-        return db
+        # One connection for the drainer (writes are serialised by the lock); WAL with synchronous=NORMAL
+        # survives a process crash, and the outbox spool covers rows not yet committed.
+        if self._db is None:
+            db = sqlite3.connect(self.path, timeout=5.0, check_same_thread=False)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            self._db = db
+        return self._db
 
     def _init(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        db = self._conn()
-        try:
-            db.execute(_ddl(self.table))
-        finally:
-            db.close()
+        with self._lock:
+            self._conn().execute(_ddl(self.table))
 
     async def write(self, rows: list[dict[str, Any]]) -> None:
         await asyncio.to_thread(self._write, rows)
 
     def _write(self, rows: list[dict[str, Any]]) -> None:
-        db = self._conn()
-        try:
-            with db:
-                db.executemany(
-                    f"INSERT INTO {self.table} ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))}) "
-                    "ON CONFLICT(request_id) DO NOTHING", [tuple(r.get(c) for c in COLUMNS) for r in rows])
-        finally:
-            db.close()
+        with self._lock:
+            db = self._conn()
+            try:
+                with db:
+                    db.executemany(
+                        f"INSERT INTO {self.table} ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))}) "
+                        "ON CONFLICT(request_id) DO NOTHING", [tuple(r.get(c) for c in COLUMNS) for r in rows])
+            except sqlite3.Error:
+                db.close()  # reopen on the next try (file replaced, disk error, ...)
+                self._db = None
+                raise
 
     async def close(self) -> None:
-        return None
+        with self._lock:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
 
 
 class PostgresSink:
