@@ -1,0 +1,67 @@
+"""Session fixture for the real-vLLM suite: .venv-vllm, the tiny model, two CPU engines and a gateway.
+
+Under CI=true any failure to set up or start the engines fails the tests; elsewhere the suite is skipped with
+the reason when .venv-vllm cannot be created (RUN_VLLM=0 skips it on purpose).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import IN_CI
+from tests.vllm.stack import MODEL_DIR, ROOT, SetupError, ensure_env, ensure_model, start_stack
+
+ENGINE_RAM_GB = 3  # ~2-3 GB RSS per CPU engine with a small KV cache (docs/vllm.md)
+
+
+def _unavailable(why: str) -> None:
+    if IN_CI:
+        pytest.fail(f"real vLLM suite could not start under CI=true: {why}")
+    pytest.skip(why)
+
+
+def _free_gb() -> float:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 1024 / 1024
+    except OSError:
+        pass
+    return float("inf")
+
+
+@pytest.fixture(scope="session")
+def vllm_stack(tmp_path_factory):
+    if os.environ.get("RUN_VLLM") == "0" and not IN_CI:
+        pytest.skip("RUN_VLLM=0")
+    if shutil.which("bash") is None:
+        _unavailable("bash not found")
+    if _free_gb() < 2 * ENGINE_RAM_GB:
+        _unavailable(f"only {_free_gb():.1f} GB RAM available; two CPU engines need ~{2 * ENGINE_RAM_GB} GB")
+    t0 = time.monotonic()
+    try:
+        setup_s = ensure_env()
+        ensure_model(MODEL_DIR)
+    except (SetupError, subprocess.TimeoutExpired, OSError) as e:
+        _unavailable(f".venv-vllm / tiny model could not be created: {e}")
+    work = tmp_path_factory.mktemp("vllm")
+    try:
+        stack = start_stack(work, MODEL_DIR, engines=2, block_size=32, num_blocks=96)
+    except (SetupError, TimeoutError, RuntimeError, OSError) as e:
+        _unavailable(f"vLLM engines or gateway did not start: {e}")
+    stack.timings["setup_env_s"] = setup_s
+    stack.timings["fixture_s"] = time.monotonic() - t0
+    print(f"\nvllm stack: {stack.timings}")
+    yield stack
+    stack.close()
+    logs = ROOT / "var" / "vllm-e2e-last"
+    try:  # keep the last run's logs for debugging CI failures
+        shutil.rmtree(logs, ignore_errors=True)
+        shutil.copytree(work, logs, ignore=shutil.ignore_patterns("*.db", "*.db-*"))
+    except OSError:
+        pass
