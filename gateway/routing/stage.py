@@ -372,6 +372,7 @@ class PredictiveRouteStage:
         pick = final[0]
         self._evidence(ctx, final, target, adm.action, source, t_start, salt)
         ctx.extra_headers["x-predicted-ttft-ms"] = f"{pick.predicted_ttft_ms:.0f}"
+        ctx.extra_headers["x-gateway-backend"] = pick.backend.name
         name = pick.backend.name
         fl = _Flight(ctx, name, n_tokens - (pick.cached_tokens or 0), self.clock(),
                      (pick.predicted_ttft_ms or 0) / 1000, feats, {c.backend.name: c.cached_tokens or 0 for c in final},

@@ -1,0 +1,121 @@
+"""End to end: a real gateway process in front of a simulated fleet (backends/sim subprocess, KV events on).
+
+Pins: a repeated long prompt goes to the engine that holds it (predicted cached == engine's cached tokens),
+overload is refused at once with 429 ttft_slo_unattainable and its headers, and the audit record carries the
+candidates with predicted TTFT, the predicted and the actual TTFT.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from backends.sim.fleet import FleetProcess
+from tests.support.procs import free_port, start_gateway
+
+KEY = "route-e2e-key-0123456789"
+ADMIN = "route-e2e-admin-0123456789"
+H = {"authorization": f"Bearer {KEY}"}
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("route")
+    fleet = FleetProcess(["--engines", "3", "--profile", "h200-8b,l40s-8b", "--base-port", "0"], tmp / "fleet.json")
+    man = fleet.start()
+    try:
+        port = free_port()
+        backends = [{"name": e["name"], "kind": "sim", "url": e["url"], "models": ["sim-model"],
+                     "kv_events": e["kv_events"], "replay": e["replay"], "metrics": e["metrics"],
+                     "location": {"country": "DE"}} for e in man["engines"]]
+        cfg = tmp / "gateway.yaml"
+        cfg.write_text(json.dumps({"server": {"host": "127.0.0.1", "port": port}, "backends": backends,
+                                   "keys": [{"key": KEY, "tenant": "t1"}], "admin": {"key": ADMIN},
+                                   "telemetry": {"scrape_interval_s": 0.2},
+                                   "observability": {"log_level": "warning"}}))
+        gw, _ = start_gateway(cfg)
+        try:
+            yield {"base": f"http://127.0.0.1:{port}", "engines": man["engines"]}
+        finally:
+            gw.stop()
+    finally:
+        fleet.stop()
+
+
+def _body(content: str, stream: bool = True) -> dict:
+    b = {"model": "sim-model", "max_tokens": 4, "stream": stream, "messages": [{"role": "user", "content": content}]}
+    if stream:
+        b["stream_options"] = {"include_usage": True}
+    return b
+
+
+def _stream(base: str, body: dict, headers: dict) -> tuple[int, dict, dict | None]:
+    with httpx.stream("POST", base + "/v1/chat/completions", json=body, headers={**H, **headers}, timeout=30) as r:
+        usage = None
+        if r.status_code == 200:
+            for line in r.iter_lines():
+                if line.startswith("data: {") and '"usage"' in line:
+                    obj = json.loads(line[6:])
+                    usage = obj.get("usage") or usage
+        else:
+            r.read()
+        return r.status_code, dict(r.headers), usage
+
+
+def _decision(base: str, rid: str) -> dict:
+    for _ in range(50):
+        r = httpx.get(f"{base}/admin/decisions/{rid}", headers={"authorization": f"Bearer {ADMIN}"})
+        if r.status_code == 200:
+            return r.json()
+        time.sleep(0.1)
+    raise AssertionError(f"no audit record for {rid}: {r.status_code} {r.text}")
+
+
+def test_repeated_long_prompt_goes_to_the_engine_that_holds_it(stack):
+    base = stack["base"]
+    prompt = "Policy manual section. " + " ".join(f"clause{i} applies" for i in range(1500))
+    st, h, _ = _stream(base, _body(prompt + " first question"), {"x-request-id": "warm-1"})
+    assert st == 200
+    holder = h["x-gateway-backend"]
+    time.sleep(0.3)  # KV events reach the index
+    for i in range(4):
+        st, h, usage = _stream(base, _body(prompt + f" question {i}"), {"x-request-id": f"rep-{i}"})
+        assert st == 200 and h["x-gateway-backend"] == holder
+        assert usage["prompt_tokens_details"]["cached_tokens"] > 2500
+    rec = _decision(base, "rep-3")
+    assert rec["backend"] == holder
+    assert rec["cached_tokens"]["predicted"] == rec["cached_tokens"]["actual"] > 2500
+    cands = {c["backend"]: c for c in rec["candidates"]}
+    assert len(cands) == 3 and all(c["predicted_ttft_ms"] is not None for c in cands.values())
+    assert cands[holder]["predicted_ttft_ms"] < min(c["predicted_ttft_ms"] for n, c in cands.items() if n != holder)
+    assert rec["ttft_ms"]["predicted"] is not None and rec["ttft_ms"]["actual"] is not None
+    assert rec["evidence"]["actual_ttft_ms"] is not None
+
+
+async def test_overload_is_refused_early_with_headers(stack):
+    base = stack["base"]
+    # a long unique prompt with an impossible target on an otherwise busy fleet: refused at once
+    async with httpx.AsyncClient(timeout=60) as c:
+        async def busy(i: int) -> None:
+            await c.post(base + "/v1/chat/completions", headers=H,
+                         json=_body(f"busy {i} " + " ".join(f"w{i}x{j}" for j in range(6000)), stream=False))
+        load = [asyncio.create_task(busy(i)) for i in range(6)]
+        await asyncio.sleep(0.3)
+        t0 = time.perf_counter()
+        r = await c.post(base + "/v1/chat/completions", json=_body("x " * 3000),
+                         headers={**H, "x-ttft-slo-ms": "20", "x-request-id": "shed-1"})
+        elapsed_ms = (time.perf_counter() - t0) * 1000
+        await asyncio.gather(*load)
+    assert r.status_code == 429
+    err = r.json()["error"]
+    assert err["code"] == "ttft_slo_unattainable" and err["type"] == "rate_limit_error"
+    assert int(r.headers["retry-after"]) >= 1 and int(r.headers["retry-after-ms"]) > 0
+    assert float(r.headers["x-predicted-ttft-ms"]) > 20 and r.headers["x-ttft-slo-ms"] == "20"
+    assert elapsed_ms < 500  # answered at once, not after queueing (the 5 ms decision is in the record)
+    rec = _decision(base, "shed-1")
+    assert rec["status"] == 429 and rec["route"]["admission"] == "reject"
+    assert rec["route"]["decided_us"] < 50_000
