@@ -25,6 +25,7 @@ from gateway.api.parse import PARSERS, decode_json
 from gateway.config import Config, ConfigError, load_config
 from gateway.errors import GatewayError
 from gateway.metrics import Metrics
+from gateway.observability.logs import current_request
 from gateway.pipeline import Pipeline, RequestContext, Stage
 from gateway.proxy.forward import Dispatcher, JsonResult, StreamStart, stream_body, usage_from
 from gateway.proxy.health import Health, probe_loop
@@ -103,7 +104,7 @@ class ObserveStage:
         self.gw = gw
 
     async def run(self, ctx: RequestContext) -> None:
-        return None
+        current_request.set(ctx)  # log records of this task carry the request id (gateway.observability.logs)
 
     async def finish(self, ctx: RequestContext) -> None:
         gw = self.gw

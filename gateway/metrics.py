@@ -38,6 +38,16 @@ class Metrics:
                                        ["stage"], buckets=(1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1),
                                        registry=r)
         self.reloads = Counter("gateway_config_reloads_total", "Config reloads", ["result"], registry=r)
+        # fed by gateway.observability.hooks (a finish hook) when observability is wired
+        self.budget_rejections = Counter("gateway_budget_rejections_total", "Requests refused by a budget",
+                                         ["code", "scope", "window"], registry=r)
+        self.cached_tokens = Counter("gateway_cached_prompt_tokens_total",
+                                     "Prompt tokens the engine served from its prefix cache", ["model", "backend"],
+                                     registry=r)
+        self.ttft_prediction_delta = Histogram("gateway_ttft_prediction_delta_seconds",
+                                               "actual - predicted TTFT per request (signed)", ["backend"],
+                                               buckets=(-5.0, -1.0, -0.5, -0.25, -0.1, -0.05, -0.02, -0.01, 0.0,
+                                                        0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0), registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -26,6 +26,7 @@ def wire(gw: Gateway) -> None:
     _wire_telemetry(gw)
     _wire_routing(gw)
     _wire_evidence(gw)
+    _wire_observability(gw)
 
 
 def _replace_stage(gw: Gateway, name: str, stage: Any) -> None:
@@ -156,6 +157,14 @@ def _wire_evidence(gw: Gateway) -> None:
     gw.finish_hooks.append(record)
     gw.extra_routes.append(Route("/admin/decisions/{request_id}", admin_endpoint(gw, make_decision_handler(rec)),
                                  methods=["GET"]))
+
+
+def _wire_observability(gw: Gateway) -> None:
+    """State metrics, per-request metrics/access log, /admin/ui dashboard, OTel tracing when configured (last:
+    the trace stage must follow routing, and its finish hook must follow the evidence recorder)."""
+    from gateway.observability.wiring import wire_observability
+
+    wire_observability(gw)
 
 
 def _backend_or_none(gw: Gateway, name: str) -> Any:

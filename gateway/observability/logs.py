@@ -2,10 +2,12 @@
 line of defence, anything that looks like a bearer token or gateway key is masked before a line is written."""
 from __future__ import annotations
 
+import contextvars
 import logging
 import re
 import sys
 import time
+from typing import Any, TextIO
 
 import orjson
 
@@ -14,6 +16,58 @@ _SECRET = re.compile(r"(gw_[A-Za-z0-9]+_[A-Za-z0-9_\-]{8,}|Bearer\s+[A-Za-z0-9._
 
 def redact(text: str) -> str:
     return _SECRET.sub("[REDACTED]", text)
+
+
+# The request being served by the current task (set by ObserveStage.run: one ContextVar.set per request).
+current_request: contextvars.ContextVar[Any] = contextvars.ContextVar("gateway_request", default=None)
+_ZR_REDACTED = "[redacted: zero retention]"
+
+
+def _content_strings(value: Any, out: list[str]) -> None:
+    if isinstance(value, str):
+        if len(value) >= 4:
+            out.append(value)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _content_strings(v, out)
+    elif isinstance(value, list):
+        for v in value:
+            _content_strings(v, out)
+
+
+def zero_retention_content(ctx: Any) -> list[str]:
+    """The text a zero-retention request carried (messages/prompt/input); [] for other requests."""
+    if ctx is None or not getattr(ctx, "zero_retention", False):
+        return []
+    body = getattr(ctx, "body", None) or {}
+    out: list[str] = []
+    for k in ("messages", "prompt", "input", "suffix", "instructions", "tools"):
+        if k in body:
+            _content_strings(body[k], out)
+    return out
+
+
+class RequestContextFilter(logging.Filter):
+    """Adds the current request id to every record and, during a zero-retention request, replaces any
+    record whose text quotes the request's content (a second line of defence: the code never logs content)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        ctx = current_request.get()
+        if ctx is None:
+            return True
+        if getattr(record, "request_id", None) is None:
+            record.request_id = ctx.request_id
+        secrets = zero_retention_content(ctx)
+        if secrets:
+            text = record.getMessage()
+            if record.exc_info and not record.exc_text:
+                record.exc_text = logging.Formatter().formatException(record.exc_info)
+            exc = record.exc_text or ""
+            fields = orjson.dumps(getattr(record, "fields", None), default=str).decode()
+            if any(s in text or s in exc or s in fields or (len(s) > 64 and s[:64] in text) for s in secrets):
+                record.msg, record.args = _ZR_REDACTED, None
+                record.exc_info, record.exc_text, record.fields = None, None, None
+        return True
 
 
 class JsonFormatter(logging.Formatter):
@@ -27,7 +81,13 @@ class JsonFormatter(logging.Formatter):
         rid = getattr(record, "request_id", None)
         if rid:
             out["request_id"] = rid
-        if record.exc_info:
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            for k, v in fields.items():
+                out.setdefault(k, redact(v) if isinstance(v, str) else v)
+        if record.exc_text:
+            out["exc"] = redact(record.exc_text)
+        elif record.exc_info:
             out["exc"] = redact(self.formatException(record.exc_info))
         return orjson.dumps(out).decode()
 
@@ -37,11 +97,13 @@ class PlainRedactingFormatter(logging.Formatter):
         return redact(super().format(record))
 
 
-def configure_logging(level: str = "info", json_logs: bool = True) -> None:
+def configure_logging(level: str = "info", json_logs: bool = True, stream: TextIO | None = None) -> logging.Handler:
+    """One handler on the root logger: JSON (or plain) lines, request ids, secrets masked."""
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)
-    h = logging.StreamHandler(sys.stderr)
+    h = logging.StreamHandler(stream or sys.stderr)
+    h.addFilter(RequestContextFilter())
     h.setFormatter(JsonFormatter() if json_logs else PlainRedactingFormatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
     root.addHandler(h)
     root.setLevel(level.upper())
@@ -49,3 +111,4 @@ def configure_logging(level: str = "info", json_logs: bool = True) -> None:
         lg = logging.getLogger(name)
         lg.handlers = []
         lg.propagate = True
+    return h

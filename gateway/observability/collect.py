@@ -1,0 +1,107 @@
+"""Scrape-time Prometheus collector: live state read from the subsystems when /metrics is fetched.
+
+Per-backend circuit state, engine load as last scraped, cached KV blocks by tier, KV-index agreement
+(predicted vs actual cached tokens) and the router's learned per-engine parameters. Labels are backend/engine
+names and tiers only (bounded by the config). Every source is optional: a subsystem that is not wired is skipped.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterator
+
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+log = logging.getLogger("gateway.metrics")
+CIRCUIT_STATES = ("closed", "open", "half_open")
+
+
+class GatewayStateCollector(Collector):
+    def __init__(self, gw: Any) -> None:
+        self.gw = gw
+
+    def describe(self) -> list:  # names are dynamic per source; skip the registry's duplicate check
+        return []
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        try:
+            yield from self._health()
+            yield from self._telemetry()
+            yield from self._router()
+        except Exception:  # a broken source must not break /metrics
+            log.exception("collecting gateway state metrics failed")
+
+    def _health(self) -> Iterator[GaugeMetricFamily]:
+        snap = self.gw.health.snapshot()
+        state = GaugeMetricFamily("gateway_backend_circuit_state", "1 for the backend's current circuit state",
+                                  labels=["backend", "state"])
+        fails = GaugeMetricFamily("gateway_backend_consecutive_failures", "Consecutive failures per backend",
+                                  labels=["backend"])
+        for name, st in sorted(snap.items()):
+            for s in CIRCUIT_STATES:
+                state.add_metric([name, s], 1.0 if st["state"] == s else 0.0)
+            fails.add_metric([name], float(st["consecutive_failures"]))
+        yield state
+        yield fails
+
+    def _telemetry(self) -> Iterator[GaugeMetricFamily]:
+        tel = getattr(self.gw, "telemetry", None)
+        if tel is None or not hasattr(tel, "fleet_snapshot"):
+            return
+        engines = tel.fleet_snapshot().get("engines", {})
+        running = GaugeMetricFamily("gateway_engine_requests_running", "Engine's running requests (last scrape)",
+                                    labels=["engine"])
+        waiting = GaugeMetricFamily("gateway_engine_requests_waiting", "Engine's queued requests (last scrape)",
+                                    labels=["engine"])
+        kv = GaugeMetricFamily("gateway_engine_kv_cache_usage_ratio", "Engine's KV cache usage 0..1 (last scrape)",
+                               labels=["engine"])
+        inflight = GaugeMetricFamily("gateway_engine_inflight_requests", "Requests the gateway has in flight",
+                                     labels=["engine"])
+        blocks = GaugeMetricFamily("gateway_kv_index_cached_blocks", "Blocks the KV index holds per engine and tier",
+                                   labels=["engine", "tier"])
+        stale = GaugeMetricFamily("gateway_kv_index_stale", "1 while the engine's index view is rebuilding",
+                                  labels=["engine"])
+        tok = GaugeMetricFamily("gateway_kv_index_token_agreement_ratio",
+                                "Predicted vs actual cached tokens: sum(min)/max(sums), all time", labels=["engine"])
+        win = GaugeMetricFamily("gateway_kv_index_window_token_agreement_ratio",
+                                "Token agreement over the recent window", labels=["engine"])
+        req = GaugeMetricFamily("gateway_kv_index_request_agreement_ratio",
+                                "Share of requests whose predicted cached tokens matched exactly", labels=["engine"])
+        for name, e in sorted(engines.items()):
+            load = e.get("load") or {}
+            if load:
+                running.add_metric([name], float(load.get("running") or 0.0))
+                waiting.add_metric([name], float(load.get("waiting") or 0.0))
+                kv.add_metric([name], float(load.get("kv_usage") or 0.0))
+            inflight.add_metric([name], float((e.get("inflight") or {}).get("requests", 0)))
+            for tier, n in sorted((e.get("cached_blocks") or {}).items()):
+                blocks.add_metric([name, str(tier)], float(n))
+            stale.add_metric([name], 1.0 if e.get("stale") else 0.0)
+            a = e.get("agreement") or {}
+            if a.get("requests"):
+                tok.add_metric([name], float(a["token_agreement"]))
+                win.add_metric([name], float(a["window_token_agreement"]))
+                req.add_metric([name], float(a["request_agreement"]))
+        yield from (running, waiting, kv, inflight, blocks, stale, tok, win, req)
+
+    def _router(self) -> Iterator[GaugeMetricFamily]:
+        router = getattr(self.gw, "router", None)
+        pred = getattr(router, "predictor", None)
+        if pred is None or not hasattr(pred, "snapshot"):
+            return
+        rate = GaugeMetricFamily("gateway_predictor_prefill_tokens_per_second", "Learned prefill rate per engine",
+                                 labels=["engine"])
+        over = GaugeMetricFamily("gateway_predictor_overhead_seconds", "Learned fixed TTFT overhead per engine",
+                                 labels=["engine"])
+        mape = GaugeMetricFamily("gateway_predictor_mape_ratio", "Mean absolute percentage error of TTFT "
+                                 "predictions per engine", labels=["engine"])
+        samples = GaugeMetricFamily("gateway_predictor_samples", "TTFT observations learned from", labels=["engine"])
+        for name, s in pred.snapshot().items():
+            if s.get("prefill_tokens_per_s") is not None:
+                rate.add_metric([name], float(s["prefill_tokens_per_s"]))
+            if s.get("overhead_ms") is not None:
+                over.add_metric([name], float(s["overhead_ms"]) / 1000)
+            if s.get("mape") is not None:
+                mape.add_metric([name], float(s["mape"]))
+            samples.add_metric([name], float(s.get("samples") or 0))
+        yield from (rate, over, mape, samples)

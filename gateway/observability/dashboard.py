@@ -1,0 +1,139 @@
+"""/admin/ui: a live dashboard served by the gateway itself (one static HTML page, inline JS, no build step).
+
+GET /admin/ui       the page shell: no data, no secrets. It takes the admin key from the URL fragment
+                    (`/admin/ui#key=...`: fragments never reach the server or its logs) or a prompt, keeps it
+                    in sessionStorage and sends it as a Bearer header.
+GET /admin/ui/data  admin-protected JSON the page polls: engines (queue, KV usage, cached blocks by tier,
+                    learned prefill rate, predicted TTFT, circuit), budgets by tenant, recent decisions with
+                    their evidence, and the predicted-vs-actual TTFT series. Every source degrades to empty.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.routing import Route
+
+PAGE = Path(__file__).with_name("dashboard.html")
+_DROP = ("content",)  # records never show captured content on the dashboard
+
+
+def _decision(rec: dict[str, Any]) -> dict[str, Any]:
+    """A recent evidence record trimmed for the table (the full record stays at /admin/decisions/{id})."""
+    p = rec.get("principal") or {}
+    route = rec.get("route") if isinstance(rec.get("route"), dict) else {}
+    cost = rec.get("cost") if isinstance(rec.get("cost"), dict) else {}
+    ttft = rec.get("ttft_ms") or {}
+    cached = rec.get("cached_tokens") or {}
+    cands = rec.get("candidates") if isinstance(rec.get("candidates"), list) else []
+    return {
+        "request_id": rec.get("request_id"), "ts": rec.get("ts"), "tenant": p.get("tenant"),
+        "model": rec.get("model"), "backend": rec.get("backend"), "status": rec.get("status"),
+        "error": rec.get("error"), "matched_rules": rec.get("matched_rules") or [],
+        "zero_retention": rec.get("zero_retention"), "admission": route.get("admission"),
+        "ttft_slo_ms": route.get("ttft_slo_ms"),
+        "predicted_ttft_ms": ttft.get("predicted"), "actual_ttft_ms": ttft.get("actual"),
+        "predicted_cached_tokens": cached.get("predicted"), "actual_cached_tokens": cached.get("actual"),
+        "cost": cost.get("amount"), "currency": cost.get("currency"),
+        "candidates": [{k: c.get(k) for k in ("backend", "predicted_ttft_ms", "predicted_ttft_upper_ms",
+                                              "predicted_cached_tokens") if k in c} for c in cands if isinstance(c, dict)],
+        "evidence": {k: v for k, v in rec.items() if k not in _DROP},
+    }
+
+
+def _budgets(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Latest known use vs limit per (scope, id, window), from the budget evidence of recent requests."""
+    latest: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for rec in records:  # oldest first: later records overwrite
+        b = rec.get("budget")
+        if not isinstance(b, dict):
+            continue
+        tenant = (rec.get("principal") or {}).get("tenant")
+        for lim in b.get("limits") or []:
+            if not isinstance(lim, dict):
+                continue
+            key = (str(lim.get("scope")), str(lim.get("id")), str(lim.get("window")))
+            latest[key] = {"tenant": tenant, "scope": key[0], "id": key[1], "window": key[2],
+                           "limit": lim.get("limit"), "used": lim.get("after"), "currency": b.get("currency"),
+                           "as_of": rec.get("ts"), "refused": bool(b.get("refused"))}
+        ref = b.get("refused")
+        if isinstance(ref, dict) and not b.get("limits"):
+            key = (str(ref.get("scope")), tenant or "", str(ref.get("window")))
+            latest.setdefault(key, {"tenant": tenant, "scope": key[0], "id": key[1], "window": key[2],
+                                    "limit": None, "used": None, "currency": None, "as_of": rec.get("ts")})
+            latest[key]["refused"] = True
+    return sorted(latest.values(), key=lambda x: (str(x["tenant"]), x["scope"], x["id"], x["window"]))
+
+
+async def dashboard_data(gw: Any, recent_ids: Callable[[], list[str]], limit: int = 100) -> dict[str, Any]:
+    """Everything the page shows, from the subsystems' public snapshots; missing subsystems give empty parts."""
+    cfg = gw.config
+    health = gw.health.snapshot()
+    tel = getattr(gw, "telemetry", None)
+    fleet = tel.fleet_snapshot() if tel is not None and hasattr(tel, "fleet_snapshot") else {}
+    router = getattr(gw, "router", None)
+    routing = router.snapshot() if router is not None and hasattr(router, "snapshot") else {}
+    learned = routing.get("engines", {}) if isinstance(routing, dict) else {}
+    rec_src = getattr(gw, "evidence", None)
+    records: list[dict[str, Any]] = []
+    if rec_src is not None:
+        seen: set[str] = set()
+        for rid in reversed(recent_ids()):
+            if rid in seen:
+                continue
+            seen.add(rid)
+            rec = await rec_src.get(rid)
+            if rec is not None:
+                records.append(rec)
+            if len(records) >= limit:
+                break
+        records.reverse()  # oldest first
+    last_pred: dict[str, float] = {}
+    for rec in records:
+        for c in rec.get("candidates") or []:
+            if isinstance(c, dict) and isinstance(c.get("predicted_ttft_ms"), (int, float)) and c.get("backend"):
+                last_pred[c["backend"]] = c["predicted_ttft_ms"]
+    engines = []
+    fe = fleet.get("engines", {}) if isinstance(fleet, dict) else {}
+    for b in cfg.backends:
+        e = fe.get(b.name, {})
+        load = e.get("load") or {}
+        lr = learned.get(b.name, {})
+        engines.append({
+            "name": b.name, "kind": b.kind, "country": b.location.country if b.location else None,
+            "retention": b.retention, "circuit": (health.get(b.name) or {}).get("state", "closed"),
+            "running": load.get("running"), "waiting": load.get("waiting"), "kv_usage": load.get("kv_usage"),
+            "cached_blocks": e.get("cached_blocks") or {}, "stale": bool(e.get("stale")),
+            "inflight": (e.get("inflight") or {}).get("requests"),
+            "kv_agreement": (e.get("agreement") or {}).get("token_agreement") if (e.get("agreement") or {}).get(
+                "requests") else None,
+            "prefill_tokens_per_s": lr.get("prefill_tokens_per_s"), "overhead_ms": lr.get("overhead_ms"),
+            "mape": lr.get("mape"), "samples": lr.get("samples"),
+            "predicted_ttft_ms": last_pred.get(b.name),
+        })
+    decisions = [_decision(r) for r in records]
+    series = [{"request_id": d["request_id"], "backend": d["backend"], "ts": d["ts"],
+               "predicted_ms": d["predicted_ttft_ms"], "actual_ms": d["actual_ttft_ms"]}
+              for d in decisions if d["predicted_ttft_ms"] is not None and d["actual_ttft_ms"] is not None]
+    return {"generated_at": time.time(), "config_generation": cfg.generation, "engines": engines,
+            "admission": routing.get("admission", {}) if isinstance(routing, dict) else {},
+            "budgets": _budgets(records), "decisions": list(reversed(decisions)), "ttft_series": series}
+
+
+def dashboard_routes(gw: Any, protect: Callable[[Any], Any], recent_ids: Callable[[], list[str]]) -> list[Route]:
+    """The page (public shell) and its data (behind `protect`, the gateway's admin_endpoint wrapper)."""
+    html = PAGE.read_bytes()
+
+    async def page(request: Request) -> Response:
+        return HTMLResponse(html, headers={"cache-control": "no-store", "referrer-policy": "no-referrer",
+                                           "content-security-policy": "default-src 'self'; script-src 'unsafe-inline'; "
+                                           "style-src 'unsafe-inline'; img-src 'self' data:"})
+
+    async def data(request: Request) -> Response:
+        return JSONResponse(await dashboard_data(gw, recent_ids), headers={"cache-control": "no-store"})
+
+    return [Route("/admin/ui", page, methods=["GET"]),
+            Route("/admin/ui/data", protect(data), methods=["GET"])]
