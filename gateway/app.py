@@ -23,7 +23,7 @@ from starlette.routing import Route
 
 from gateway.api.parse import PARSERS, decode_json
 from gateway.config import Config, ConfigError, load_config
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, retry_headers
 from gateway.metrics import Metrics
 from gateway.observability.logs import current_request
 from gateway.pipeline import Pipeline, RequestContext, Stage
@@ -242,9 +242,17 @@ async def send_bytes(send, status: int, body: bytes, headers: dict[str, str], co
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-async def send_error(send, err: GatewayError, rid: str, extra: dict[str, str] | None = None) -> None:
+def error_headers(err: GatewayError, rid: str, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Headers of an error response: every 429 and 503 carries Retry-After and retry-after-ms (1 s when the
+    refusing stage named no better time), so a client or partner aggregator can fail over at once."""
     h = {"x-request-id": rid, **(extra or {}), **err.headers}
-    await send_bytes(send, err.status, err.to_bytes(), h)
+    if err.status in (429, 503) and "retry-after" not in {k.lower() for k in h}:
+        h.update(retry_headers(1.0))
+    return h
+
+
+async def send_error(send, err: GatewayError, rid: str, extra: dict[str, str] | None = None) -> None:
+    await send_bytes(send, err.status, err.to_bytes(), error_headers(err, rid, extra))
 
 
 async def read_body(receive, limit: int) -> bytes:
@@ -412,7 +420,7 @@ def build_app(gw: Gateway) -> Starlette:
         missing = [m for m, names in cfg.models.items() if not any(gw.health.available(n) for n in names)]
         if missing:
             return JSONResponse({"status": "not ready", "models_without_healthy_backend": sorted(missing)},
-                                status_code=503)
+                                status_code=503, headers=retry_headers(1.0))
         return JSONResponse({"status": "ready", "config_generation": cfg.generation})
 
     async def metrics(request: Request) -> Response:
@@ -426,7 +434,7 @@ def build_app(gw: Gateway) -> Starlette:
             ctx = RequestContext(request_id=rid, endpoint="models", headers=request.headers, body={})
             await gw.auth.run(ctx)
         except GatewayError as e:
-            return JSONResponse(e.body(), status_code=e.status, headers={"x-request-id": rid, **e.headers})
+            return JSONResponse(e.body(), status_code=e.status, headers=error_headers(e, rid))
         return JSONResponse({"object": "list", "data": model_catalog(gw.config)}, headers={"x-request-id": rid})
 
     async def admin_reload(request: Request) -> Response:
@@ -478,22 +486,73 @@ def build_app(gw: Gateway) -> Starlette:
     return app
 
 
+def _jurisdiction(countries: set[str | None]) -> str | None:
+    """"EEA" when every inference and storage country is in the EEA (else None: no jurisdiction claim)."""
+    from gateway.policy.eea import EEA_COUNTRIES
+
+    return "EEA" if countries and all(c in EEA_COUNTRIES for c in countries) else None
+
+
+def _price(cfg: Config, model: str, backends: list[Any]) -> dict[str, Any] | None:
+    """The model's price (budgets.prices[model]; a per-backend `<backend>:<model>` price when all agree)."""
+    prices = cfg.raw.budgets.prices
+    p = prices.get(model)
+    if p is None:
+        per = {prices.get(f"{b.name}:{model}") for b in backends}
+        p = per.pop() if len(per) == 1 else None
+    if p is None:
+        return None
+    out: dict[str, Any] = {"currency": p.currency, "input_per_mtok": p.input, "output_per_mtok": p.output}
+    if p.cached_input is not None:
+        out["cached_input_per_mtok"] = p.cached_input
+    if p.gpu_second is not None:
+        out["gpu_second"] = p.gpu_second
+    return out
+
+
 def model_catalog(cfg: Config) -> list[dict[str, Any]]:
-    """/v1/models entries, each with where it runs and what it keeps (what a partner aggregator lists)."""
+    """/v1/models entries, each with where it runs and what it keeps (what a partner aggregator lists):
+    per-backend locations, jurisdiction ("EEA" only when every inference and storage country is in the EEA),
+    retention (the weakest guarantee over the serving backends), context window, capabilities, prices."""
     out = []
     created = int(cfg.path.stat().st_mtime) if cfg.path and Path(cfg.path).exists() else 0
+    entries: dict[str, dict[str, Any]] = {}
     for model, names in sorted(cfg.models.items()):
         bks = [cfg.backend(n) for n in names]
-        out.append({
+        countries = {b.location.country if b.location else None for b in bks}
+        storage = {b.location.storage if b.location else None for b in bks}
+        days = [b.retention_days for b in bks]
+        retention = ("zero" if all(d == 0 for d in days) else
+                     "none" if any(d is None for d in days) else f"{max(d for d in days if d is not None)}d")
+        windows = [b.context_window for b in bks if b.context_window]
+        caps = sorted(set().union(*(b.capabilities for b in bks)))
+        entry = {
             "id": model,
             "object": "model",
             "created": created,
             "owned_by": "gateway",
             "locations": [{"backend": b.name, "country": b.location.country if b.location else None,
                            "storage_country": b.location.storage if b.location else None,
+                           "region": b.location.region if b.location else None,
                            "operator": b.operator, "retention": b.retention} for b in bks],
-            "retention": sorted({b.retention for b in bks}),
-        })
+            "inference_locations": sorted(c for c in countries if c),
+            "storage_locations": sorted(c for c in storage if c),
+            "jurisdiction": _jurisdiction(countries | storage),
+            "retention": retention,
+            "retention_by_backend": sorted({b.retention for b in bks}),
+            "zero_data_retention": retention == "zero",
+            "context_window": min(windows) if windows else None,
+            "capabilities": caps,
+            "pricing": _price(cfg, model, bks),
+        }
+        entries[model] = entry
+        out.append(entry)
     for alias, targets in sorted(cfg.aliases.items()):
-        out.append({"id": alias, "object": "model", "created": created, "owned_by": "gateway", "alias_of": list(targets)})
+        tgt = [entries[t] for t in targets if t in entries]
+        out.append({"id": alias, "object": "model", "created": created, "owned_by": "gateway",
+                    "alias_of": list(targets),
+                    "jurisdiction": "EEA" if tgt and all(t["jurisdiction"] == "EEA" for t in tgt) else None,
+                    "retention": "zero" if tgt and all(t["retention"] == "zero" for t in tgt) else "none",
+                    "context_window": min((t["context_window"] for t in tgt if t["context_window"]), default=None),
+                    "capabilities": sorted(set.intersection(*(set(t["capabilities"]) for t in tgt))) if tgt else []})
     return out

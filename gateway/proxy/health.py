@@ -110,6 +110,11 @@ async def probe_loop(get_config: Callable[[], Config], health: Health, client: h
                 r = await client.get(b.server_root + b.health.path, timeout=min(2.0, b.health.interval_s))
                 if r.status_code < 500:
                     st = health.state(b.name)
+                    # an open circuit waits out open_s even when /health answers (passive errors opened it:
+                    # an engine can answer /health and still fail every generation); then the probe is the
+                    # half-open trial
+                    if st.state == "open" and not health.available(b.name):
+                        return
                     if st.state != "closed" or st.consecutive_failures:
                         health.success(b.name)
                 else:
