@@ -36,7 +36,8 @@ def _free_gb() -> float:
 
 
 @pytest.fixture(scope="session")
-def vllm_stack(tmp_path_factory):
+def vllm_env(tmp_path_factory):
+    """.venv-vllm set up and the tiny model generated; yields a work directory for logs and configs."""
     if os.environ.get("RUN_VLLM") == "0" and not IN_CI:
         pytest.skip("RUN_VLLM=0")
     if shutil.which("bash") is None:
@@ -45,11 +46,20 @@ def vllm_stack(tmp_path_factory):
         _unavailable(f"only {_free_gb():.1f} GB RAM available; two CPU engines need ~{2 * ENGINE_RAM_GB} GB")
     t0 = time.monotonic()
     try:
-        setup_s = ensure_env()
+        ensure_env()
         ensure_model(MODEL_DIR)
     except (SetupError, subprocess.TimeoutExpired, OSError) as e:
         _unavailable(f".venv-vllm / tiny model could not be created: {e}")
     work = tmp_path_factory.mktemp("vllm")
+    (work / "setup_s").write_text(f"{time.monotonic() - t0:.1f}")
+    return work
+
+
+@pytest.fixture(scope="session")
+def vllm_stack(vllm_env):
+    work = vllm_env
+    t0 = time.monotonic()
+    setup_s = float((work / "setup_s").read_text())
     try:
         stack = start_stack(work, MODEL_DIR, engines=2, block_size=32, num_blocks=96)
     except (SetupError, TimeoutError, RuntimeError, OSError) as e:
