@@ -32,14 +32,15 @@ rules:
 """
 
 
-def gateway_config(tmp: Path, engines: list[dict[str, Any]], **obs: Any) -> dict[str, Any]:
+def gateway_config(tmp: Path, engines: list[dict[str, Any]], server: dict[str, Any] | None = None,
+                   **obs: Any) -> dict[str, Any]:
     backends = [{"name": e["name"], "url": e["url"], "kind": "vllm", "models": ["sim-model"],
                  "kv_events": e["kv_events"], "replay": e["replay"], "metrics": e["metrics"],
                  "location": {"country": "DE"}, "retention": "zero",
                  "capabilities": ["chat", "completions", "embeddings"]} for e in engines]
     (tmp / "policy.yaml").write_text(POLICY)
     return {
-        "server": {"host": "127.0.0.1", "port": 0},
+        "server": {"host": "127.0.0.1", "port": 0, **(server or {})},
         "backends": backends,
         "keys": [{"name": "plain", "key": KEY, "tenant": "acme", "team": "search", "labels": {"tier": "gold"}},
                  {"name": "eea", "key": ZR_KEY, "tenant": "eu-corp", "labels": {"residency": "eea"}},
@@ -66,8 +67,9 @@ class Stack:
             "messages": [{"role": "user", "content": content}], **body})
 
 
-async def open_stack(tmp: Path, fleet: Any, exporter: Any = None, **obs: Any) -> AsyncIterator[Stack]:
-    cfg = parse_config(yaml.safe_dump(gateway_config(tmp, fleet.manifest()["engines"], **obs)), base_dir=tmp)
+async def open_stack(tmp: Path, fleet: Any, exporter: Any = None, server: dict[str, Any] | None = None,
+                     **obs: Any) -> AsyncIterator[Stack]:
+    cfg = parse_config(yaml.safe_dump(gateway_config(tmp, fleet.manifest()["engines"], server, **obs)), base_dir=tmp)
     gw = Gateway(cfg)
     wire(gw)
     if exporter is not None:
