@@ -60,11 +60,15 @@ def _budgets(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                            "limit": lim.get("limit"), "used": lim.get("after"), "currency": b.get("currency"),
                            "as_of": rec.get("ts"), "refused": bool(b.get("refused"))}
         ref = b.get("refused")
-        if isinstance(ref, dict) and not b.get("limits"):
-            key = (str(ref.get("scope")), tenant or "", str(ref.get("window")))
-            latest.setdefault(key, {"tenant": tenant, "scope": key[0], "id": key[1], "window": key[2],
-                                    "limit": None, "used": None, "currency": None, "as_of": rec.get("ts")})
-            latest[key]["refused"] = True
+        if isinstance(ref, dict) and not b.get("limits"):  # a refusal names scope and window, not the scope id
+            hits = [v for v in latest.values() if v["tenant"] == tenant and v["scope"] == str(ref.get("scope"))
+                    and v["window"] == str(ref.get("window"))]
+            for v in hits:
+                v["refused"], v["as_of"] = True, rec.get("ts")
+            if not hits:
+                key = (str(ref.get("scope")), "?", str(ref.get("window")))
+                latest[key] = {"tenant": tenant, "scope": key[0], "id": key[1], "window": key[2], "limit": None,
+                               "used": None, "currency": None, "as_of": rec.get("ts"), "refused": True}
     return sorted(latest.values(), key=lambda x: (str(x["tenant"]), x["scope"], x["id"], x["window"]))
 
 
