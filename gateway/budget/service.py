@@ -5,6 +5,7 @@ x-ratelimit-* headers, 429s and evidence, and hands spend rows to the ledger out
 from __future__ import annotations
 
 import asyncio
+import os
 import logging
 import math
 import time
@@ -87,7 +88,8 @@ class BudgetService:
 
     def _make_store(self, cfg: BudgetsConfig) -> BudgetStore:
         if cfg.store == "redis":
-            return RedisBudgetStore(cfg.redis_url, cfg.redis_timeout_s)
+            # ${VAR} in the URL is expanded so a password can come from a Secret, not the ConfigMap
+            return RedisBudgetStore(os.path.expandvars(cfg.redis_url), cfg.redis_timeout_s)
         return MemoryBudgetStore(self._config.resolve_path(cfg.sqlite_path), cfg.snapshot_interval_s)
 
     async def start(self) -> None:
