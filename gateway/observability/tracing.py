@@ -16,6 +16,7 @@ zero-retention; zero-retention requests also drop `gen_ai.request.stop_sequences
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any, Callable, Iterable
@@ -201,7 +202,8 @@ class Tracing:
         return None
 
     async def close(self) -> None:
-        self.provider.shutdown()
+        """Flush and stop the exporters (off the event loop: an unreachable collector retries for seconds)."""
+        await asyncio.to_thread(self.provider.shutdown)
 
     # ---- request path (only when tracing is on)
     def open(self, ctx: RequestContext) -> None:

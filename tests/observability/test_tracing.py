@@ -159,3 +159,45 @@ async def test_traceparent_sent_upstream_is_the_gateway_span(tmp_path: Path) -> 
                 assert exp.get_finished_spans() == ()
     finally:
         up.stop()
+
+
+async def test_otlp_http_export_from_config(tmp_path: Path, fleet) -> None:
+    """observability.otlp_endpoint alone turns tracing on; spans reach an OTLP/HTTP receiver as protobuf."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    got: list[tuple[str, bytes]] = []
+
+    class Receiver(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            got.append((self.path, self.rfile.read(int(self.headers["content-length"]))))
+            self.send_response(200)
+            self.send_header("content-type", "application/x-protobuf")
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *a) -> None:
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Receiver)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        async for st in open_stack(tmp_path, fleet, otlp_endpoint=f"http://127.0.0.1:{srv.server_port}",
+                                   service_name="gw-under-test"):
+            assert st.gw.tracing is not None
+            r = await st.chat("hello otlp")
+            assert r.status_code == 200
+        # gw.close() flushed the batch processor
+        assert got and all(path == "/v1/traces" for path, _ in got)
+        names, services = [], set()
+        for _, body in got:
+            req = ExportTraceServiceRequest.FromString(body)
+            for rs in req.resource_spans:
+                services |= {a.value.string_value for a in rs.resource.attributes if a.key == "service.name"}
+                names += [s.name for ss in rs.scope_spans for s in ss.spans]
+        assert services == {"gw-under-test"}
+        assert sorted(names) == sorted(["chat sim-model", "auth", "policy", "budget", "route", "upstream"])
+    finally:
+        srv.shutdown()
