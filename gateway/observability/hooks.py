@@ -39,6 +39,16 @@ class RequestObserver:
         self.m = metrics
         self._access_on = access_log_on
         self.recent: deque[str] = deque(maxlen=recent)  # request ids, newest last
+        self._children: dict[tuple[str, ...], Any] = {}  # labelled metric children (labels() costs µs)
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        key = (metric._name, *labels)
+        c = self._children.get(key)
+        if c is None:
+            if len(self._children) > 10_000:
+                self._children.clear()
+            c = self._children[key] = metric.labels(*labels)
+        return c
 
     async def __call__(self, ctx: RequestContext) -> None:
         self.observe(ctx)
@@ -61,11 +71,11 @@ class RequestObserver:
             route = ev.get("route")
             picked = route.get("pick") if isinstance(route, dict) else None
             if ctx.ttft_s and isinstance(pred, (int, float)) and picked == ctx.backend:
-                m.ttft_prediction_error.labels(ctx.backend).observe(abs(pred / 1000 - ctx.ttft_s) / ctx.ttft_s)
-                m.ttft_prediction_delta.labels(ctx.backend).observe(ctx.ttft_s - pred / 1000)
+                self._child(m.ttft_prediction_error, ctx.backend).observe(abs(pred / 1000 - ctx.ttft_s) / ctx.ttft_s)
+                self._child(m.ttft_prediction_delta, ctx.backend).observe(ctx.ttft_s - pred / 1000)
             u = ctx.usage
             if u is not None and u.cached_tokens:
-                m.cached_tokens.labels(ctx.backend_model or "unknown", ctx.backend).inc(u.cached_tokens)
+                self._child(m.cached_tokens, ctx.backend_model or "unknown", ctx.backend).inc(u.cached_tokens)
         if status >= 500:
             access_log.warning("request failed", extra={"fields": request_fields(ctx)})
         elif self._access_on() and access_log.isEnabledFor(logging.INFO):
