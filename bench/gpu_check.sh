@@ -10,7 +10,9 @@ if [[ $# -lt 1 || "$1" == -h || "$1" == --help ]]; then
     [[ -x .venv/bin/python ]] && exec .venv/bin/python -m bench.gpu_check --help
     sed -n '2,7p' "$0"; exit 2
 fi
-bash scripts/bootstrap.sh >/dev/null          # the gateway's own .venv (idempotent)
+boot_log="$(mktemp)"                          # the gateway's own .venv (idempotent); quiet unless it fails
+if ! bash scripts/bootstrap.sh >"$boot_log" 2>&1; then cat "$boot_log" >&2; exit 1; fi
+rm -f "$boot_log"
 if [[ " $* " != *" --device cpu "* ]] && ! command -v nvidia-smi >/dev/null 2>&1; then
     echo "gpu_check: nvidia-smi not found; this check needs an NVIDIA GPU (or pass --device cpu)" >&2
     exit 2
