@@ -91,9 +91,11 @@ class Workload:
     seconds: float
     follow_up: Callable[[Job, SimRequest, float], Job | None] | None = None
     admission: bool = False
+    kv_blocks: int | None = None  # h200 KV blocks override (l40s gets 26%); None: the profiles' real KV
 
 
-def shared_prefix(seed: int, rate: float, seconds: float, groups: int = 8) -> Workload:
+def shared_prefix(seed: int, rate: float, seconds: float, groups: int = 16, kv_blocks: int | None = 2500
+                  ) -> Workload:
     """llm-d style: `groups` long system prompts (2-4k tokens) shared by many users, short unique suffixes."""
     g = random.Random(seed * 7919 + 1)
     systems = [_toks(g, g.randrange(2048, 4096)) for _ in range(groups)]
@@ -102,7 +104,7 @@ def shared_prefix(seed: int, rate: float, seconds: float, groups: int = 8) -> Wo
     for i, t in enumerate(poisson(rng, rate, seconds)):
         s = systems[rng.randrange(groups)]
         jobs.append(Job(i, t, s + _toks(rng, rng.randrange(64, 256)), rng.randrange(32, 160)))
-    return Workload("shared_prefix", jobs, seconds)
+    return Workload("shared_prefix", jobs, seconds, kv_blocks=kv_blocks)
 
 
 def multi_turn(seed: int, conv_rate: float, seconds: float, turns: int = 6) -> Workload:
@@ -279,9 +281,9 @@ def make_fleet(kv_blocks: int | None) -> list[Engine]:
 
 
 # ------------------------------------------------------------------------------------------------ the loop
-def simulate(wl: Workload, strategy: str, kv_blocks: int | None, warmup: float, seed: int = 0) -> Outcome:
+def simulate(wl: Workload, strategy: str, warmup: float) -> Outcome:
     """Run one workload through one strategy; stats count arrivals in [warmup, seconds)."""
-    engines = make_fleet(kv_blocks)
+    engines = make_fleet(wl.kv_blocks)
     by_name = {e.name: e for e in engines}
     router = Router(strategy, engines, wl.admission)
     out = Outcome(window=wl.seconds - warmup)
@@ -370,12 +372,12 @@ def mape(pairs: list[tuple[float, float]]) -> float:
     return statistics.fmean(abs(a - p) / a for p, a in pairs) if pairs else float("nan")
 
 
-def capacity(seed: int, seconds: float, kv_blocks: int | None, slo_ms: float) -> tuple[float, str]:
+def capacity(seed: int, seconds: float, slo_ms: float) -> tuple[float, str]:
     """The fleet's capacity on the overload prompts: the highest Poisson rate at which, with the best of the
     routers (ours included) and no admission, at least 95% of requests meet the TTFT target (bisection)."""
     def ok(rate: float) -> tuple[bool, str]:
         for strat in ("predicted_ttft", "least_loaded", "round_robin"):  # ours without admission counts too
-            o = simulate(unique_prompts(seed + 9, rate, seconds, None, "capacity"), strat, kv_blocks, seconds * 0.25)
+            o = simulate(unique_prompts(seed + 9, rate, seconds, None, "capacity"), strat, seconds * 0.25)
             if o.ttft and sum(1 for t in o.ttft if t * 1000 <= slo_ms) >= 0.95 * len(o.ttft):
                 return True, strat
         return False, ""
@@ -395,19 +397,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=40.0, help="virtual seconds of arrivals per run")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--kv-blocks", type=int, default=2500,
-                    help="h200 KV blocks (l40s gets 26%% of it); the prefix working set must exceed one engine")
-    ap.add_argument("--shared-rate", type=float, default=None, help="shared-prefix req/s (default 1.4x no-cache capacity)")
-    ap.add_argument("--groups", type=int, default=24, help="shared-prefix groups (system prompts of 2-4k tokens)")
+                    help="shared_prefix only: h200 KV blocks (l40s gets 26%%), so the prompts do not fit on every engine")
+    ap.add_argument("--shared-rate", type=float, default=None, help="shared-prefix req/s (default 0.9x the no-cache capacity)")
+    ap.add_argument("--groups", type=int, default=16, help="shared-prefix groups (system prompts of 2-4k tokens)")
     ap.add_argument("--conv-rate", type=float, default=1.5, help="multi-turn: new conversations per second")
     args = ap.parse_args(argv)
     t_wall = time.perf_counter()
     secs = args.seconds
     warm = min(10.0, secs * 0.25)
-    cap, cap_by = capacity(args.seed, max(20.0, secs / 2), args.kv_blocks, SLO_MS)
+    cap, cap_by = capacity(args.seed, max(20.0, secs / 2), SLO_MS)
     nocache = sum(1.0 / (3072 * get_profile(p).prefill_s_per_token + get_profile(p).step_overhead_s) for p in FLEET)
-    shared_rate = args.shared_rate or round(1.4 * nocache, 2)
+    shared_rate = args.shared_rate or round(0.9 * nocache, 2)
     makers: list[Callable[[], Workload]] = [  # fresh per strategy: multi-turn conversations carry state
-        lambda: shared_prefix(args.seed, shared_rate, secs, args.groups),
+        lambda: shared_prefix(args.seed, shared_rate, secs, args.groups, args.kv_blocks),
         lambda: multi_turn(args.seed, args.conv_rate, secs),
         lambda: unique_prompts(args.seed, 2.0 * cap, secs, SLO_MS),
     ]
@@ -417,13 +419,13 @@ def main(argv: list[str] | None = None) -> int:
     for mk in makers:
         for s in STRATEGIES:
             wl = mk()
-            o = simulate(wl, s, args.kv_blocks, warm)
+            o = simulate(wl, s, warm)
             rows.append((wl, s, o))
             mapes[(wl.name, s)] = {k: mape(v) for k, v in sorted(o.pred.items())}
-    print(f"fleet: {', '.join(FLEET)}; KV blocks h200={args.kv_blocks} l40s={int(args.kv_blocks * 13 / 50)} "
-          f"(x16 tokens); scrape every {SCRAPE_S * 1000:.0f} ms; {secs:g} virtual s per run, first {warm:g} s warm-up")
+    print(f"fleet: {', '.join(FLEET)}; shared_prefix KV blocks h200={args.kv_blocks} l40s="
+          f"{int(args.kv_blocks * 13 / 50)} (x16 tokens; other workloads: the profiles' KV); scrape every {SCRAPE_S * 1000:.0f} ms; {secs:g} virtual s per run, first {warm:g} s warm-up")
     print(f"capacity on the overload prompts (>=95% within {SLO_MS:g} ms, best router = {cap_by}): "
-          f"{cap:.2f} req/s; shared_prefix offered {shared_rate} req/s (1.4x the no-cache capacity "
+          f"{cap:.2f} req/s; shared_prefix offered {shared_rate} req/s ({args.groups} groups, 0.9x the no-cache capacity "
           f"{nocache:.2f} req/s for 3k-token prompts); overload offered {2 * cap:.2f} req/s\n")
     print("| workload | strategy | reqs | TTFT p50 ms | p90 ms | p99 ms | goodput req/s | goodput / capacity | "
           "met / admitted | rejected | reject answered (virtual ms / wall µs p99) | decision wall µs p50 | "
