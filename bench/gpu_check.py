@@ -129,8 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     block = args.block_size
     if args.device == "cuda":
         extra = ("--gpu-memory-utilization", str(args.gpu_memory_utilization))
-    elif block is None:
-        block = 32
+    else:  # the CPU suite's shape: block 32 (CPU attention) and a small cache so evictions are checked
+        block = block or 32
+        args.num_blocks = args.num_blocks or 96
     work = Path(tempfile.mkdtemp(prefix="gpu-check-"))
     t0 = time.monotonic()
     rows: list[tuple[str, str, float, str]] = []
