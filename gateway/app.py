@@ -326,6 +326,7 @@ class CompletionEndpoint:
         ctx.client_wants_usage = parsed.include_usage
         ctx.max_tokens = parsed.max_tokens
         ctx.prompt_tokens_est = max(1, parsed.prompt_chars // 4)
+        ctx.prompt_tokens_max = prompt_token_bound(raw, body, parsed.prompt_chars)
         ctx.model_chain = gw.config.resolve_model(parsed.model)
         # The disconnect watcher runs for the whole request so a vanished client cancels upstream work at once.
         handler = asyncio.ensure_future(self._handle(ctx, send))
@@ -402,6 +403,20 @@ class CompletionEndpoint:
             if not finished and started:
                 finished = True
                 await asyncio.shield(Pipeline.finish(ctx, started))
+
+
+def prompt_token_bound(raw: bytes, body: dict, prompt_chars: int) -> int:
+    """An upper bound on the prompt tokens an engine will count, for budget reservations.
+
+    Byte-level BPE tokenizers never emit more tokens than the text has bytes; for ASCII bodies that is the
+    content's characters, plus a chat template's special tokens (generously 16 per message, 16 for the
+    generation prompt). For non-ASCII bodies the raw body size is used (it bounds content bytes + template).
+    """
+    if not raw.isascii():
+        return len(raw)
+    msgs = body.get("messages")
+    n = len(msgs) if isinstance(msgs, list) else 1
+    return prompt_chars + 16 * n + 16
 
 
 def _stage_of(ctx: RequestContext, started: list[Stage]) -> str:

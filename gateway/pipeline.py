@@ -44,7 +44,8 @@ class RequestContext:
     stream: bool = False
     client_wants_usage: bool = False
     max_tokens: int | None = None
-    prompt_tokens_est: int = 0
+    prompt_tokens_est: int = 0  # a point estimate (routing hints)
+    prompt_tokens_max: int = 0  # an upper bound (budget reservations): never fewer than the engine will count
     principal: Principal | None = None
     decision: Decision | None = None
     budget: Any = None  # the budget stage's reservation handle

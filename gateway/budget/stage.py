@@ -29,7 +29,8 @@ class BudgetStage:
         models = ctx.model_chain or ((ctx.model,) if ctx.model else ())
         try:
             out = await self.service.reserve(ctx.request_id, ctx.principal, d.budgets, models,
-                                             ctx.prompt_tokens_est, ctx.max_tokens, d.max_tokens_cap)
+                                             max(ctx.prompt_tokens_est, ctx.prompt_tokens_max), ctx.max_tokens,
+                                             d.max_tokens_cap)
         except _NoLimits:
             return
         except Exception as e:
