@@ -301,6 +301,8 @@ class PredictiveRouteStage:
             secret = os.environ.get(rc.cache_salt_secret_env, "") if rc.cache_salt_secret_env else ""
             salt = tenant_cache_salt(ctx.principal.tenant, secret or _SALT_DEFAULT_SECRET)
             ctx.body_overrides["cache_salt"] = salt
+        elif isinstance(ctx.body.get("cache_salt"), str):
+            salt = ctx.body["cache_salt"]  # the client's own salt reaches the engine: look the index up with it
         if d is not None and ctx.endpoint != "embeddings":
             prio = rc.priority_values.get(d.priority)
             if prio is not None:

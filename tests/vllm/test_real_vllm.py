@@ -55,11 +55,6 @@ async def test_cache_salt_isolation(vllm_stack):
     _rows["salt"] = await checks.check_cache_salt(vllm_stack)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "found by this suite: the client's own cache_salt reaches the engine (its blocks are salted) but "
-    "PredictiveRouteStage only looks up the index with the policy's tenant salt, so it predicts 0 cached tokens "
-    "for a salted repeat; fix in gateway/routing/stage.py (use body cache_salt when no policy salt), then drop "
-    "this marker"))
 def test_client_cache_salt_through_gateway(vllm_stack):
     _rows["salt_gateway"] = checks.check_cache_salt_gateway(vllm_stack)
 
