@@ -39,6 +39,7 @@ from gateway.routing.admission import decide
 from gateway.routing.plan import Candidate
 from gateway.routing.plugins import ApproxPrefixIndex, EngineView, Scored, build_strategy, text_blocks
 from gateway.routing.predictor import Features, Predictor, PredictorParams
+from gateway.routing.view import Scrape, engine_view
 from gateway.telemetry.index import KVIndex, RequestKeys
 from gateway.telemetry.kv_events import decode_batch
 
@@ -149,7 +150,7 @@ class Engine:
     sched: Scheduler
     busy: bool = False
     seq: int = 0
-    scraped: tuple[float, float, float] = (0.0, 0.0, 0.0)  # running, waiting, kv usage at the last scrape
+    scraped: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)  # running, waiting, kv usage, when scraped
 
 
 @dataclass
@@ -199,18 +200,13 @@ class Router:
         self.avg_uncached: dict[str, float] = {}
         self.affinity: dict[str, str] = {}
 
-    def view(self, e: Engine) -> EngineView:
-        """PredictiveRouteStage._view: own in-flight work, maxed with the (lagging) scraped engine metrics."""
-        fl = self.flights[e.name]
-        pre = sum(f.uncached for f in fl.values() if f.prefilling)
-        dec = sum(1 for f in fl.values() if not f.prefilling)
-        v = EngineView(inflight=len(fl), prefilling_tokens=pre, running=float(dec), ahead_tokens=pre)
-        running, waiting, usage = e.scraped
-        v.running = max(v.running, running)
-        v.waiting = waiting
-        v.kv_usage = usage
-        v.ahead_tokens = max(v.ahead_tokens, v.waiting * self.avg_uncached.get(e.name, 512.0))
-        return v
+    def view(self, e: Engine, now: float) -> EngineView:
+        """The stage's view (`gateway.routing.view.engine_view`, the same function): own in-flight work drained
+        at the learned rate, maxed with the (lagging) scraped engine metrics."""
+        running, waiting, usage, at = e.scraped
+        return engine_view(((f.job.arrival, f.uncached, f.prefilling) for f in self.flights[e.name].values()),
+                           now, self.predictor.drain(e.name, e.profile.max_num_batched_tokens),
+                           Scrape(running, waiting, usage, now - at), self.avg_uncached.get(e.name, 512.0))
 
     def route(self, job: Job) -> tuple[Flight | None, float]:
         """(flight or None when refused, wall-clock µs of the decision)."""
@@ -223,7 +219,7 @@ class Router:
         items: list[Scored] = []
         feats: dict[str, Features] = {}
         for e in self.engines:
-            v = self.view(e)
+            v = self.view(e, job.arrival)
             v.prompt_tokens = n
             v.cached_tokens = max(0, min(found[e.name].tokens, n - 1))
             v.approx_match = self.approx.match(e.name, blocks) / len(blocks) if blocks else 0.0
@@ -258,8 +254,12 @@ class Router:
         fl.prefilling = False
         self.predictor.observe(fl.engine, fl.features, ttft)
 
-    def finished(self, fl: Flight, actual_cached: int) -> None:
+    def finished(self, fl: Flight, actual_cached: int, step_s: float | None) -> None:
+        """What finish() does: drop the flight, feed the approximate tree, the mean uncached prompt and the
+        request's mean inter-token time (the engine's step, as a stream shows it)."""
         self.flights[fl.engine].pop(fl.job.rid, None)
+        if step_s is not None:
+            self.predictor.observe_step(fl.engine, step_s)
         self.approx.insert(fl.engine, fl.blocks)
         unc = len(fl.job.tokens) - actual_cached
         a = self.avg_uncached.get(fl.engine)
@@ -346,7 +346,9 @@ def simulate(wl: Workload, strategy: str, warmup: float) -> Outcome:
                 router.first_token(fl, ttft)
             for r in res.finished:
                 fl, sreq = live.pop(int(r.rid))
-                router.finished(fl, max(0, r.num_cached_tokens))
+                step = ((r.finished_at - r.first_token_at) / (r.num_output - 1)
+                        if r.num_output > 1 and r.first_token_at is not None else None)
+                router.finished(fl, max(0, r.num_cached_tokens), step)
                 if wl.follow_up is not None:
                     nxt = wl.follow_up(fl.job, sreq, now)
                     if nxt is not None and nxt.arrival < wl.seconds:
@@ -354,7 +356,7 @@ def simulate(wl: Workload, strategy: str, warmup: float) -> Outcome:
             kick(e, now)
         elif kind == "scrape":
             for e in engines:
-                e.scraped = (float(len(e.sched.running)), float(len(e.sched.waiting)), e.sched.pool.usage())
+                e.scraped = (float(len(e.sched.running)), float(len(e.sched.waiting)), e.sched.pool.usage(), now)
             if now < wl.seconds + 30:
                 heapq.heappush(ev, (now + SCRAPE_S, next(cnt), "scrape", None))
     return out

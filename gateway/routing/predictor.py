@@ -21,6 +21,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from gateway.routing.view import Drain
+
 _N = 4
 
 
@@ -53,6 +55,8 @@ class PredictorParams:
     floor_s: float = 0.001
     max_trace: float = 1e4  # cap on trace(P) so idle directions cannot blow up under forgetting
     regime_bias: float = 0.3  # |mean signed relative error| that counts as a change of regime
+    step_prior_s: float = 0.015  # an engine step (decode batch) until inter-token times were observed
+    step_alpha: float = 0.1  # EWMA weight of one observed mean inter-token time
     lower: tuple[float, ...] = (0.0005, 1e-5, 0.0, 0.0)  # physical lower bounds (non-negative costs)
 
 
@@ -72,6 +76,10 @@ class EngineLearner:
     clipped: int = 0
     ape_sum: float = 0.0  # sum of |actual - predicted| / actual, out of sample
     last_update: float | None = None
+    step_s: float | None = None  # EWMA of observed mean inter-token time: the engine's step under load
+    budget: int = 8192  # the engine's chunked-prefill token budget per step (set by `Predictor.drain`)
+    pf_time: float = 0.0  # decayed sums for the drain's prefill cost per token (see observe)
+    pf_tokens: float = 0.0
     _q_cache: tuple[int, float] | None = None
 
     def __post_init__(self) -> None:
@@ -109,6 +117,7 @@ class EngineLearner:
         p = self.params
         if not (ttft_s > 0 and math.isfinite(ttft_s)):
             return 0.0
+        self._observe_prefill(f, ttft_s)
         pred = self.predict(f)
         self.samples += 1
         self.ape_sum += abs(ttft_s - pred) / ttft_s
@@ -145,6 +154,36 @@ class EngineLearner:
         self.last_update = self.clock()
         return ttft_s / pred - 1.0
 
+    def observe_step(self, seconds: float) -> None:
+        """Fold in one request's mean inter-token time ((last token - first token) / (tokens - 1))."""
+        if seconds > 0 and math.isfinite(seconds):
+            a = self.params.step_alpha
+            self.step_s = seconds if self.step_s is None else (1 - a) * self.step_s + a * seconds
+
+    def _observe_prefill(self, f: Features, ttft_s: float) -> None:
+        """The drain's per-token prefill cost, fit on a fixed structure so no free intercept can absorb it:
+        ttft = half a step (the rest of the current one, expected) + one step per chunk + cost x tokens.
+        Step times come from inter-token times (an independent signal); only requests with >= 256 tokens of
+        prefill work count, weighted by their tokens (decayed sums)."""
+        w = f.ahead_tokens + f.uncached_tokens
+        if w < 256:
+            return
+        chunks = math.ceil(w / max(1, self.budget))
+        t = ttft_s - (0.5 + chunks) * self.step()
+        lo = self.params.lower[1] / 1000.0
+        t = min(max(t, lo * w), 0.01 * w)  # physical range: a 10 ms per token engine is broken, not slow
+        self.pf_time = 0.98 * self.pf_time + t
+        self.pf_tokens = 0.98 * self.pf_tokens + w
+
+    def step(self) -> float:
+        return self.step_s if self.step_s is not None else self.params.step_prior_s
+
+    def s_per_token(self) -> float:
+        """The drain's prefill cost per token: the structural fit once 4k tokens were seen, else the prior."""
+        if self.pf_tokens >= 4096:
+            return self.pf_time / self.pf_tokens
+        return self.params.prior[1] / 1000.0
+
     def mape(self) -> float | None:
         return self.ape_sum / self.samples if self.samples else None
 
@@ -153,7 +192,8 @@ class EngineLearner:
         return {"overhead_ms": round(t[0] * 1000, 3),
                 "prefill_tokens_per_s": round(1000.0 / t[1], 1) if t[1] > 0 else None,
                 "ms_per_10_decodes": round(t[2] * 1000, 3), "interaction_ms": round(t[3] * 1000, 4),
-                "samples": self.samples, "clipped": self.clipped, "regime_changes": self.regime_changes, "upper_margin": round(self.margin(), 4),
+                "step_ms": round(self.step() * 1000, 3),
+                "drain_tokens_per_s": round(1.0 / self.s_per_token(), 1), "samples": self.samples, "clipped": self.clipped, "regime_changes": self.regime_changes, "upper_margin": round(self.margin(), 4),
                 "mape": round(self.mape(), 4) if self.samples else None}
 
 
@@ -179,6 +219,15 @@ class Predictor:
 
     def observe(self, engine: str, f: Features, ttft_s: float) -> float:
         return self.learner(engine).observe(f, ttft_s)
+
+    def observe_step(self, engine: str, seconds: float) -> None:
+        self.learner(engine).observe_step(seconds)
+
+    def drain(self, engine: str, budget: int) -> Drain:
+        """How fast this engine works off queued prefill, from what was learned about it (see view.Drain)."""
+        lr = self.learner(engine)
+        lr.budget = budget
+        return Drain(lr.step(), lr.s_per_token(), budget)
 
     def snapshot(self) -> dict[str, dict[str, float | int | None]]:
         return {name: lr.snapshot() for name, lr in sorted(self.engines.items())}

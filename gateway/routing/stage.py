@@ -27,6 +27,7 @@ from gateway.routing.admission import BatchQueue, QueueFull, decide, slo_ms
 from gateway.routing.plan import Candidate, RoutePlan
 from gateway.routing.plugins import ApproxPrefixIndex, EngineView, Scored, Strategy, build_strategy, text_blocks
 from gateway.routing.predictor import Features, Predictor, PredictorParams
+from gateway.routing.view import Scrape, engine_view
 from gateway.types import Decision
 
 APPROX_BLOCK_CHARS = 256
@@ -113,6 +114,20 @@ def tenant_cache_salt(tenant: str, secret: str) -> str:
     return "t" + xxhash.xxh3_128_hexdigest(secret.encode() + b"\x00" + tenant.encode())
 
 
+def session_id(headers: Any, names: list[str]) -> tuple[str, str] | None:
+    """(header, value) of the first affinity header present with a usable id: 1-256 printable ASCII, so the
+    affinity map and the audit record only ever hold bounded ids (a longer or binary value is ignored)."""
+    if headers is None:
+        return None
+    for h in names:
+        val = headers.get(h)
+        if val:
+            v = val.strip()
+            if 0 < len(v) <= 256 and v.isascii() and v.isprintable():
+                return h, v
+    return None
+
+
 def prompt_text(body: dict[str, Any]) -> str:
     """The prompt as plain text (for the approximate prefix tree)."""
     msgs = body.get("messages")
@@ -190,24 +205,18 @@ class PredictiveRouteStage:
         return self.telemetry is not None and cand.backend.kind in ("vllm", "sim")
 
     def _view(self, name: str, now: float, has_tel: bool) -> EngineView:
-        fl = self.flights.get(name, {})
-        pre_tok = 0
-        decoding = 0
-        for f in fl.values():
-            if f.prefilling(now):
-                pre_tok += f.uncached
-            else:
-                decoding += 1
-        v = EngineView(inflight=len(fl), prefilling_tokens=pre_tok, running=float(decoding), ahead_tokens=pre_tok)
+        """`gateway.routing.view.engine_view` (shared with bench/routing_des.py) on this gateway's flights to
+        the engine, drained at its learned rate, and its last scrape when fresh (other replicas' load)."""
+        scrape = None
         if has_tel:
             load = self.telemetry.load(name)
-            if load is not None and getattr(load, "healthy", False) and time.time() - load.scraped_at < 5.0:
-                v.running = max(v.running, float(load.running))
-                v.waiting = float(load.waiting)
-                v.kv_usage = float(load.kv_usage)
-                # other replicas' queued prefills show up as the engine's waiting count
-                v.ahead_tokens = max(v.ahead_tokens, v.waiting * self.avg_uncached.get(name, 512.0))
-        return v
+            age = time.time() - load.scraped_at if load is not None else 1e9
+            if load is not None and getattr(load, "healthy", False) and age < 5.0:
+                scrape = Scrape(float(load.running), float(load.waiting), float(load.kv_usage), max(0.0, age))
+        rc = self._config().raw.routing
+        budget = rc.prefill_token_budgets.get(name, rc.prefill_token_budget)
+        return engine_view(((f.started, f.uncached, f.prefilling(now)) for f in self.flights.get(name, {}).values()),
+                           now, self.predictor.drain(name, budget), scrape, self.avg_uncached.get(name, 512.0))
 
     async def _prompt(self, ctx: RequestContext, cands: list[Candidate], salt: str | None
                       ) -> tuple[int, dict[str, int], str, list[int]]:
@@ -280,6 +289,11 @@ class PredictiveRouteStage:
                                code="model_not_found", param="model")
         cfg = self._config()
         rc = cfg.raw.routing
+        aff_key = None
+        sess = session_id(ctx.headers, rc.affinity_headers)
+        if sess is not None:  # recorded (an id, never content) and used for affinity
+            ctx.evidence["session"] = {"header": sess[0], "id": sess[1]}
+            aff_key = f"{ctx.principal.tenant if ctx.principal else ''}|{sess[0]}|{sess[1]}"
         plan = candidates(cfg, ctx, self._health)  # residency first, always
         ctx.evidence["dropped"] = plan.dropped
         if not plan.candidates:
@@ -308,19 +322,14 @@ class PredictiveRouteStage:
             if prio is not None:
                 ctx.body_overrides["priority"] = int(prio)
 
-        aff_key = None
-        for h in rc.affinity_headers:
-            val = ctx.headers.get(h) if ctx.headers is not None else None
-            if val:
-                aff_key = f"{ctx.principal.tenant if ctx.principal else ''}|{h}|{val}"
-                break
         n_tokens, cached, source, blocks = await self._prompt(ctx, own + partners, salt)
         priority = d.priority if d is not None else "standard"
         hdr = ctx.headers.get("x-ttft-slo-ms") if ctx.headers is not None else None
         target = slo_ms(hdr, d.ttft_slo_ms if d is not None else None, rc.default_ttft_slo_ms)
         deadline = time.monotonic() + rc.batch_queue_timeout_s
         while True:
-            items, feats = self._score(ctx, own + partners, n_tokens, cached, blocks, self.affinity.get(aff_key or ""))
+            prev_engine = self.affinity.get(aff_key) if aff_key else None  # re-read: a queued request waits
+            items, feats = self._score(ctx, own + partners, n_tokens, cached, blocks, prev_engine)
             own_names = {c.backend.name for c in own}
             ordered = self._order(cfg, items, n_tokens, plan.dropped)
             own_ord = [c for c in ordered if c.backend.name in own_names]
@@ -373,6 +382,8 @@ class PredictiveRouteStage:
         ctx.route = plan
         pick = final[0]
         self._evidence(ctx, final, target, adm.action, source, t_start, salt)
+        if aff_key:
+            ctx.evidence["route"]["affinity_engine"] = prev_engine  # the session's previous engine, if any
         ctx.extra_headers["x-predicted-ttft-ms"] = f"{pick.predicted_ttft_ms:.0f}"
         ctx.extra_headers["x-gateway-backend"] = pick.backend.name
         name = pick.backend.name
@@ -425,6 +436,10 @@ class PredictiveRouteStage:
         if ctx.ttft_s is not None and f is not None and not failed_before:
             rel = self.predictor.observe(served, f, ctx.ttft_s)
             ev["ttft_prediction_error"] = round(rel, 4)
+        done = ctx.usage.completion_tokens if ctx.usage is not None else 0
+        if ctx.stream and ctx.ttft_s is not None and done and done > 1:  # mean inter-token time: the step
+            total = ctx.total_s if ctx.total_s is not None else time.perf_counter() - ctx.received_at
+            self.predictor.observe_step(served, (total - ctx.ttft_s) / (done - 1))
         if actual_cached is not None and self.telemetry is not None and served in fl.cached \
                 and ctx.backend_model is not None and self._telemetry_for_name(served):
             try:
