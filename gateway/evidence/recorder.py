@@ -26,7 +26,8 @@ log = logging.getLogger("gateway.evidence")
 CONTENT_KEYS = frozenset({"messages", "prompt", "input", "completion", "completion_text", "content", "response_text",
                           "text", "tool_calls", "suffix", "instructions", "choices", "delta", "reasoning_content"})
 # ctx.evidence entries lifted to top-level fields of the record.
-_LIFTED = ("decision", "budget", "candidates", "route", "predicted_ttft_ms", "predicted_cached_tokens", "cost")
+_LIFTED = ("decision", "budget", "candidates", "route", "predicted_ttft_ms", "predicted_cached_tokens", "cost",
+           "session")
 _REDACTED = "[redacted: zero retention]"
 
 
@@ -100,6 +101,8 @@ def build_record(ctx: RequestContext, *, capture_content: bool = False,
         "model_chain": list(ctx.model_chain),
         "stream": ctx.stream,
         "principal": ctx.principal.to_evidence() if ctx.principal is not None else None,
+        # the partner's trace/session id (routing.affinity_headers): an id, recorded even under zero retention
+        "session": _plain(ev.get("session")),
         "matched_rules": list(d.matched_rules) if d is not None else [],
         "decision": ev.get("decision") or (d.to_evidence() if d is not None else None),
         "zero_retention": zero,
