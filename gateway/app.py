@@ -309,7 +309,14 @@ class CompletionEndpoint:
                 if int(cl) > limit:
                     raise GatewayError(413, f"Request body is larger than the limit of {limit} bytes.",
                                        code="request_too_large")
-            raw = await read_body(receive, limit)
+            try:
+                async with asyncio.timeout(gw.config.server.body_timeout_s):  # slow-loris uploads
+                    raw = await read_body(receive, limit)
+            except TimeoutError:
+                err = GatewayError(408, "Request body not received in time.", code="request_timeout")
+                gw.metrics.rejections.labels("parse", "request_timeout").inc()
+                await send_error(send, err, rid, {"connection": "close"})
+                return
             body = decode_json(raw)
             parsed = self.parse(body)
         except GatewayError as e:
@@ -430,6 +437,11 @@ def build_app(gw: Gateway) -> Starlette:
     async def healthz(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
+    async def openapi(request: Request) -> Response:
+        from gateway.api.openapi import openapi_spec
+
+        return JSONResponse(openapi_spec())
+
     async def readyz(request: Request) -> Response:
         cfg = gw.config
         missing = [m for m, names in cfg.models.items() if not any(gw.health.available(n) for n in names)]
@@ -475,13 +487,15 @@ def build_app(gw: Gateway) -> Starlette:
         err = GatewayError(500, "Internal gateway error.", code="internal_error")
         return JSONResponse(err.body(), status_code=500, headers={"x-request-id": request_id(request.headers)})
 
+    data_plane = {"/v1/chat/completions": CompletionEndpoint(gw, "chat"),
+                  "/v1/completions": CompletionEndpoint(gw, "completions"),
+                  "/v1/embeddings": CompletionEndpoint(gw, "embeddings")}
     routes = [
-        Route("/v1/chat/completions", CompletionEndpoint(gw, "chat"), methods=None),
-        Route("/v1/completions", CompletionEndpoint(gw, "completions"), methods=None),
-        Route("/v1/embeddings", CompletionEndpoint(gw, "embeddings"), methods=None),
+        *(Route(path, ep, methods=None) for path, ep in data_plane.items()),
         Route("/v1/models", models, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/admin/reload", admin_reload, methods=["POST"]),
         *gw.extra_routes,
@@ -495,10 +509,42 @@ def build_app(gw: Gateway) -> Starlette:
         finally:
             await gw.close()
 
-    app = Starlette(routes=routes, lifespan=lifespan,
-                    exception_handlers={404: not_found, 405: not_found, 500: server_error, Exception: server_error})
+    app = GatewayApp(data_plane, routes=routes, lifespan=lifespan,
+                     exception_handlers={404: not_found, 405: not_found, 500: server_error, Exception: server_error})
     app.state.gateway = gw
     return app
+
+
+class GatewayApp(Starlette):
+    """Starlette for the admin plane and probes; the three data-plane paths go straight to their ASGI
+    endpoints (they produce their own OpenAI-shaped errors), skipping the middleware stack and the router on
+    the hot path. An unexpected exception there still becomes an OpenAI-shaped 500 when nothing was sent."""
+
+    def __init__(self, data_plane: dict[str, Any], **kw: Any) -> None:
+        super().__init__(**kw)
+        self._data_plane = data_plane
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            ep = self._data_plane.get(scope["path"])
+            if ep is not None:
+                started = False
+
+                async def tracked(msg) -> None:
+                    nonlocal started
+                    if msg["type"] == "http.response.start":
+                        started = True
+                    await send(msg)
+
+                try:
+                    await ep(scope, receive, tracked)
+                except Exception:
+                    log.exception("unhandled error on %s", scope["path"])
+                    if not started:
+                        err = GatewayError(500, "Internal gateway error.", code="internal_error")
+                        await send_error(send, err, request_id(Headers(scope=scope)))
+                return
+        await super().__call__(scope, receive, send)
 
 
 def _jurisdiction(countries: set[str | None]) -> str | None:

@@ -29,6 +29,8 @@ CONTENT_KEYS = frozenset({"messages", "prompt", "input", "completion", "completi
 _LIFTED = ("decision", "budget", "candidates", "route", "predicted_ttft_ms", "predicted_cached_tokens", "cost",
            "session")
 _REDACTED = "[redacted: zero retention]"
+# Record fields filled from stage-owned evidence (anything else in the record is built from typed values).
+_STAGE_FIELDS = ("budget", "candidates", "route", "attempts", "cost", "evidence")
 
 
 def _content_strings(body: Any, out: list[str]) -> None:
@@ -142,7 +144,13 @@ def build_record(ctx: RequestContext, *, capture_content: bool = False,
         for k in ("completion", "completion_text"):
             if isinstance(ev.get(k), str):
                 secrets.append(ev[k])
-    rec = _scrub(rec, secrets)
+    if secrets:  # zero retention: every string in the record is checked for echoes of the content
+        rec = _scrub(rec, secrets)
+    else:  # otherwise only stage-provided structures can carry content keys; the rest is built here, typed
+        for k in _STAGE_FIELDS:
+            v = rec[k]
+            if isinstance(v, (dict, list, tuple)):
+                rec[k] = _scrub(v, secrets)
     if content is not None:
         rec["content"] = content
     return rec
