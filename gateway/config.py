@@ -30,7 +30,10 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     host: str = "127.0.0.1"
     port: int = 8080
     max_body_bytes: int = 4 * 1024 * 1024
-    max_header_bytes: int = 32 * 1024
+    max_header_bytes: int = 32 * 1024  # request line + headers; past it: 431 (gateway/server_protocol.py)
+    max_headers: int = 256  # header count; past it: 431
+    header_timeout_s: float = 10.0  # request line + headers must arrive within this (slow-loris): else 408
+    body_timeout_s: float = 60.0  # the whole request body must arrive within this: else 408
     workers: int = 1
     graceful_shutdown_s: float = 20.0
     access_log: bool = False
@@ -198,20 +201,38 @@ class Config:
 # ----------------------------------------------------------------------------------------------- loading
 
 
-def _node_to_py(node: yaml.Node, marks: dict[str, int], path: str) -> Any:
+MAX_YAML_NODES = 200_000
+"""Most YAML nodes one document may expand to (aliases count each time they are used): bounds the
+"billion laughs" alias bomb, which would otherwise expand exponentially in time and memory."""
+MAX_YAML_DEPTH = 64
+"""Deepest nesting of a YAML document (deeper documents would exhaust the parser's recursion)."""
+
+
+def _node_to_py(node: yaml.Node, marks: dict[str, int], path: str, budget: list[int] | None = None,
+                depth: int = 0) -> Any:
+    budget = budget if budget is not None else [MAX_YAML_NODES]
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise ConfigError(f"line {node.start_mark.line + 1}: {path or '(top level)'}: document expands to more "
+                          f"than {MAX_YAML_NODES} nodes (alias bomb?)")
+    if depth > MAX_YAML_DEPTH:
+        raise ConfigError(f"line {node.start_mark.line + 1}: {path or '(top level)'}: nested deeper than "
+                          f"{MAX_YAML_DEPTH} levels")
     marks[path] = node.start_mark.line + 1
     if isinstance(node, yaml.MappingNode):
         out: dict[Any, Any] = {}
         for k, v in node.value:
+            if not isinstance(k, yaml.ScalarNode):
+                raise ConfigError(f"line {k.start_mark.line + 1}: {path or '(top level)'}: keys must be scalars")
             key = yaml.constructor.SafeConstructor().construct_object(k)  # scalars only
             sub = f"{path}.{key}" if path else str(key)
             marks[sub] = k.start_mark.line + 1
             if key in out:
                 raise ConfigError(f"line {k.start_mark.line + 1}: {sub}: duplicate key")
-            out[key] = _node_to_py(v, marks, sub)
+            out[key] = _node_to_py(v, marks, sub, budget, depth + 1)
         return out
     if isinstance(node, yaml.SequenceNode):
-        return [_node_to_py(v, marks, f"{path}[{i}]") for i, v in enumerate(node.value)]
+        return [_node_to_py(v, marks, f"{path}[{i}]", budget, depth + 1) for i, v in enumerate(node.value)]
     return yaml.constructor.SafeConstructor().construct_object(node)
 
 
@@ -223,6 +244,8 @@ def load_yaml_with_lines(text: str, source: str) -> tuple[Any, dict[str, int]]:
         mark = getattr(e, "problem_mark", None)
         line = f":{mark.line + 1}" if mark else ""
         raise ConfigError(f"{source}{line}: invalid YAML: {getattr(e, 'problem', None) or e}") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: invalid YAML: nested too deeply") from None
     marks: dict[str, int] = {}
     if node is None:
         return {}, marks
@@ -230,7 +253,7 @@ def load_yaml_with_lines(text: str, source: str) -> tuple[Any, dict[str, int]]:
         return _node_to_py(node, marks, ""), marks
     except ConfigError as e:
         raise ConfigError(f"{source}:{str(e).removeprefix('line ')}") from None
-    except (yaml.YAMLError, TypeError, ValueError) as e:  # unhashable keys, bad tags, ...
+    except (yaml.YAMLError, TypeError, ValueError, OverflowError) as e:  # unhashable keys, bad tags, ...
         raise ConfigError(f"{source}: invalid YAML: {e}") from None
 
 
