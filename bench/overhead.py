@@ -2,7 +2,8 @@
 
 Prints added latency p50/p99 at concurrency 1, 16 and 64, requests/s, and gateway CPU-seconds per 1,000
 requests (and so requests/s per gateway core), streaming and not, against a fast local upstream.
-Run: .venv/bin/python bench/overhead.py [--requests 2000]
+Each upstream transport (aiohttp, the default, and httpx) gets its own gateway process so they are compared
+in the same run. Run: .venv/bin/python bench/overhead.py [--requests 2000] [--transports aiohttp,httpx]
 """
 from __future__ import annotations
 
@@ -64,46 +65,54 @@ def pct(xs: list[float], p: float) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--transports", default="aiohttp,httpx")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
-    up_port, gw_port = free_port(), free_port()
+    up_port = free_port()
     up = Proc([sys.executable, "bench/fast_upstream.py", str(up_port)], tmp / "up.log")
     wait_http(f"http://127.0.0.1:{up_port}/health", proc=up.p)
-    cfg = tmp / "gw.yaml"
-    cfg.write_text(f"""
-server: {{host: 127.0.0.1, port: {gw_port}}}
+    rows = []
+    direct = f"http://127.0.0.1:{up_port}/v1/chat/completions"
+    try:
+        for transport in a.transports.split(","):
+            gw_port = free_port()
+            cfg = tmp / f"gw-{transport}.yaml"
+            cfg.write_text(f"""
+server: {{host: 127.0.0.1, port: {gw_port}, upstream_client: {transport}}}
 backends:
   - {{name: up, url: "http://127.0.0.1:{up_port}/v1", models: [m], location: {{country: DE}}, retention: zero,
       health: {{enabled: false}}}}
 keys: [{{key_env: BENCH_KEY, tenant: bench}}]
+policy: {{audit_path: {tmp}/audit-{transport}.jsonl}}
+identity: {{sqlite_path: {tmp}/id-{transport}.db}}
+budgets: {{sqlite_path: {tmp}/budgets-{transport}.db}}
 observability: {{log_level: warning}}
 """)
-    gw, _ = start_gateway(cfg, env={"BENCH_KEY": KEY})
-    rows = []
-    try:
-        direct = f"http://127.0.0.1:{up_port}/v1/chat/completions"
-        via = f"http://127.0.0.1:{gw_port}/v1/chat/completions"
-        asyncio.run(run(via, 200, 8, False))  # warm up pools
-        for stream in (False, True):
-            for conc in (1, 16, 64):
-                n = a.requests if conc > 1 else max(300, a.requests // 4)
-                d_lat, d_wall = asyncio.run(run(direct, n, conc, stream))
-                c0 = cpu_seconds(gw.p.pid)
-                g_lat, g_wall = asyncio.run(run(via, n, conc, stream))
-                cpu = cpu_seconds(gw.p.pid) - c0
-                rows.append((("stream" if stream else "json"), conc, n, pct(d_lat, .5), pct(g_lat, .5),
-                             pct(g_lat, .5) - pct(d_lat, .5), pct(g_lat, .99) - pct(d_lat, .99),
-                             n / d_wall, n / g_wall, cpu / n * 1000, n / cpu if cpu else float("inf")))
+            gw, _ = start_gateway(cfg, env={"BENCH_KEY": KEY})
+            try:
+                via = f"http://127.0.0.1:{gw_port}/v1/chat/completions"
+                asyncio.run(run(via, 200, 8, False))  # warm up pools
+                for stream in (False, True):
+                    for conc in (1, 16, 64):
+                        n = a.requests if conc > 1 else max(300, a.requests // 4)
+                        d_lat, d_wall = asyncio.run(run(direct, n, conc, stream))
+                        c0 = cpu_seconds(gw.p.pid)
+                        g_lat, g_wall = asyncio.run(run(via, n, conc, stream))
+                        cpu = cpu_seconds(gw.p.pid) - c0
+                        rows.append((transport, ("stream" if stream else "json"), conc, n, pct(d_lat, .5),
+                                     pct(g_lat, .5), pct(g_lat, .5) - pct(d_lat, .5), pct(g_lat, .99) - pct(d_lat, .99),
+                                     n / d_wall, n / g_wall, cpu / n * 1000, n / cpu if cpu else float("inf")))
+            finally:
+                gw.stop()
     finally:
-        gw.stop()
         up.stop()
-    hdr = ("mode", "conc", "reqs", "direct p50 ms", "gw p50 ms", "added p50 ms", "added p99 ms", "direct rps",
+    hdr = ("transport", "mode", "conc", "reqs", "direct p50 ms", "gw p50 ms", "added p50 ms", "added p99 ms", "direct rps",
            "gw rps", "gw CPU s/1k req", "req/s per gw core")
     print("| " + " | ".join(hdr) + " |")
     print("|" + "---|" * len(hdr))
     for r in rows:
-        print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.2f} | {r[4]:.2f} | {r[5]:.2f} | {r[6]:.2f} | {r[7]:.0f} | "
-              f"{r[8]:.0f} | {r[9]:.3f} | {r[10]:.0f} |")
+        print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]:.2f} | {r[5]:.2f} | {r[6]:.2f} | {r[7]:.2f} | "
+              f"{r[8]:.0f} | {r[9]:.0f} | {r[10]:.3f} | {r[11]:.0f} |")
 
 
 if __name__ == "__main__":
