@@ -28,9 +28,12 @@ async def serve_async(config_path: str, host: str | None = None, port: int | Non
     gw = Gateway(cfg)
     wire(gw)
     app = build_app(gw)
+    from gateway.server_protocol import protocol_class
+
+    http = protocol_class(cfg.server.max_header_bytes, cfg.server.max_headers, cfg.server.header_timeout_s)
     server = uvicorn.Server(uvicorn.Config(
         app, host=host or cfg.server.host, port=port if port is not None else cfg.server.port,
-        loop="uvloop", http="httptools", lifespan="on", access_log=cfg.server.access_log, log_config=None,
+        loop="uvloop", http=http, lifespan="on", access_log=cfg.server.access_log, log_config=None,
         timeout_graceful_shutdown=int(cfg.server.graceful_shutdown_s), server_header=False, date_header=False,
         h11_max_incomplete_event_size=cfg.server.max_header_bytes, backlog=4096))
     loop = asyncio.get_running_loop()

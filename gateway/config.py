@@ -267,7 +267,11 @@ def _line_for(path: str, marks: dict[str, int]) -> int | None:
     while path:
         if path in marks:
             return marks[path]
-        path = re.sub(r"(\.[^.\[]+|\[\d+\])$", "", path)
+        shorter = re.sub(r"(\.[^.\[]+|\[\d+\])$", "", path)
+        if shorter == path:  # a key the pattern cannot strip (ends in "." or "[", ...): cut at the last separator
+            cut = max(path.rfind("."), path.rfind("["))
+            shorter = path[:cut] if cut > 0 else ""
+        path = shorter
     return marks.get("")
 
 

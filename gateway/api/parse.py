@@ -20,7 +20,28 @@ def decode_json(raw: bytes) -> dict[str, Any]:
                           code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request(f"Request body must be a JSON object, got {type(body).__name__}.", code="invalid_json")
+    if _too_deep(body, MAX_DEPTH):
+        raise bad_request(f"Request body is nested deeper than {MAX_DEPTH} levels.", code="invalid_json")
     return body
+
+
+MAX_DEPTH = 64
+"""Deepest JSON nesting accepted. orjson parses up to 1024 levels but serialises only 255 (the body is
+re-encoded for the upstream) and the evidence scrubbers recurse, so deeper bodies are refused up front."""
+
+
+def _too_deep(value: Any, limit: int) -> bool:
+    """True when `value` nests dicts/lists more than `limit` levels (iterative: no recursion on hostile input)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if d > limit:
+            return True
+        if isinstance(v, dict):
+            stack.extend((x, d + 1) for x in v.values() if isinstance(x, (dict, list)))
+        elif isinstance(v, list):
+            stack.extend((x, d + 1) for x in v if isinstance(x, (dict, list)))
+    return False
 
 
 def _type_error(param: str, expected: str, value: Any) -> GatewayError:

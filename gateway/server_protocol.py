@@ -1,0 +1,116 @@
+"""The HTTP/1.1 server protocol the gateway runs under uvicorn: httptools plus the limits uvicorn lacks.
+
+uvicorn's httptools protocol answers unparseable requests (smuggling attempts such as Content-Length with
+Transfer-Encoding, duplicate Content-Length, bare CR/LF in headers) with a plain-text 400, enforces no header
+size or count limit (its h11 limit does not apply to httptools) and waits forever for a client that sends its
+headers byte by byte (slow-loris). This subclass keeps every refusal OpenAI-shaped and adds:
+431 past `max_header_bytes` or `max_headers`, and 408 when the request line and headers are not complete
+within `header_timeout_s` of the connection opening or the request starting.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from gateway.errors import GatewayError
+
+_STATUS_TEXT = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+
+
+class _HeadersTooLarge(Exception):
+    pass
+
+
+def error_bytes(status: int, message: str, code: str) -> bytes:
+    """A complete HTTP/1.1 response carrying an OpenAI-shaped error, closing the connection."""
+    body = GatewayError(status, message, code=code).to_bytes()
+    return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+            % (status, _STATUS_TEXT.get(status, b"Error"), len(body))) + body
+
+
+class GatewayHttpProtocol(HttpToolsProtocol):
+    """HttpToolsProtocol with header limits, a header timeout and OpenAI-shaped protocol errors."""
+
+    max_header_bytes: int = 32 * 1024
+    max_headers: int = 256
+    header_timeout_s: float = 10.0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._header_bytes = 0
+        self._header_count = 0
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._refusal: tuple[int, str, str] | None = None
+
+    # ---- header timeout (slow-loris)
+    def _arm_header_timer(self) -> None:
+        self._cancel_header_timer()
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._header_timeout)
+
+    def _cancel_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _header_timeout(self) -> None:
+        self._header_timer = None
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(error_bytes(408, f"Request headers not received within {self.header_timeout_s:g} s.",
+                                             "request_timeout"))
+            self.transport.close()
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_header_timer()
+        super().connection_lost(exc)
+
+    # ---- parser callbacks
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._header_bytes = 0
+        self._header_count = 0
+        self._arm_header_timer()
+
+    def on_url(self, url: bytes) -> None:
+        self._header_bytes += len(url)
+        if self._header_bytes > self.max_header_bytes:
+            self._refusal = (431, "Request line and headers are larger than the limit.", "headers_too_large")
+            raise _HeadersTooLarge()
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_bytes += len(name) + len(value) + 4
+        self._header_count += 1
+        if self._header_bytes > self.max_header_bytes:
+            self._refusal = (431, f"Request headers are larger than the limit of {self.max_header_bytes} bytes.",
+                             "headers_too_large")
+            raise _HeadersTooLarge()
+        if self._header_count > self.max_headers:
+            self._refusal = (431, f"More than {self.max_headers} request headers.", "too_many_headers")
+            raise _HeadersTooLarge()
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._cancel_header_timer()
+        super().on_headers_complete()
+
+    # ---- refusals
+    def send_400_response(self, msg: str) -> None:
+        self._cancel_header_timer()
+        status, message, code = self._refusal or (
+            400, "Malformed HTTP request (conflicting or invalid framing headers are refused).", "invalid_http_request")
+        self._refusal = None
+        self.transport.write(error_bytes(status, message, code))
+        self.transport.close()
+
+
+def protocol_class(max_header_bytes: int, max_headers: int, header_timeout_s: float) -> type[GatewayHttpProtocol]:
+    """A GatewayHttpProtocol subclass carrying the configured limits (uvicorn instantiates the class itself)."""
+    return type("ConfiguredGatewayHttpProtocol", (GatewayHttpProtocol,),
+                {"max_header_bytes": max_header_bytes, "max_headers": max_headers,
+                 "header_timeout_s": header_timeout_s})
