@@ -453,6 +453,7 @@ def build_app(gw: Gateway) -> Starlette:
     async def metrics(request: Request) -> Response:
         for name, st in gw.health.snapshot().items():
             gw.metrics.backend_up.labels(name).set(1.0 if st["state"] == "closed" else 0.0)
+        gw.metrics.event_loop_tasks.set(len(asyncio.all_tasks()))
         return Response(gw.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def models(request: Request) -> Response:

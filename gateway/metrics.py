@@ -38,6 +38,8 @@ class Metrics:
                                        ["stage"], buckets=(1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1),
                                        registry=r)
         self.reloads = Counter("gateway_config_reloads_total", "Config reloads", ["result"], registry=r)
+        self.event_loop_tasks = Gauge("gateway_event_loop_tasks", "asyncio tasks alive (leak check, bench/soak.py)",
+                                      registry=r)
         # fed by gateway.observability.hooks (a finish hook) when observability is wired
         self.budget_rejections = Counter("gateway_budget_rejections_total", "Requests refused by a budget",
                                          ["code", "scope", "window"], registry=r)
