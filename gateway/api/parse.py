@@ -178,6 +178,11 @@ def parse_chat(body: dict[str, Any]) -> Parsed:
     return Parsed(model, stream, include_usage, mt if mt is not None else mt2, chars)
 
 
+def _token_id(x: Any) -> bool:
+    """A plausible token id: a non-negative int that fits int32 (negative or huge ids crash or stall engines)."""
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**31
+
+
 def parse_completions(body: dict[str, Any]) -> Parsed:
     model = _model(body)
     if "prompt" not in body:
@@ -187,12 +192,12 @@ def parse_completions(body: dict[str, Any]) -> Parsed:
         chars = len(p)
     elif isinstance(p, list) and p and all(isinstance(x, str) for x in p):
         chars = sum(len(x) for x in p)
-    elif isinstance(p, list) and p and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+    elif isinstance(p, list) and p and all(_token_id(x) for x in p):
         chars = 4 * len(p)
-    elif isinstance(p, list) and p and all(isinstance(x, list) and all(isinstance(t, int) for t in x) for x in p):
+    elif isinstance(p, list) and p and all(isinstance(x, list) and x and all(_token_id(t) for t in x) for x in p):
         chars = 4 * sum(len(x) for x in p)
     else:
-        raise _type_error("prompt", "a string, an array of strings or an array of token ids", p)
+        raise _type_error("prompt", "a string, an array of strings or an array of token ids (ints >= 0)", p)
     stream, include_usage = _stream_fields(body)
     _sampling(body)
     return Parsed(model, stream, include_usage, _opt_int(body, "max_tokens"), chars)
@@ -207,9 +212,9 @@ def parse_embeddings(body: dict[str, Any]) -> Parsed:
         chars = len(x)
     elif isinstance(x, list) and x and all(isinstance(s, str) for s in x):
         chars = sum(len(s) for s in x)
-    elif isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x):
+    elif isinstance(x, list) and x and all(_token_id(t) for t in x):
         chars = 4 * len(x)
-    elif isinstance(x, list) and x and all(isinstance(s, list) for s in x):
+    elif isinstance(x, list) and x and all(isinstance(s, list) and s and all(_token_id(t) for t in s) for s in x):
         chars = 4 * sum(len(s) for s in x)
     else:
         raise _type_error("input", "a string or a non-empty array", x)

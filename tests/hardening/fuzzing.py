@@ -88,7 +88,7 @@ def fuzz(base: str, key: str, examples_per_operation: int, timeout_s: float = 30
                         r = client.request(kw["method"], kw["url"], headers=headers, params=kw.get("params"),
                                            content=content)
                     except httpx.TimeoutException:
-                        part.failures.append(f"{op.label}: no answer within {timeout_s}s (hang)")
+                        part.failures.append(f"{op.label}: no answer within {timeout_s}s (hang): {(content or b'')[:300]!r}")
                         return
                     except httpx.HTTPError as e:
                         part.failures.append(f"{op.label}: transport error {e!r}")
@@ -99,7 +99,7 @@ def fuzz(base: str, key: str, examples_per_operation: int, timeout_s: float = 30
                     bad = check_answer(kw["method"], op.path, r.status_code, r.headers.get("content-type", ""),
                                        r.content)
                     if bad:
-                        part.failures.append(bad)
+                        part.failures.append(f"{bad} <- {(content or b'')[:200]!r}")
                     elif r.status_code >= 400 and op.path.startswith("/v1/"):
                         part.codes[(r.status_code, orjson.loads(r.content)["error"].get("code"))] += 1
 
