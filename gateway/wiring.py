@@ -145,9 +145,18 @@ def _wire_evidence(gw: Gateway) -> None:
     from gateway.evidence.recorder import EvidenceRecorder
 
     cfg = gw.config
-    rec = EvidenceRecorder(cfg.resolve_path(cfg.raw.policy.audit_path),
+    pc = cfg.raw.policy
+    sink = None
+    if pc.audit_postgres_dsn:
+        import os
+
+        from gateway.evidence.postgres import PostgresSink
+
+        sink = PostgresSink(os.path.expandvars(pc.audit_postgres_dsn))
+    rec = EvidenceRecorder(cfg.resolve_path(pc.audit_path),
                            capture_content=cfg.raw.observability.capture_content,
-                           backend_lookup=lambda name: _backend_or_none(gw, name))
+                           backend_lookup=lambda name: _backend_or_none(gw, name), sink=sink,
+                           sink_backlog=pc.audit_postgres_backlog)
     gw.services.append(rec)
     gw.evidence = rec
 

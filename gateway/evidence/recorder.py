@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
@@ -165,7 +165,7 @@ class EvidenceRecorder:
 
     def __init__(self, path: str | Path | None, *, capture_content: bool = False, max_queue: int = 10000,
                  recent: int = 4096, sink: Any = None, backend_lookup: Callable[[str], Any] | None = None,
-                 batch: int = 256) -> None:
+                 batch: int = 256, sink_backlog: int = 100000) -> None:
         self.path = Path(path) if path is not None else None
         self.capture_content = capture_content
         self.sink = sink  # e.g. PostgresSink: async start(), write_many(records), get(request_id), close()
@@ -177,12 +177,16 @@ class EvidenceRecorder:
         self._task: asyncio.Task[None] | None = None
         self.dropped = 0
         self.written = 0
+        # records the sink could not take yet (database down); retried on every later write, oldest first
+        self._sink_backlog: deque[dict[str, Any]] = deque(maxlen=sink_backlog)
+        self._sink_started = False
+        self.sink_dropped = 0
 
     async def start(self) -> None:
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.sink is not None:
-            await self.sink.start()
+            await self._start_sink()
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="evidence-writer")
 
@@ -210,7 +214,14 @@ class EvidenceRecorder:
     async def _run(self) -> None:
         stop = False
         while not stop:
-            item = await self._queue.get()
+            if self._sink_backlog:  # the database was down: retry the backlog every second even without traffic
+                try:
+                    item = await asyncio.wait_for(self._queue.get(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    await self._write_sink([])
+                    continue
+            else:
+                item = await self._queue.get()
             items = [item]
             while len(items) < self._batch and not self._queue.empty():
                 items.append(self._queue.get_nowait())
@@ -227,11 +238,36 @@ class EvidenceRecorder:
             except OSError:
                 log.exception("writing %d audit records to %s failed", len(recs), self.path)
         if self.sink is not None:
-            try:
-                await self.sink.write_many(recs)
-            except Exception:
-                log.exception("writing %d audit records to the sink failed", len(recs))
+            await self._write_sink(recs)
         self.written += len(recs)
+
+    async def _start_sink(self) -> bool:
+        """Open the sink; a database that is down at start is retried on later writes, never fatal."""
+        try:
+            await self.sink.start()
+        except Exception as e:
+            log.warning("audit sink not available (%s); records are kept and retried", type(e).__name__)
+            return False
+        self._sink_started = True
+        return True
+
+    async def _write_sink(self, recs: list[dict[str, Any]]) -> None:
+        backlog = self._sink_backlog
+        if len(backlog) + len(recs) > (backlog.maxlen or 0):
+            self.sink_dropped += len(backlog) + len(recs) - (backlog.maxlen or 0)
+        backlog.extend(recs)
+        if not self._sink_started and not await self._start_sink():
+            return
+        while backlog:
+            batch = [backlog[i] for i in range(min(self._batch, len(backlog)))]
+            try:
+                await self.sink.write_many(batch)
+            except Exception as e:
+                log.warning("writing %d audit records to the sink failed (%s); kept for retry", len(batch),
+                            type(e).__name__)
+                return
+            for _ in batch:
+                backlog.popleft()
 
     def _append(self, data: bytes) -> None:
         assert self.path is not None
@@ -248,6 +284,11 @@ class EvidenceRecorder:
             await self._task
             self._task = None
         if self.sink is not None:
+            if self._sink_backlog:
+                await self._write_sink([])
+                if self._sink_backlog:
+                    log.warning("audit sink: %d records not written at close (they are in the JSON-lines log)",
+                                len(self._sink_backlog))
             await self.sink.close()
 
     async def get(self, request_id: str) -> dict[str, Any] | None:
@@ -256,7 +297,11 @@ class EvidenceRecorder:
         if rec is not None:
             return rec
         if self.sink is not None:
-            rec = await self.sink.get(request_id)
+            try:
+                rec = await self.sink.get(request_id)
+            except Exception as e:  # database down: fall back to the JSON-lines log
+                log.warning("audit sink lookup failed (%s)", type(e).__name__)
+                rec = None
             if rec is not None:
                 return rec
         if self.path is None or not self.path.exists():

@@ -23,3 +23,8 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     default_allow: bool = True
     opa: OPAConfig | None = None
     audit_path: str = "var/audit.jsonl"
+    # Optional second audit store: table audit_decisions in Postgres (${VAR} in the DSN is expanded, so the
+    # password can come from a Secret). The JSON-lines file stays the primary record; rows the database could
+    # not take are retried until it is back (bounded backlog: audit_postgres_backlog records).
+    audit_postgres_dsn: str | None = None
+    audit_postgres_backlog: int = 100000
