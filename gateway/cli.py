@@ -114,21 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _subsystem_commands():
     """Commands contributed by subsystems (sim, keys, policy, engine); each registers its own parsers."""
-    out = []
-    import importlib
+    from backends.sim.cli import add_sim_command
+    from backends.vllm.cli import add_engine_command
+    from gateway.identity.cli import add_keys_commands
+    from gateway.policy.cli import add_policy_commands
 
-    for mod, fn in (("backends.sim.cli", "add_sim_command"), ("gateway.identity.cli", "add_keys_commands"),
-                    ("gateway.policy.cli", "add_policy_commands"), ("backends.vllm.cli", "add_engine_command")):
-        try:
-            m = importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            if e.name and (e.name == mod or mod.startswith(e.name + ".")):
-                continue  # subsystem not present in this build
-            raise
-        f = getattr(m, fn, None)
-        if f is not None:
-            out.append(f)
-    return out
+    return [add_sim_command, add_keys_commands, add_policy_commands, add_engine_command]
 
 
 def main(argv: list[str] | None = None) -> int:
