@@ -27,6 +27,8 @@ TIERS = ("GPU", "CPU", "DISK", "SHARED")  # priority order: the tier an engine w
 _MEDIUM_TIER = {None: 0, "GPU": 0, "CPU": 1, "CPU_PINNED": 1, "DISK": 2, "STORAGE": 2, "LOCAL_DISK": 2,
                 "SHARED": 3, "REMOTE": 3, "LMCACHE": 3}
 MAX_ENGINES = 64
+_WIN = np.arange(8, dtype=np.intp)  # slots probed per key in one vectorised gather
+_NO_SLOTS = np.zeros(0, dtype=np.intp)
 _h64 = xxhash.xxh3_64_intdigest
 _NO_SEED = _h64(b"gateway-kv-root")
 
@@ -430,59 +432,104 @@ class KVIndex:
             want = 0
             for _, e in engs:
                 want |= 1 << e.slot
-            slots = g.home_slots(ka)
-            kv = g.keys[slots]
-            hit = kv == ka
-            pend = np.flatnonzero(~hit & (kv != 0))  # collisions: probe on, vectorised, a few rounds
-            rounds = 0
-            gmask = g.cap - 1
-            while pend.size and rounds < 6:
-                sp = (slots[pend] + 1) & gmask
-                slots[pend] = sp
-                kvp = g.keys[sp]
-                h = kvp == ka[pend]
-                hit[pend[h]] = True
-                pend = pend[~h & (kvp != 0)]
-                rounds += 1
-            for i in pend.tolist():  # rare long chains
-                s2 = g.slot(int(ka[i]))
-                if s2 >= 0:
-                    slots[i] = s2
-                    hit[i] = True
-            m = np.where(hit, g.vals[0][slots], np.uint64(0)) & np.uint64(want)
-            acc = np.bitwise_and.accumulate(m)
-            ends: dict[int, int] = {}
-            prev = want
-            first = int(acc[0])
-            if first != prev:
-                _drop(ends, prev ^ first, 0)
-                prev = first
-            if prev:
-                for c in (np.flatnonzero(acc[1:] != acc[:-1]) + 1).tolist():
-                    cur = int(acc[c])
-                    _drop(ends, prev ^ cur, c)
-                    prev = cur
-                _drop(ends, prev, nblk)
-            for name, e in engs:
-                b = 1 << e.slot
-                nb = ends.get(b, 0)
-                if nb == 0:
+            ends, sl = self._prefix_ends(rk, bs, ka, want)
+            if not ends:
+                for name, _ in engs:
                     out[name] = CachedPrefix()
-                elif tv is None:
-                    out[name] = CachedPrefix(nb * bs, {"GPU": nb * bs}, nb)
-                else:
-                    sl = slots[:nb]
-                    ub = np.uint64(b)
-                    left = np.ones(nb, dtype=bool)
-                    by: dict[str, int] = {}
-                    for ti, t in enumerate(tv):
-                        has = ((g.vals[t][sl] & ub) != 0) & left
-                        c = int(np.count_nonzero(has))
-                        if c:
-                            by[TIERS[ti]] = c * bs
-                        left &= ~has
-                    out[name] = CachedPrefix(nb * bs, by, nb)
+                continue
+            if tv is None:
+                for name, e in engs:
+                    nb = ends.get(1 << e.slot, 0)
+                    out[name] = CachedPrefix(nb * bs, {"GPU": nb * bs}, nb) if nb else CachedPrefix()
+            else:
+                self._by_tier(out, engs, ends, sl, bs)
         return out
+
+    def _leading_slots(self, rk: "RequestKeys", bs: int, ka: np.ndarray) -> np.ndarray:
+        """Slots of the request's leading keys that are in the global table (stops at the first absent key).
+
+        Blocks after an absent key cannot be in anyone's prefix, so they need no probing. The result is cached
+        on the RequestKeys and re-validated with one gather (keys never move except on growth or deletion, and
+        a moved key just fails validation), so repeated lookups of one request skip the probing.
+        """
+        g = self._g
+        c = rk._slots.get(bs)
+        if c is not None and c[0] is g.keys:
+            sl = c[1]
+            n = sl.size
+            if (n == 0 or bool((g.keys.take(sl) == ka[:n]).all())) and (n == ka.size or g.slot(int(ka[n])) < 0):
+                return sl
+        n = ka.size
+        # probe a window of _WIN.size slots from each key's home in one gather; laid out (window, key) so that
+        # numpy's inner loops run along the 100s of keys rather than the 8 window positions
+        win = _WIN[:, None] + (ka >> np.uint64(g.shift)).astype(np.intp)  # global table: slot = top bits
+        np.bitwise_and(win, g.cap - 1, out=win)
+        p = np.flatnonzero(g.keys.take(win) == ka)  # keys are unique in the table: at most one match per key
+        col = p % n
+        slots = np.empty(n, dtype=np.intp)
+        slots[col] = win.ravel().take(p)
+        length = n
+        if p.size != n:
+            found = np.zeros(n, dtype=bool)
+            found[col] = True
+            for i in np.flatnonzero(~found).tolist():
+                s = g.slot(int(ka[i]))  # beyond the window (rare) or absent
+                if s < 0:
+                    length = i
+                    break
+                slots[i] = s
+        sl = slots[:length]
+        rk._slots[bs] = (g.keys, sl)
+        return sl
+
+    def _prefix_ends(self, rk: "RequestKeys", bs: int, ka: np.ndarray,
+                     want: int) -> tuple[dict[int, int], np.ndarray]:
+        """Engine bit -> number of leading blocks that engine holds (engines holding none are left out),
+        and the slots of those blocks."""
+        g = self._g
+        s0 = g.slot(int(ka[0]))
+        if s0 < 0 or not g._v[0][s0] & want:  # early exit: nobody asked holds the first block
+            return {}, _NO_SLOTS
+        sl = self._leading_slots(rk, bs, ka)
+        acc = np.bitwise_and.accumulate(g.vals[0].take(sl) & np.uint64(want))
+        ends: dict[int, int] = {}
+        prev = want
+        ch = np.flatnonzero(acc[1:] != acc[:-1])
+        first = int(acc[0])
+        if first != prev:
+            _drop(ends, prev ^ first, 0)
+            prev = first
+        if ch.size:
+            for c, cur in zip((ch + 1).tolist(), acc.take(ch + 1).tolist()):
+                _drop(ends, prev ^ cur, c)
+                prev = cur
+        _drop(ends, prev, sl.size)
+        for b in [b for b, v in ends.items() if v == 0]:
+            del ends[b]
+        return ends, sl
+
+    def _by_tier(self, out: dict[str, CachedPrefix], engs: list[tuple[str, "_Engine"]], ends: dict[int, int],
+                 sl: np.ndarray, bs: int) -> None:
+        """Split every engine's prefix by the best tier it holds each block in, for all engines at once."""
+        g = self._g
+        tv = self._tier_vals
+        assert tv is not None
+        nmax = max(ends.values())
+        t = np.stack([g.vals[v].take(sl[:nmax]) for v in tv])  # (tiers, blocks) engine masks
+        better = np.bitwise_or.accumulate(t, axis=0)
+        t[1:] &= ~better[:-1]  # a block counts in the best tier the engine holds it in
+        held = [(name, e.slot, ends.get(1 << e.slot, 0)) for name, e in engs]
+        live = [h for h in held if h[2]]
+        pos = np.array([h[1] for h in live], dtype=np.uint64)
+        nbs = np.array([h[2] for h in live], dtype=np.intp)
+        bits = (t[:, :, None] >> pos) & np.uint64(1)  # (tiers, blocks, engines)
+        bits &= (np.arange(nmax)[:, None] < nbs).astype(np.uint64)
+        counts = bits.sum(axis=1).T.tolist()  # (engines, tiers)
+        for name, _, nb in held:
+            if not nb:
+                out[name] = CachedPrefix()
+        for (name, _, nb), cs in zip(live, counts):
+            out[name] = CachedPrefix(nb * bs, {TIERS[i]: c * bs for i, c in enumerate(cs) if c}, nb)
 
     def holds(self, engine: str, key: int) -> bool:
         e = self._engines.get(engine)
@@ -563,7 +610,7 @@ def _drop(ends: dict[int, int], bits: int, at: int) -> None:
 class RequestKeys:
     """A request's own keys per block size, computed once and reused across candidates and retries."""
 
-    __slots__ = ("token_ids", "salt", "lora", "n_tokens", "_by_bs", "_np")
+    __slots__ = ("token_ids", "salt", "lora", "n_tokens", "_by_bs", "_np", "_slots")
 
     def __init__(self, token_ids: Sequence[int], salt: str | None = None, lora: str | None = None) -> None:
         self.token_ids = token_ids
@@ -572,6 +619,7 @@ class RequestKeys:
         self.n_tokens = len(token_ids)
         self._by_bs: dict[int, list[int]] = {}
         self._np: dict[int, np.ndarray] = {}
+        self._slots: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # block size -> (table keys array, slots)
 
     def keys(self, block_size: int) -> list[int]:
         k = self._by_bs.get(block_size)
