@@ -127,6 +127,14 @@ def main() -> None:
         t0 = time.perf_counter()
         idx.lookup(names, rk)
         lat.append(time.perf_counter() - t0)
+    # first lookup of a request (nothing cached on its RequestKeys but the keys): what routing pays per request
+    latc = []
+    for _ in range(300):
+        rkc = RequestKeys(prompt)
+        rkc.keys_np(bs)
+        t0 = time.perf_counter()
+        idx.lookup(names, rkc)
+        latc.append(time.perf_counter() - t0)
     keyt = []
     for _ in range(100):
         t0 = time.perf_counter()
@@ -143,8 +151,12 @@ def main() -> None:
     rows.append((f"lookup, 8k-token prompt fully cached on {args.engines} engines (keys precomputed)",
                  f"p50 {statistics.median(lat) * 1e6:,.0f} µs, p99 {sorted(lat)[int(len(lat) * .99)] * 1e6:,.0f} µs",
                  "< 50 µs"))
+    rows.append((f"lookup, same, first lookup of the request (slots not yet cached on its RequestKeys)",
+                 f"p50 {statistics.median(latc) * 1e6:,.0f} µs, p99 {sorted(latc)[int(len(latc) * .99)] * 1e6:,.0f} µs",
+                 "< 50 µs"))
     rows.append((f"lookup, 8k-token prompt, 4k cached on {args.engines} engines (keys precomputed)",
-                 f"p50 {statistics.median(lath) * 1e6:,.0f} µs", "< 50 µs"))
+                 f"p50 {statistics.median(lath) * 1e6:,.0f} µs, p99 {sorted(lath)[int(len(lath) * .99)] * 1e6:,.0f} µs",
+                 "< 50 µs"))
     rows.append(("own keys of an 8k-token prompt (once per request, cached with its tokens)",
                  f"p50 {statistics.median(keyt) * 1e6:,.0f} µs", ""))
     rows.append(("process max RSS", f"{rss_mb():,.0f} MiB", ""))
