@@ -335,17 +335,28 @@ class CompletionEndpoint:
         ctx.prompt_tokens_est = max(1, parsed.prompt_chars // 4)
         ctx.prompt_tokens_max = prompt_token_bound(raw, body, parsed.prompt_chars)
         ctx.model_chain = gw.config.resolve_model(parsed.model)
-        # The disconnect watcher runs for the whole request so a vanished client cancels upstream work at once.
-        handler = asyncio.ensure_future(self._handle(ctx, send))
-        watcher = asyncio.ensure_future(_until_disconnect(receive))
-        done, _ = await asyncio.wait({handler, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if handler in done:
+        # The disconnect watcher runs for the whole request so a vanished client cancels upstream work at once:
+        # it cancels this task, which unwinds the handler (closing the upstream connection) right away.
+        me = asyncio.current_task()
+        gone = False
+
+        async def watch() -> None:
+            nonlocal gone
+            await _until_disconnect(receive)
+            gone = True
+            if me is not None:
+                me.cancel()
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await self._handle(ctx, send)
+        except asyncio.CancelledError:
+            if not gone:
+                raise
+            if me is not None:
+                me.uncancel()  # the cancellation was ours, for a client that left: nothing more to do
+        finally:
             watcher.cancel()
-            handler.result()
-        else:
-            handler.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await handler
 
     async def _handle(self, ctx: RequestContext, send) -> None:
         gw = self.gw
