@@ -113,16 +113,18 @@ class ObserveStage:
         backend = ctx.backend or "none"
         status = str(ctx.status or 200)
         tclass = (ctx.principal.labels.get("tier", "default") if ctx.principal else "anonymous")
-        m.requests.labels(ctx.endpoint, ctx.model if ctx.model in gw.config.models or ctx.model in gw.config.aliases
-                          else "unknown", backend, status, tclass).inc()
-        m.duration.labels(ctx.endpoint, ctx.backend_model or "unknown", backend, status).observe(ctx.total_s)
+        c = m.child
+        model = ctx.model if ctx.model in gw.config.models or ctx.model in gw.config.aliases else "unknown"
+        c(m.requests, ctx.endpoint, model, backend, status, tclass).inc()
+        bmodel = ctx.backend_model or "unknown"
+        c(m.duration, ctx.endpoint, bmodel, backend, status).observe(ctx.total_s)
         if ctx.ttft_s is not None and ctx.backend:
-            m.ttft.labels(ctx.backend_model or "unknown", backend).observe(ctx.ttft_s)
+            c(m.ttft, bmodel, backend).observe(ctx.ttft_s)
         if ctx.usage is not None and ctx.backend_model:
-            m.tokens.labels(ctx.backend_model, "input").observe(ctx.usage.prompt_tokens)
-            m.tokens.labels(ctx.backend_model, "output").observe(ctx.usage.completion_tokens)
+            c(m.tokens, ctx.backend_model, "input").observe(ctx.usage.prompt_tokens)
+            c(m.tokens, ctx.backend_model, "output").observe(ctx.usage.completion_tokens)
         for st, us in ctx.stage_timings_us.items():
-            m.stage_seconds.labels(st).observe(us / 1e6)
+            c(m.stage_seconds, st).observe(us / 1e6)
         for hook in gw.finish_hooks:
             try:
                 await hook(ctx)

@@ -15,6 +15,7 @@ TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4
 
 class Metrics:
     def __init__(self) -> None:
+        self._children: dict[tuple[str, ...], object] = {}
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("gateway_requests_total", "Requests by outcome", ["endpoint", "model", "backend",
                                 "status", "tenant_class"], registry=r)
@@ -50,6 +51,16 @@ class Metrics:
                                                "actual - predicted TTFT per request (signed)", ["backend"],
                                                buckets=(-5.0, -1.0, -0.5, -0.25, -0.1, -0.05, -0.02, -0.01, 0.0,
                                                         0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0), registry=r)
+
+    def child(self, metric, *labels: str):
+        """A labelled child, cached: prometheus-client's labels() costs microseconds per call on the hot path."""
+        key = (metric._name, *labels)
+        c = self._children.get(key)
+        if c is None:
+            if len(self._children) > 10_000:  # bounded: label values are bounded, this is a safety net
+                self._children.clear()
+            c = self._children[key] = metric.labels(*labels)
+        return c
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

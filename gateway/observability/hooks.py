@@ -39,16 +39,9 @@ class RequestObserver:
         self.m = metrics
         self._access_on = access_log_on
         self.recent: deque[str] = deque(maxlen=recent)  # request ids, newest last
-        self._children: dict[tuple[str, ...], Any] = {}  # labelled metric children (labels() costs µs)
 
     def _child(self, metric: Any, *labels: str) -> Any:
-        key = (metric._name, *labels)
-        c = self._children.get(key)
-        if c is None:
-            if len(self._children) > 10_000:
-                self._children.clear()
-            c = self._children[key] = metric.labels(*labels)
-        return c
+        return self.m.child(metric, *labels)
 
     async def __call__(self, ctx: RequestContext) -> None:
         self.observe(ctx)
