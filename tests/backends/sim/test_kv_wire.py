@@ -27,7 +27,7 @@ GOLDEN = Path(__file__).resolve().parents[2] / "data" / "vllm_kv_events"
 def _rows(name: str) -> list[dict]:
     path = GOLDEN / name
     if not path.exists():
-        pytest.skip(f"golden capture {path} is not in this checkout")
+        pytest.fail(f"golden capture {path} is missing (it is committed test data)")
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
