@@ -27,7 +27,7 @@ from gateway.errors import GatewayError, retry_headers
 from gateway.metrics import Metrics
 from gateway.observability.logs import current_request
 from gateway.pipeline import Pipeline, RequestContext, Stage
-from gateway.proxy.forward import Dispatcher, JsonResult, StreamStart, stream_body, usage_from
+from gateway.proxy.forward import Dispatcher, JsonResult, stream_body, usage_from
 from gateway.proxy.health import Health, probe_loop
 from gateway.proxy.upstream import Upstreams
 from gateway.routing.plan import Candidate

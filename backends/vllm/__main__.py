@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import signal
-import subprocess
 import sys
 import time
 

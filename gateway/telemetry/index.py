@@ -419,7 +419,6 @@ class KVIndex:
                 out[name] = CachedPrefix()
             else:
                 by_bs.setdefault(e.block_size, []).append((name, e))
-        g = self._g
         tv = self._tier_vals
         for bs, engs in by_bs.items():
             ka = rk.keys_np(bs)
