@@ -10,6 +10,9 @@ rate), t2 the slowdown per running decode, t3 the extra per-token cost when deco
 Parameters are fit by recursive least squares on *relative* residuals (each equation divided by the
 prediction, so a 20 ms and a 5 s TTFT weigh alike and the fit minimises percentage error), with Huber
 clipping of residuals (one outlier moves the fit by a bounded step) and a forgetting factor (engines drift).
+Once an engine has `refit_min` observations, predictions come from a batch refit of the same model on its last
+`refit_window` observations (bounded, Huber-IRLS least squares of relative error, every `refit_every`): the
+recursive fit's path dependence under the router's feedback loop cost 2-4x the error under overload.
 An empirical quantile of recent out-of-sample relative errors turns the mean prediction into the calibrated
 upper bound admission uses. Everything is pure and synchronous with an injectable clock.
 """
@@ -20,6 +23,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
+
+import numpy as np
 
 from gateway.routing.view import Drain
 
@@ -58,6 +63,10 @@ class PredictorParams:
     step_prior_s: float = 0.015  # an engine step (decode batch) until inter-token times were observed
     step_alpha: float = 0.1  # EWMA weight of one observed mean inter-token time
     lower: tuple[float, ...] = (0.0005, 1e-5, 0.0, 0.0)  # physical lower bounds (non-negative costs)
+    refit_window: int = 256  # observations kept for the batch refit (0: recursive fit only)
+    refit_every: int = 4  # refit after this many new observations
+    refit_min: int = 24  # the batch fit predicts once the window holds this many observations
+    refit_iters: int = 3  # IRLS passes (Huber weights on relative residuals)
 
 
 @dataclass
@@ -81,6 +90,9 @@ class EngineLearner:
     pf_time: float = 0.0  # decayed sums for the drain's prefill cost per token (see observe)
     pf_tokens: float = 0.0
     _q_cache: tuple[int, float] | None = None
+    win_x: deque[list[float]] = field(default_factory=deque)  # the batch refit's window: feature vectors
+    win_y: deque[float] = field(default_factory=deque)  # ... and their observed TTFTs
+    batch_theta: list[float] | None = None
 
     def __post_init__(self) -> None:
         p = self.params
@@ -89,12 +101,15 @@ class EngineLearner:
         if not self.P:
             self.P = [[p.prior_var[i] if i == j else 0.0 for j in range(_N)] for i in range(_N)]
         self.residuals = deque(self.residuals, maxlen=p.window)
+        self.win_x = deque(self.win_x, maxlen=max(1, p.refit_window))
+        self.win_y = deque(self.win_y, maxlen=max(1, p.refit_window))
 
     # ---------------------------------------------------------------- prediction
     def predict(self, f: Features) -> float:
         x = f.vector()
         lo = self.params.lower
-        return max(self.params.floor_s, sum(max(t, lo[i]) * xi for i, (t, xi) in enumerate(zip(self.theta, x))))
+        th = self.batch_theta if self.batch_theta is not None else self.theta
+        return max(self.params.floor_s, sum(max(t, lo[i]) * xi for i, (t, xi) in enumerate(zip(th, x))))
 
     def margin(self) -> float:
         """Relative margin of the upper quantile over the mean prediction."""
@@ -152,7 +167,30 @@ class EngineLearner:
         div = lam if trace < p.max_trace else 1.0
         self.P = [[(P[i][j] - k[i] * px[j]) / div for j in range(_N)] for i in range(_N)]
         self.last_update = self.clock()
+        if p.refit_window > 0:
+            self.win_x.append(f.vector())
+            self.win_y.append(ttft_s)
+            if len(self.win_y) >= p.refit_min and self.samples % p.refit_every == 0:
+                self.batch_theta = self._refit()
         return ttft_s / pred - 1.0
+
+    def _refit(self) -> list[float]:
+        """Bounded, Huber-weighted least squares of relative error on the window (IRLS): unlike the
+        recursive fit it has no memory of the path it took, so a burst of skewed samples cannot leave the
+        parameters stranded after the burst has left the window."""
+        p = self.params
+        y = np.fromiter(self.win_y, float)
+        X = np.array(self.win_x) / y[:, None]  # equations (x / y).theta = 1
+        lo = np.array(p.lower)
+        w = np.ones_like(y)
+        th = np.array(self.theta)
+        for _ in range(max(1, p.refit_iters)):
+            th = _bounded_lstsq(X * w[:, None], w, lo)
+            r = 1.0 - X @ th
+            s = max(1.4826 * float(np.median(np.abs(r))), 0.02)
+            a = np.abs(r) / (p.huber_k * s)
+            w = np.sqrt(np.where(a > 1.0, 1.0 / np.maximum(a, 1e-12), 1.0))
+        return [float(v) for v in th]
 
     def observe_step(self, seconds: float) -> None:
         """Fold in one request's mean inter-token time ((last token - first token) / (tokens - 1))."""
@@ -195,6 +233,25 @@ class EngineLearner:
                 "step_ms": round(self.step() * 1000, 3),
                 "drain_tokens_per_s": round(1.0 / self.s_per_token(), 1), "samples": self.samples, "clipped": self.clipped, "regime_changes": self.regime_changes, "upper_margin": round(self.margin(), 4),
                 "mape": round(self.mape(), 4) if self.samples else None}
+
+
+def _bounded_lstsq(A: np.ndarray, b: np.ndarray, lo: np.ndarray) -> np.ndarray:
+    """min |A.theta - b| with theta >= lo: pin each coefficient that the free solution puts below its bound
+    at the bound and re-solve the rest (an active set; at most one pass per coefficient)."""
+    free = np.ones(len(lo), bool)
+    th = lo.copy()
+    for _ in range(len(lo)):
+        rhs = b - A[:, ~free] @ lo[~free]
+        sol, *_ = np.linalg.lstsq(A[:, free], rhs, rcond=None)
+        th[free] = sol
+        th[~free] = lo[~free]
+        bad = free & (th < lo)
+        if not bad.any():
+            return th
+        free &= ~bad
+        if not free.any():
+            return lo.copy()
+    return np.maximum(th, lo)
 
 
 class Predictor:

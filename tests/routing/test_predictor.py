@@ -88,3 +88,46 @@ def test_ignores_non_positive_observations():
     lr.observe(Features(0, 100, 0), 0.0)
     lr.observe(Features(0, 100, 0), float("nan"))
     assert lr.theta == before and lr.samples == 0
+
+
+def test_batch_refit_takes_over_once_the_window_holds_refit_min():
+    rng = random.Random(5)
+    par = (0.010, 1 / 16000, 0.0002)
+    lr = EngineLearner()
+    _feed(lr, rng, lr.params.refit_min - 1, par)
+    assert lr.batch_theta is None  # too few observations: the recursive fit predicts
+    _feed(lr, rng, 40, par)
+    assert lr.batch_theta is not None
+    f = Features(1000, 2000, 10)
+    y = true_ttft(f, *par)
+    assert abs(lr.predict(f) - y) / y < 0.05
+
+
+def test_batch_refit_forgets_the_old_regime_once_it_left_the_window():
+    rng = random.Random(6)
+    lr = EngineLearner()
+    _feed(lr, rng, 400, (0.010, 1 / 16000, 0.0002), noise=0.0)
+    new = (0.020, 1 / 4000, 0.0005)
+    _feed(lr, rng, lr.params.refit_window + lr.params.refit_every, new, noise=0.0)
+    for _ in range(50):  # no path dependence left: exact on noise-free data of the new regime
+        f = Features(rng.uniform(0, 4000), rng.uniform(10, 4000), rng.uniform(0, 40))
+        y = true_ttft(f, *new)
+        assert abs(lr.predict(f) - y) / y < 0.01
+
+
+def test_batch_refit_keeps_coefficients_within_physical_bounds():
+    rng = random.Random(7)
+    lr = EngineLearner()
+    for _ in range(200):  # decodes appear to *speed up* the engine: unphysical, the bound must hold
+        f = Features(0, rng.uniform(100, 4000), rng.uniform(0, 40))
+        lr.observe(f, max(0.002, 0.02 + f.uncached_tokens / 8000 - 0.002 * f.running))
+    assert lr.batch_theta is not None
+    assert all(t >= lo for t, lo in zip(lr.batch_theta, lr.params.lower))
+    assert lr.batch_theta[2] == lr.params.lower[2]  # pinned at the bound, the rest refit around it
+
+
+def test_batch_refit_can_be_switched_off():
+    rng = random.Random(8)
+    lr = EngineLearner(PredictorParams(refit_window=0))
+    _feed(lr, rng, 100, (0.010, 1 / 16000, 0.0002))
+    assert lr.batch_theta is None and not lr.win_y
