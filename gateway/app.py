@@ -46,49 +46,14 @@ def request_id(headers: Headers) -> str:
     return "req_" + secrets.token_hex(12)
 
 
-class StaticKeyAuth:
-    """Bootstrap authentication from the config's static `keys:` (constant-time compare).
-
-    Replaced by the identity layer's AuthStage where that is wired; kept for configs without a store."""
+class NoIdentity:
+    """The authenticate slot until gateway.wiring attaches the identity layer (gateway/identity): refuses every
+    request, so a Gateway that was never wired fails closed instead of serving anonymous traffic."""
 
     name = "authenticate"
 
-    def __init__(self, config: Callable[[], Config]) -> None:
-        self._config = config
-        self._cache: tuple[int, dict[str, Principal]] | None = None
-
-    def _keys(self) -> dict[str, Principal]:
-        cfg = self._config()
-        if self._cache is None or self._cache[0] != id(cfg):
-            import os
-
-            out: dict[str, Principal] = {}
-            for i, k in enumerate(cfg.raw.keys):
-                value = os.environ.get(k.key_env, "") if k.key_env else (k.key or "")
-                if value:
-                    out[value] = Principal(id=f"static:{k.name or i}", kind="static_key", tenant=k.tenant, team=k.team,
-                                           project=k.project, key_id=f"static-{k.name or i}", partner=k.partner,
-                                           labels=dict(k.labels), scopes=tuple(k.scopes),
-                                           allowed_models=tuple(k.models))
-            self._cache = (id(cfg), out)
-        return self._cache[1]
-
-    def authenticate(self, headers: Headers) -> Principal:
-        auth = headers.get("authorization", "")
-        token = auth[7:].strip() if auth[:7].lower() == "bearer " else headers.get("x-api-key", "")
-        if not token:
-            raise GatewayError(401, "Missing API key: send 'Authorization: Bearer <key>'.", code="missing_api_key")
-        found = None
-        for value, p in self._keys().items():
-            if secrets.compare_digest(value.encode(), token.encode()):
-                found = p
-        if found is None:
-            raise GatewayError(401, "Invalid API key.", code="invalid_api_key")
-        return found
-
     async def run(self, ctx: RequestContext) -> None:
-        ctx.principal = self.authenticate(ctx.headers)
-        ctx.evidence["principal"] = ctx.principal.to_evidence()
+        raise GatewayError(503, "No identity layer is configured.", code="identity_unavailable")
 
     async def finish(self, ctx: RequestContext) -> None:
         return None
@@ -144,8 +109,8 @@ class Gateway:
         self.dispatcher = Dispatcher(lambda: self.upstreams, self.health, self._residency_check)
         self.finish_hooks: list[Callable[[RequestContext], Awaitable[None]]] = []
         self.services: list[Any] = []  # objects with async start()/close() and optional swap_config(config)
-        self.auth: Any = StaticKeyAuth(lambda: self.config)
-        self.admin_auth: Callable[[Headers], Awaitable[Principal]] = self._static_admin_auth
+        self.auth: Any = NoIdentity()
+        self.admin_auth: Callable[[Headers], Awaitable[Principal]] = self._no_admin_auth
         self._tasks: list[asyncio.Task] = []
         self._reload_lock = asyncio.Lock()
         self.stages: list[Stage] = self.build_stages()
@@ -220,18 +185,8 @@ class Gateway:
             log.info("config reloaded (generation %d)", new.generation)
             return new
 
-    async def _static_admin_auth(self, headers: Headers) -> Principal:
-        import os
-
-        a = self.config.raw.admin
-        expected = os.environ.get(a.key_env, "") if a.key_env else (a.key or "")
-        auth = headers.get("authorization", "")
-        token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-        if not token:
-            raise GatewayError(401, "Missing admin credential.", code="missing_api_key")
-        if not expected or not secrets.compare_digest(expected.encode(), token.encode()):
-            raise GatewayError(401 if not expected else 403, "Not an admin credential.", code="admin_required")
-        return Principal(id="admin", kind="static_key", tenant="*", roles=("admin",))
+    async def _no_admin_auth(self, headers: Headers) -> Principal:
+        raise GatewayError(503, "No identity layer is configured.", code="identity_unavailable")
 
 
 # ------------------------------------------------------------------------------------------- ASGI plumbing
