@@ -183,21 +183,27 @@ def _token_id(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**31
 
 
+def _text_or_tokens(v: Any, param: str, expected: str) -> int:
+    """Size in characters (4 per token id) of a completions `prompt` / embeddings `input`: a string, strings,
+    token ids, or lists of token ids; anything else is a 400 naming the param."""
+    if isinstance(v, str):
+        return len(v)
+    if isinstance(v, list) and v:
+        if all(isinstance(x, str) for x in v):
+            return sum(len(x) for x in v)
+        if all(_token_id(x) for x in v):
+            return 4 * len(v)
+        if all(isinstance(x, list) and x and all(_token_id(t) for t in x) for x in v):
+            return 4 * sum(len(x) for x in v)
+    raise _type_error(param, expected, v)
+
+
 def parse_completions(body: dict[str, Any]) -> Parsed:
     model = _model(body)
     if "prompt" not in body:
         raise bad_request("Missing required parameter: 'prompt'.", param="prompt", code="missing_required_parameter")
-    p = body["prompt"]
-    if isinstance(p, str):
-        chars = len(p)
-    elif isinstance(p, list) and p and all(isinstance(x, str) for x in p):
-        chars = sum(len(x) for x in p)
-    elif isinstance(p, list) and p and all(_token_id(x) for x in p):
-        chars = 4 * len(p)
-    elif isinstance(p, list) and p and all(isinstance(x, list) and x and all(_token_id(t) for t in x) for x in p):
-        chars = 4 * sum(len(x) for x in p)
-    else:
-        raise _type_error("prompt", "a string, an array of strings or an array of token ids (ints >= 0)", p)
+    chars = _text_or_tokens(body["prompt"], "prompt",
+                            "a string, an array of strings or an array of token ids (ints >= 0)")
     stream, include_usage = _stream_fields(body)
     _sampling(body)
     return Parsed(model, stream, include_usage, _opt_int(body, "max_tokens"), chars)
@@ -207,17 +213,7 @@ def parse_embeddings(body: dict[str, Any]) -> Parsed:
     model = _model(body)
     if "input" not in body:
         raise bad_request("Missing required parameter: 'input'.", param="input", code="missing_required_parameter")
-    x = body["input"]
-    if isinstance(x, str):
-        chars = len(x)
-    elif isinstance(x, list) and x and all(isinstance(s, str) for s in x):
-        chars = sum(len(s) for s in x)
-    elif isinstance(x, list) and x and all(_token_id(t) for t in x):
-        chars = 4 * len(x)
-    elif isinstance(x, list) and x and all(isinstance(s, list) and s and all(_token_id(t) for t in s) for s in x):
-        chars = 4 * sum(len(s) for s in x)
-    else:
-        raise _type_error("input", "a string or a non-empty array", x)
+    chars = _text_or_tokens(body["input"], "input", "a string or a non-empty array")
     if body.get("stream"):
         raise bad_request("Embeddings do not support streaming.", param="stream", code="invalid_value")
     ef = body.get("encoding_format")
