@@ -2,6 +2,7 @@
 -- Mirrors gateway/budget/model.py BudgetState exactly; see that module for the semantics.
 -- KEYS: per scope: hold zset (rid by expiry), hold hash (rid -> "tokens:money", _t/_m totals),
 --       then one counter key per window of that scope.
+--       settle only: a last key, the request's idempotency marker (when ARGV has dx).
 -- ARGV[1]: JSON plan (ReserveArgs.to_wire / SettleArgs.to_wire). Money is integer nano-units.
 local p = cjson.decode(ARGV[1])
 local now = p.now
@@ -143,6 +144,11 @@ if p.op == 'r' then
   for i = 1, #out do res[#res + 1] = out[i] end
   return res
 else
+  -- idempotent settle: the last key is a per-request marker; a replayed settle (its first reply was lost
+  -- when the server went away after executing it) finds the marker and changes nothing
+  if p.dx then
+    if not redis.call('SET', KEYS[#KEYS], '1', 'NX', 'EX', I(p.dx)) then return 0 end
+  end
   for _, s in ipairs(p.s) do
     local z, h = KEYS[ki], KEYS[ki + 1]
     ki = ki + 2

@@ -103,13 +103,23 @@ class SettleArgs:
     tokens: int
     money: int
     scopes: tuple[ScopePlan, ...]  # windows resolved at settle time
+    # idempotency marker: a settle whose reply was lost (store died after executing it) is replayed later;
+    # the marker makes the replay a no-op instead of charging the usage twice. "" = no marker.
+    done_key: str = ""
+    done_ttl_s: int = 0
 
     def keys(self) -> list[str]:
-        return ReserveArgs.keys(self)  # type: ignore[arg-type]
+        out = ReserveArgs.keys(self)  # type: ignore[arg-type]
+        if self.done_key:
+            out.append(self.done_key)
+        return out
 
     def to_wire(self) -> dict[str, Any]:
-        return {"op": "s", "now": self.now, "rid": self.rid, "t": self.tokens, "m": self.money,
-                "s": [s.to_wire() for s in self.scopes]}
+        d = {"op": "s", "now": self.now, "rid": self.rid, "t": self.tokens, "m": self.money,
+             "s": [s.to_wire() for s in self.scopes]}
+        if self.done_key:
+            d["dx"] = self.done_ttl_s
+        return d
 
 
 @dataclass(slots=True)
@@ -163,6 +173,7 @@ class BudgetState:
         self.rolling: dict[str, RollingCounter] = {}
         self.fixed: dict[str, list[int]] = {}  # calendar/lifetime key -> [requests, tokens, money]
         self.expiry: dict[str, float] = {}  # counter key -> when it may be dropped
+        self.done: dict[str, float] = {}  # settle idempotency marker -> when it may be dropped
 
     # -- helpers mirroring the Lua functions
     def _purge(self, hk: str, now: float) -> dict[str, tuple[float, int, int]]:
@@ -201,6 +212,8 @@ class BudgetState:
             self.rolling.pop(k, None)
             self.fixed.pop(k, None)
             del self.expiry[k]
+        for k in [k for k, e in self.done.items() if e <= now]:
+            del self.done[k]
 
     # -- the two operations
     def reserve(self, a: ReserveArgs) -> list[Any]:
@@ -244,6 +257,11 @@ class BudgetState:
         return [ok, c if ok == 1 else 0, fs, fw, fk] + out
 
     def settle(self, a: SettleArgs) -> int:
+        """Returns 1 when applied, 0 when this settle (same done_key) was applied before: a replay."""
+        if a.done_key:
+            if self.done.get(a.done_key, -math.inf) > a.now:
+                return 0
+            self.done[a.done_key] = a.now + a.done_ttl_s
         for s in a.scopes:
             h = self._purge(s.hold_key, a.now)
             h.pop(a.rid, None)
@@ -259,6 +277,7 @@ class BudgetState:
             "rolling": {k: c.to_state() for k, c in self.rolling.items()},
             "fixed": self.fixed,
             "expiry": self.expiry,
+            "done": self.done,
         }
 
     @classmethod
@@ -268,4 +287,5 @@ class BudgetState:
         st.rolling = {k: RollingCounter.from_state(v) for k, v in d["rolling"].items()}
         st.fixed = {k: list(v) for k, v in d["fixed"].items()}
         st.expiry = {k: float(v) for k, v in d["expiry"].items()}
+        st.done = {k: float(v) for k, v in d.get("done", {}).items()}
         return st

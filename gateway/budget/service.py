@@ -276,7 +276,7 @@ class BudgetService:
             amount = convert(amount, p.currency, ccy, self.cfg.fx_rates)
         now = self.clock()
         args = SettleArgs(resv.rid, round(now, 3), usage.total_tokens, round(amount * NANO),
-                          self._scopes(resv.limits, now))
+                          self._scopes(resv.limits, now), *self._done_marker(resv.rid))
         if resv.store == "local":
             await self.local.settle(args)
         else:
@@ -291,6 +291,15 @@ class BudgetService:
                     self._pending.append(args)
         return SettleOutcome(amount, ccy, usage.total_tokens)
 
+    def _done_marker(self, rid: str) -> tuple[str, int]:
+        """Idempotency marker of a settle on the shared store (Redis), so a settle replayed after its reply was
+        lost is not charged twice. It outlives the hold by 5 minutes; a replay later than that (a store outage
+        that began between executing a settle and answering it, and lasted longer) may charge twice: spend is
+        over-counted, never lost. The in-process store cannot lose a reply and needs no marker."""
+        if self.cfg.store != "redis":
+            return "", 0
+        return f"{self.cfg.key_prefix}:settled:{rid}", int(self.cfg.reservation_ttl_s) + 300
+
     def price(self, model: str, usage: Usage, backend: str | None = None, gpu_seconds: float | None = None) -> float:
         """Cost of `usage` in the budget currency (for requests without a reservation)."""
         p = find_price(model, self.cfg.prices, backend)
@@ -302,9 +311,11 @@ class BudgetService:
     async def _flush_pending(self) -> None:
         while self._pending:
             try:
-                await self.primary.settle(self._pending[0])
+                applied = await self.primary.settle(self._pending[0])
             except StoreUnavailable:
                 return
+            if not applied:  # the first try executed but its reply was lost: the marker kept it from counting twice
+                log.info("budget settle of %s had already landed; replay ignored", self._pending[0].rid)
             self._pending.pop(0)
 
     async def _retry_loop(self) -> None:

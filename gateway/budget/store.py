@@ -32,7 +32,9 @@ class BudgetStore(Protocol):
 
     async def reserve(self, args: ReserveArgs) -> ReserveResult: ...
 
-    async def settle(self, args: SettleArgs) -> None: ...
+    async def settle(self, args: SettleArgs) -> bool:
+        """True when applied; False when a settle with the same idempotency marker was applied before."""
+        ...
 
 
 class MemoryBudgetStore:
@@ -71,9 +73,9 @@ class MemoryBudgetStore:
         self._dirty = True
         return ReserveResult.from_flat(self.state.reserve(args), args)
 
-    async def settle(self, args: SettleArgs) -> None:
+    async def settle(self, args: SettleArgs) -> bool:
         self._dirty = True
-        self.state.settle(args)
+        return self.state.settle(args) == 1
 
     async def snapshot(self) -> None:
         """Write the whole state as one row (small: counters are bucketed, holds are short-lived)."""
@@ -149,8 +151,8 @@ class RedisBudgetStore:
         flat = await self._call(args.keys(), args.to_wire())
         return ReserveResult.from_flat(flat, args)
 
-    async def settle(self, args: SettleArgs) -> None:
-        await self._call(args.keys(), args.to_wire())
+    async def settle(self, args: SettleArgs) -> bool:
+        return int(await self._call(args.keys(), args.to_wire())) == 1
 
     async def _call(self, keys: list[str], wire: dict[str, Any]) -> Any:
         from redis.exceptions import ConnectionError as RedisConnectionError, RedisError
@@ -158,7 +160,8 @@ class RedisBudgetStore:
         try:
             return await self.script(keys=keys, args=[orjson.dumps(wire)])
         except (RedisError, OSError, asyncio.TimeoutError) as e:
-            # no blind retry: reserve/settle are not idempotent if the reply (not the command) was lost.
+            # no blind retry here: a reserve whose reply was lost must not hold twice (the caller answers 503);
+            # settles are replayed by the service, made idempotent by their marker key.
             # Drop pooled sockets so the next call after a Redis restart starts on fresh connections.
             if isinstance(e, (RedisConnectionError, OSError)):
                 await self.client.connection_pool.disconnect(inuse_connections=False)

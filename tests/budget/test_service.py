@@ -162,6 +162,43 @@ async def test_fail_closed_503_then_recovers_without_restart(svc_factory, privat
     assert ev["before"]["tokens"] == 15 and ev["before"]["requests"] == 1
 
 
+async def test_settle_whose_reply_was_lost_is_replayed_once(svc_factory, redis_url):
+    """Redis executes the settle, then the connection dies before the reply: the service defers it and its
+    retry loop replays it; the counter holds the usage once (this double charge was seen in CI when Redis was
+    stopped mid-run)."""
+    from gateway.budget.store import StoreUnavailable
+
+    clock = Clock()
+    svc = await svc_factory(clock, store="redis", redis_url=redis_url, redis_retry_s=0.2)
+    real = svc.primary.settle
+    lost = []
+
+    async def reply_lost(args):
+        applied = await real(args)  # executed on the server...
+        if not lost:
+            lost.append(args.rid)
+            raise StoreUnavailable("budget redis: ConnectionError: reply lost")  # ...answer never arrives
+        return applied
+
+    svc.primary.settle = reply_lost
+    stage = BudgetStage(svc)
+    b = [BudgetSpec(window="hour", scope="tenant", tokens=10_000)]
+    c = ctx("a", b, max_tokens=10)
+    await stage.run(c)
+    c.usage, c.backend = Usage(10, 5), "x"
+    await stage.finish(c)
+    assert lost == ["a"] and len(svc._pending) == 1
+    clock.t += 0.5
+    for _ in range(50):
+        if not svc._pending:
+            break
+        await asyncio.sleep(0.05)
+    assert not svc._pending
+    c2 = ctx("b", b, max_tokens=10)
+    await stage.run(c2)
+    assert c2.evidence["budget"]["limits"][0]["before"]["tokens"] == 15  # not 30
+
+
 async def test_fail_open_uses_local_limits(svc_factory):
     dead = f"redis://127.0.0.1:{free_port()}/0"
     svc = await svc_factory(store="redis", redis_url=dead, on_store_error="open", fail_open_fraction=0.5)

@@ -37,8 +37,9 @@ def rargs(prefix, now, limits, rid=None, prompt=10, maxc=100, minc=None, pin=0, 
                        maxc if minc is None else minc, pout, plan(prefix, now, limits, conc))
 
 
-def sargs(prefix, now, limits, rid, tokens, money=0):
-    return SettleArgs(rid, now, tokens, money, plan(prefix, now, limits))
+def sargs(prefix, now, limits, rid, tokens, money=0, marker=True):
+    return SettleArgs(rid, now, tokens, money, plan(prefix, now, limits),
+                      f"{prefix}:settled:{rid}" if marker else "", 300 if marker else 0)
 
 
 @pytest.fixture(params=["memory", "redis"])
@@ -131,6 +132,19 @@ async def test_crashed_token_hold_released_after_ttl_but_settled_spend_stays(sto
     assert fin.scopes[0].windows[0].tokens == 157
 
 
+async def test_replayed_settle_is_not_charged_twice(store, prefix):
+    """A settle executed by the store whose reply was lost is replayed by the service: the marker makes the
+    replay a no-op on every scope and window; another request's settle still counts."""
+    lim = {"key": {"minute": (10_000, None, None)}, "team": {"day": (10_000, 10**9, None)}}
+    assert (await store.reserve(rargs(prefix, T0, lim, rid="once", prompt=10, maxc=90))).ok
+    assert await store.settle(sargs(prefix, T0 + 1, lim, "once", 40, 7)) is True
+    assert await store.settle(sargs(prefix, T0 + 2, lim, "once", 40, 7)) is False
+    assert await store.settle(sargs(prefix, T0 + 2, lim, "other", 5)) is True
+    r = await store.reserve(rargs(prefix, T0 + 3, lim, prompt=0, maxc=1))
+    assert [w.tokens for s in r.scopes for w in s.windows] == [45, 45]
+    assert r.scopes[1].windows[0].money == 7 and r.scopes[0].held_tokens == 0
+
+
 async def test_hierarchy_is_atomic(store, prefix):
     """A refusal at the team level leaves the key level untouched (all or nothing)."""
     lim = {"key": {"minute": (None, None, 100)}, "team": {"minute": (None, None, 1)}}
@@ -212,8 +226,9 @@ def test_lua_matches_reference_model(redis_url, ops, tok, rpm, conc, money):
                     if flag:  # crash: this reservation is never settled
                         continue
                     sa = sargs(prefix, now, lim, rid, b, b * extra * 100)
-                    await red.settle(sa)
-                    ref.settle(sa)
+                    assert await red.settle(sa) is True and ref.settle(sa) == 1
+                    if extra == 3:  # a replay of a settle whose reply was lost: a no-op on both
+                        assert await red.settle(sa) is False and ref.settle(sa) == 0
             final = rargs(prefix, now + 0.5, lim, prompt=0, maxc=1, conc=conc_l)
             got = await red.reserve(final)
             want = ref.reserve(final)
