@@ -33,7 +33,7 @@ from typing import Callable, Iterator
 
 from backends.sim.kv_wire import encode_batch
 from backends.sim.profiles import EngineProfile, get_profile
-from backends.sim.scheduler import Scheduler, SimRequest
+from backends.sim.scheduler import Scheduler, SimRequest, StepPlan
 from gateway.config import BackendConfig
 from gateway.routing.admission import decide
 from gateway.routing.plan import Candidate
@@ -281,8 +281,25 @@ def make_fleet(kv_blocks: int | None) -> list[Engine]:
 
 
 # ------------------------------------------------------------------------------------------------ the loop
-def simulate(wl: Workload, strategy: str, warmup: float) -> Outcome:
+class Probe:
+    """Hooks for diagnostics (bench/ttft_floor.py) to read the engines' true state; no-ops by default."""
+
+    def routed(self, e: Engine, fl: Flight, now: float) -> None:
+        """`fl` was routed to `e` at `now`, before the engine saw it."""
+
+    def planned(self, e: Engine, plan: StepPlan) -> None:
+        """`e` started the step `plan`."""
+
+    def stepped(self, e: Engine, plan: StepPlan, now: float) -> None:
+        """`e` is about to commit `plan`, ending at `now`."""
+
+    def first_token(self, e: Engine, fl: Flight, now: float) -> None:
+        """`fl` got its first token from `e` at `now`."""
+
+
+def simulate(wl: Workload, strategy: str, warmup: float, probe: Probe | None = None) -> Outcome:
     """Run one workload through one strategy; stats count arrivals in [warmup, seconds)."""
+    probe = probe or Probe()
     engines = make_fleet(wl.kv_blocks)
     by_name = {e.name: e for e in engines}
     router = Router(strategy, engines, wl.admission)
@@ -302,6 +319,7 @@ def simulate(wl: Workload, strategy: str, warmup: float) -> Outcome:
         if plan is None:
             return
         e.busy = True
+        probe.planned(e, plan)
         heapq.heappush(ev, (now + plan.duration, next(cnt), "step", (e, plan)))
 
     while ev:
@@ -323,12 +341,14 @@ def simulate(wl: Workload, strategy: str, warmup: float) -> Outcome:
                 out.admitted += 1
                 out.routed[fl.engine] = out.routed.get(fl.engine, 0) + 1
             e = by_name[fl.engine]
+            probe.routed(e, fl, now)
             sreq = SimRequest(str(job.rid), len(job.tokens), list(job.tokens), job.max_tokens, arrival=now)
             live[job.rid] = (fl, sreq)
             e.sched.add(sreq)
             kick(e, now)
         elif kind == "step":
             e, plan = obj  # type: ignore[misc]
+            probe.stepped(e, plan, now)
             res = e.sched.commit(plan, now)
             e.busy = False
             if res.events:
@@ -344,6 +364,7 @@ def simulate(wl: Workload, strategy: str, warmup: float) -> Outcome:
                     out.cached_tokens += max(0, r.num_cached_tokens)
                     out.pred.setdefault(e.name, []).append((fl.predicted_s, ttft))
                 router.first_token(fl, ttft)
+                probe.first_token(e, fl, now)
             for r in res.finished:
                 fl, sreq = live.pop(int(r.rid))
                 step = ((r.finished_at - r.first_token_at) / (r.num_output - 1)
