@@ -2,6 +2,8 @@
 the page loads, polls /admin/ui/data with the admin key as a Bearer header, and shows the live values."""
 from __future__ import annotations
 
+from decimal import ROUND_HALF_UP, Decimal
+
 import json
 import os
 import shutil
@@ -71,7 +73,11 @@ def chromium(url: str, tmp: Path, *extra: str) -> subprocess.CompletedProcess:
 
 
 def fmt(v, d: int) -> str:
-    return "–" if v is None else f"{float(v):.{d}f}"
+    """JavaScript's Number.prototype.toFixed: the exact binary value, ties away from zero (8048.5 -> "8049",
+    where Python's format rounds ties to even: "8048")."""
+    if v is None:
+        return "–"
+    return str(Decimal(float(v)).quantize(Decimal(1).scaleb(-d), rounding=ROUND_HALF_UP))
 
 
 def tiers(b: dict) -> str:

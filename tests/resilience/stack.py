@@ -35,6 +35,21 @@ def set_faults(manifest: dict, i: int, **faults: Any) -> dict:
     return r.json()
 
 
+def wait_engines_up(manifest: dict, timeout: float = 15.0) -> None:
+    """Every engine of the manifest answers /health again (after a crash with restart_after_s)."""
+    deadline = time.monotonic() + timeout
+    for i in range(len(manifest["engines"])):
+        while True:
+            try:
+                if httpx.get(engine_root(manifest, i) + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"engine {i} did not come back within {timeout} s")
+            time.sleep(0.1)
+
+
 def write_config(tmp: Path, backends: list[dict], **sections: Any) -> Path:
     port = free_port()
     cfg = {"server": {"host": "127.0.0.1", "port": port, "graceful_shutdown_s": 10},

@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from tests.resilience.stack import (ADMIN_KEY, EEA_KEY, GW_KEY, ledger_rows, set_faults, sim_backends,
-                                    start_fleet_proc, wait_audit, write_config)
+                                    start_fleet_proc, wait_audit, wait_engines_up, write_config)
 from tests.support.procs import start_gateway, start_upstream
 
 pytestmark = pytest.mark.e2e
@@ -166,6 +166,10 @@ def test_engine_killed_mid_stream_ends_with_error_event_and_done_then_recovers(s
             break
         time.sleep(0.2)
     assert r.status_code == 200, r.text
+    # one engine back is enough for that request; the next test needs all three (it set faults on engine 0
+    # while it was still restarting: connection refused)
+    wait_engines_up(m)
+    wait_all_closed(stack)
 
 
 def test_hanging_engine_leaves_the_candidate_set_and_comes_back(stack):
