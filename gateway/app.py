@@ -26,7 +26,7 @@ from gateway.config import Config, ConfigError, load_config
 from gateway.errors import GatewayError, retry_headers
 from gateway.metrics import Metrics
 from gateway.observability.logs import current_request
-from gateway.pipeline import Pipeline, RequestContext, Stage
+from gateway.pipeline import Pipeline, RequestContext, RequestHeaders, Stage
 from gateway.proxy.forward import Dispatcher, JsonResult, stream_body, usage_from
 from gateway.proxy.health import Health, probe_loop
 from gateway.proxy.upstream import Upstreams
@@ -39,7 +39,7 @@ log = logging.getLogger("gateway")
 _RID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
-def request_id(headers: Headers) -> str:
+def request_id(headers: Any) -> str:
     rid = headers.get("x-request-id")
     if rid and _RID.match(rid):
         return rid
@@ -248,7 +248,7 @@ class CompletionEndpoint:
 
     async def __call__(self, scope, receive, send) -> None:
         gw = self.gw
-        headers = Headers(scope=scope)
+        headers = RequestHeaders.from_scope(scope)
         rid = request_id(headers)
         if scope["method"] != "POST":
             await send_error(send, GatewayError(405, "Method not allowed; use POST.", code="method_not_allowed"), rid,

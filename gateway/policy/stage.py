@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 from gateway.errors import GatewayError
-from gateway.pipeline import RequestContext
+from gateway.pipeline import RequestContext, RequestHeaders
 from gateway.policy.engine import model_permitted, principal_models_permit
 from gateway.policy.model import RequestAttrs
 from gateway.types import Decision
@@ -18,6 +18,8 @@ def lower_headers(headers: Any) -> dict[str, str]:
     """A plain dict with lower-case names from starlette Headers, a dict, or None."""
     if not headers:
         return {}
+    if type(headers) is RequestHeaders:  # already lower-case (the data plane's headers); read-only here
+        return headers
     items = headers.items() if isinstance(headers, Mapping) or hasattr(headers, "items") else headers
     return {str(k).lower(): str(v) for k, v in items}
 
