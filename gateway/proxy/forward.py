@@ -129,6 +129,24 @@ def _upstream_error_message(status: int, body: bytes) -> str:
     return f"upstream answered HTTP {status}"
 
 
+def client_error_body(status: int, body: bytes) -> bytes:
+    """An upstream 4xx the client must fix, in OpenAI's error shape whatever the upstream sent: its message
+    (at most 500 chars), type and param when they are strings, and a string code (vLLM sends the HTTP status as
+    a number in `code`; partners add fields of their own, which are not passed on)."""
+    err: dict = {}
+    try:
+        obj = orjson.loads(body)
+        if isinstance(obj, dict) and isinstance(obj.get("error"), dict):
+            err = obj["error"]
+    except orjson.JSONDecodeError:
+        pass
+    code = err.get("code")
+    return GatewayError(status, _upstream_error_message(status, body),
+                        code=code if isinstance(code, str) and 0 < len(code) <= 64 else "upstream_rejected",
+                        param=err.get("param") if isinstance(err.get("param"), str) else None,
+                        type=err.get("type") if isinstance(err.get("type"), str) else None).to_bytes()
+
+
 class Dispatcher:
     """Opens the upstream request for a planned request, following the candidate list."""
 
@@ -269,13 +287,7 @@ class Dispatcher:
                                extra={"_retryable": True})
         self.health.success(name)
         # 4xx about the request itself (context too long, bad parameter): the client's to fix.
-        try:
-            obj = orjson.loads(body)
-            if isinstance(obj, dict) and isinstance(obj.get("error"), dict):
-                return JsonResult(status, body, cand)
-        except orjson.JSONDecodeError:
-            pass
-        return JsonResult(status, GatewayError(status, msg, code="upstream_rejected").to_bytes(), cand)
+        return JsonResult(status, client_error_body(status, body), cand)
 
 
 def _is_first_token(event: bytes) -> bool:
