@@ -39,6 +39,9 @@ log = logging.getLogger("gateway")
 _RID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
+STREAM_CUT_MARGIN_S = 1.0  # streams are cut this long before uvicorn's graceful-shutdown timeout cancels them
+
+
 def request_id(headers: Any) -> str:
     rid = headers.get("x-request-id")
     if rid and _RID.match(rid):
@@ -113,6 +116,8 @@ class Gateway:
         self.admin_auth: Callable[[Headers], Awaitable[Principal]] = self._no_admin_auth
         self._tasks: list[asyncio.Task] = []
         self._reload_lock = asyncio.Lock()
+        self.streams: dict[asyncio.Task, RequestContext] = {}  # streams being sent, cut at the drain deadline
+        self.draining = False
         self.stages: list[Stage] = self.build_stages()
         self.pipeline = Pipeline(self.stages)
         self.extra_routes: list[Route] = []
@@ -184,6 +189,30 @@ class Gateway:
             self.metrics.reloads.labels("ok").inc()
             log.info("config reloaded (generation %d)", new.generation)
             return new
+
+    def begin_drain(self) -> None:
+        """Shutdown began (SIGTERM): uvicorn stops accepting and waits `server.graceful_shutdown_s` for open
+        requests, then cancels them. Streams still running shortly before that are ended by us instead, with an
+        error event (`server_shutting_down`) and [DONE], so the client learns why and what was settled."""
+        if self.draining:
+            return
+        self.draining = True
+        grace = self.config.server.graceful_shutdown_s
+        asyncio.get_running_loop().call_later(max(0.0, min(grace - STREAM_CUT_MARGIN_S, grace * 0.8)),
+                                              self.cut_streams)
+
+    def cut_streams(self) -> int:
+        """End every stream still being sent with an error event (see begin_drain); returns how many."""
+        n = 0
+        for task, ctx in list(self.streams.items()):
+            if not task.done():
+                ctx.cut_by_shutdown = True
+                ctx.status, ctx.error = 503, "server_shutting_down"  # before the cancel: the stream's own
+                task.cancel()  # cleanup may settle and record it before the handler sees the CancelledError
+                n += 1
+        if n:
+            log.warning("drain deadline: cut %d stream(s) still running", n)
+        return n
 
     async def _no_admin_auth(self, headers: Headers) -> Principal:
         raise GatewayError(503, "No identity layer is configured.", code="identity_unavailable")
@@ -364,11 +393,23 @@ class CompletionEndpoint:
             raw += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in hdrs.items()]
             await send({"type": "http.response.start", "status": 200, "headers": raw})
             gen = stream_body(ctx, result, on_end)
+            me = asyncio.current_task()
+            gw.streams[me] = ctx  # type: ignore[index]
             try:
-                async for chunk in gen:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                try:
+                    async for chunk in gen:
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                except asyncio.CancelledError:
+                    if not ctx.cut_by_shutdown:
+                        raise
+                    me.uncancel()  # type: ignore[union-attr]  # our own cut at the drain deadline
+                    await on_end()  # settle what was delivered before the client sees the end
+                    err = GatewayError(503, "The gateway is shutting down and cut this stream at its drain deadline; "
+                                       "retry the request.", code="server_shutting_down")
+                    await send({"type": "http.response.body", "body": err.sse_event(), "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
             finally:
+                gw.streams.pop(me, None)  # type: ignore[arg-type]
                 await gen.aclose()
         except asyncio.CancelledError:
             ctx.status = ctx.status if ctx.status and ctx.status != 200 else 499

@@ -31,12 +31,19 @@ async def serve_async(config_path: str, host: str | None = None, port: int | Non
     from gateway.server_protocol import protocol_class
 
     http = protocol_class(cfg.server.max_header_bytes, cfg.server.max_headers, cfg.server.header_timeout_s)
-    server = uvicorn.Server(uvicorn.Config(
+    loop = asyncio.get_running_loop()
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:  # type: ignore[no-untyped-def]
+            if not self.should_exit:  # the first SIGTERM/SIGINT starts the drain clock
+                loop.call_soon_threadsafe(gw.begin_drain)
+            super().handle_exit(sig, frame)
+
+    server = _Server(uvicorn.Config(
         app, host=host or cfg.server.host, port=port if port is not None else cfg.server.port,
         loop="uvloop", http=http, lifespan="on", access_log=cfg.server.access_log, log_config=None,
         timeout_graceful_shutdown=int(cfg.server.graceful_shutdown_s), server_header=False, date_header=False,
         h11_max_incomplete_event_size=cfg.server.max_header_bytes, backlog=4096))
-    loop = asyncio.get_running_loop()
 
     def on_hup() -> None:
         async def go() -> None:

@@ -97,6 +97,7 @@ class RequestContext:
     error: str | None = None
     delivered_completion_tokens: int = 0
     cut_by_budget: bool = False
+    cut_by_shutdown: bool = False  # a stream still running at the drain deadline, ended with an error event
     extra_headers: dict[str, str] = field(default_factory=dict)  # added to the client response
     upstream_headers: dict[str, str] = field(default_factory=dict)  # added to the upstream request
     body_overrides: dict[str, Any] = field(default_factory=dict)  # merged into the upstream body (cache_salt, priority)

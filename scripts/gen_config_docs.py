@@ -59,7 +59,7 @@ NOTES: dict[str, str] = {
     "ServerConfig.max_body_bytes": "larger request bodies get 413 request_too_large",
     "ServerConfig.max_header_bytes": "uvicorn h11_max_incomplete_event_size",
     "ServerConfig.workers": "reserved; `gateway serve` runs one process, scale out with replicas",
-    "ServerConfig.graceful_shutdown_s": "uvicorn graceful shutdown on SIGTERM (keep the pod's terminationGracePeriodSeconds above it)",
+    "ServerConfig.graceful_shutdown_s": "drain time on SIGTERM; streams still open 1 s before it ends get a server_shutting_down error event (keep the pod's terminationGracePeriodSeconds above it)",
     "ServerConfig.access_log": "uvicorn access log",
     "Location.country": "ISO 3166-1 alpha-2 where inference runs",
     "Location.region": "free text (e.g. eu-central-1); informational, shown in evidence",

@@ -123,3 +123,50 @@ def test_every_429_and_503_carries_retry_after(tmp_path):
     finally:
         gw.stop()
         up.stop()
+
+
+def test_stream_still_running_at_the_drain_deadline_ends_with_an_error_event(tmp_path):
+    """A stream longer than server.graceful_shutdown_s is not killed silently by uvicorn's cancel: shortly
+    before it the gateway ends it with a `server_shutting_down` error event and [DONE], settles what was
+    delivered, records it, and exits."""
+    up, up_port = start_upstream(tmp_path)
+    cfg = write_config(tmp_path, _backends(up_port), server={"graceful_shutdown_s": 2})
+    gw, port = start_gateway(cfg)
+    try:
+        got: list[str] = []
+        rid = f"cut-{time.monotonic_ns()}"
+
+        def client() -> None:
+            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", timeout=30,
+                              headers={"authorization": f"Bearer {GW_KEY}", "x-request-id": rid,
+                                       "content-type": "application/json"},
+                              content=orjson.dumps({**CHAT, "stream": True, "max_tokens": 60,
+                                                    "x_test_fault": "slow_chunks:0.25"})) as r:
+                for chunk in r.iter_text():
+                    got.append(chunk)
+
+        t = threading.Thread(target=client)
+        t.start()
+        deadline = time.monotonic() + 5
+        while '"content"' not in "".join(got) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        t0 = time.monotonic()
+        gw.signal(signal.SIGTERM)  # ~15 s of answer left, 2 s of grace
+        t.join(20)
+        took = time.monotonic() - t0
+        gw.p.wait(20)
+        body = "".join(got)
+        assert 0.5 < took < 2.5, took  # cut at grace - 1 s, not at the end of the answer, not at once
+        assert '"server_shutting_down"' in body and body.rstrip().endswith("data: [DONE]"), body[-500:]
+        n = body.count('"content"')
+        assert 1 <= n < 60
+        assert gw.p.returncode in (0, -signal.SIGTERM), gw.log()[-2000:]
+        assert "Cancel" not in gw.log()  # uvicorn had nothing left to cancel
+        recs = audit(tmp_path)
+        assert recs[rid]["status"] == 503 and recs[rid]["error"] == "server_shutting_down"
+        rows = [r for r in ledger_rows(tmp_path) if r[0] == rid]
+        # what was delivered was settled: the prompt estimate + at least one token per content event sent
+        assert len(rows) == 1 and n <= rows[0][1] <= 11 + 60, (rows, n)
+    finally:
+        gw.stop()
+        up.stop()
