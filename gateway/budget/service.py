@@ -9,7 +9,7 @@ import os
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 from zoneinfo import ZoneInfo
 
@@ -276,10 +276,12 @@ class BudgetService:
             amount = convert(amount, p.currency, ccy, self.cfg.fx_rates)
         now = self.clock()
         args = SettleArgs(resv.rid, round(now, 3), usage.total_tokens, round(amount * NANO),
-                          self._scopes(resv.limits, now), *self._done_marker(resv.rid))
-        if resv.store == "local":
+                          self._scopes(resv.limits, now))
+        if resv.store == "local":  # in-process: cannot lose a reply, needs no marker (and must not keep one)
             await self.local.settle(args)
         else:
+            key, ttl = self._done_marker(resv.rid)
+            args = replace(args, done_key=key, done_ttl_s=ttl)
             if self._pending:
                 self._pending.append(args)
             else:
@@ -295,7 +297,7 @@ class BudgetService:
         """Idempotency marker of a settle on the shared store (Redis), so a settle replayed after its reply was
         lost is not charged twice. It outlives the hold by 5 minutes; a replay later than that (a store outage
         that began between executing a settle and answering it, and lasted longer) may charge twice: spend is
-        over-counted, never lost. The in-process store cannot lose a reply and needs no marker."""
+        over-counted, never lost. The in-process stores cannot lose a reply and get no marker."""
         if self.cfg.store != "redis":
             return "", 0
         return f"{self.cfg.key_prefix}:settled:{rid}", int(self.cfg.reservation_ttl_s) + 300

@@ -211,6 +211,10 @@ async def test_fail_open_uses_local_limits(svc_factory):
             await stage.run(c)
             assert c.budget.store == "local"
             ok += 1
+            c.usage, c.backend = Usage(1, 1), "x"
+            await stage.finish(c)
         except GatewayError as e:
             assert e.status == 429
     assert ok == 2  # half of the limit per replica while Redis is down
+    # local settles carry no idempotency marker: a long fail-open outage must not grow memory per request
+    assert svc.local.state.done == {} and not svc._pending
