@@ -140,11 +140,11 @@ def client_error_body(status: int, body: bytes) -> bytes:
             err = obj["error"]
     except orjson.JSONDecodeError:
         pass
-    code = err.get("code")
-    return GatewayError(status, _upstream_error_message(status, body),
-                        code=code if isinstance(code, str) and 0 < len(code) <= 64 else "upstream_rejected",
-                        param=err.get("param") if isinstance(err.get("param"), str) else None,
-                        type=err.get("type") if isinstance(err.get("type"), str) else None).to_bytes()
+    def short(v: Any) -> str | None:
+        return v if isinstance(v, str) and 0 < len(v) <= 64 else None
+
+    return GatewayError(status, _upstream_error_message(status, body), code=short(err.get("code")) or "upstream_rejected",
+                        param=short(err.get("param")), type=short(err.get("type"))).to_bytes()
 
 
 class Dispatcher:

@@ -30,7 +30,8 @@ def test_partner_string_code_kept_extra_fields_dropped_message_bounded() -> None
 
 def test_non_json_or_odd_shapes_get_a_generic_openai_error() -> None:
     for body in (b"<html>Bad Request</html>", b"", b'{"detail": "nope"}', b'{"error": "flat string"}',
-                 b'{"error": {"code": {"nested": 1}, "type": 5}}', b"[1, 2]"):
+                 b'{"error": {"code": {"nested": 1}, "type": 5}}', b"[1, 2]",
+                 orjson.dumps({"error": {"message": "x", "type": "t" * 65, "code": "c" * 65, "param": "p" * 65}})):
         e = _err(422, body)
-        assert e["code"] == "upstream_rejected" and e["type"] == "invalid_request_error"
+        assert e["code"] == "upstream_rejected" and e["type"] == "invalid_request_error" and e["param"] is None
         assert isinstance(e["message"], str) and e["message"]
