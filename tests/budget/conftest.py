@@ -4,7 +4,6 @@ Missing servers skip locally and FAIL under CI=true, as the project rules requir
 """
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import subprocess
@@ -15,16 +14,10 @@ from pathlib import Path
 import pytest
 
 from gateway.config import parse_config
+from tests.conftest import require_service
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 PG_DSN = "postgresql://postgres@127.0.0.1:5432/test"
-
-
-def _need(ok: bool, what: str) -> None:
-    if not ok:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{what} is required under CI=true")
-        pytest.skip(f"{what} not available")
 
 
 def _port_open(port: int) -> bool:
@@ -37,13 +30,13 @@ def _port_open(port: int) -> bool:
 
 @pytest.fixture
 def redis_url() -> str:
-    _need(_port_open(6379), "Redis at 127.0.0.1:6379")
+    require_service(_port_open(6379), "Redis at 127.0.0.1:6379")
     return REDIS_URL
 
 
 @pytest.fixture
 def pg_dsn() -> str:
-    _need(_port_open(5432), "Postgres at 127.0.0.1:5432")
+    require_service(_port_open(5432), "Postgres at 127.0.0.1:5432")
     return PG_DSN
 
 
@@ -82,7 +75,7 @@ class RedisServer:
 
     def start(self) -> None:
         exe = shutil.which("redis-server")
-        _need(exe is not None, "redis-server binary")
+        require_service(exe is not None, "redis-server binary")
         self.proc = subprocess.Popen(
             [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir), "--appendonly", "yes",
              "--appendfsync", "always", "--save", "", "--protected-mode", "no"],

@@ -7,7 +7,6 @@ import uuid
 
 import asyncpg
 import orjson
-import pytest
 from starlette.applications import Starlette
 from starlette.routing import Route
 from starlette.testclient import TestClient
@@ -20,6 +19,7 @@ from gateway.pipeline import RequestContext, Usage
 from gateway.policy.compiler import compile_text
 from gateway.policy.stage import PolicyStage
 from gateway.types import Principal
+from tests.conftest import unavailable
 
 CANARY_PROMPT = "CANARY-PROMPT-7f3a9c1e secret merger plans"
 CANARY_COMPLETION = "CANARY-COMPLETION-b24d88aa the answer"
@@ -125,9 +125,7 @@ async def _pg_or_skip():
     try:
         conn = await asyncpg.connect(PG_DSN, timeout=3)
     except (OSError, asyncpg.PostgresError) as e:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"PostgreSQL required in CI: {e}")
-        pytest.skip(f"no PostgreSQL at {PG_DSN}: {e}")
+        unavailable(f"no PostgreSQL at {PG_DSN}: {e}")
     return conn
 
 

@@ -1,7 +1,6 @@
 """Fixtures for the identity tests: configs for both stores, a fresh Postgres schema per test, a local JWKS server."""
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import secrets
@@ -16,6 +15,7 @@ import yaml
 
 from gateway.config import Config, parse_config
 from gateway.identity.service import IdentityService
+from tests.conftest import require_service
 
 PG_DSN = os.environ.get("GATEWAY_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/test")
 ADMIN_KEY = "admin-" + "x" * 32
@@ -41,10 +41,7 @@ def require_pg() -> None:
     global _PG
     if _PG is None:
         _PG = _pg_available()
-    if not _PG:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"PostgreSQL is not reachable at {PG_DSN}")
-        pytest.skip("PostgreSQL not reachable")
+    require_service(_PG, f"PostgreSQL at {PG_DSN}")
 
 
 def make_config(tmp_path: Path, store: str = "sqlite", schema: str | None = None, **identity: Any) -> Config:
