@@ -57,6 +57,24 @@ async def run(url: str, n: int, conc: int, stream: bool) -> tuple[list[float], f
         return lat, time.perf_counter() - t0
 
 
+def gateway_config(tmp: Path, name: str, port: int, up_port: int, client: str) -> Path:
+    """The benchmarks' gateway: one fast upstream, a static key (BENCH_KEY), the full default pipeline
+    (policy + evidence, SQLite identity and budgets, metrics)."""
+    cfg = tmp / f"{name}.yaml"
+    cfg.write_text(f"""
+server: {{host: 127.0.0.1, port: {port}, upstream_client: {client}}}
+backends:
+  - {{name: up, url: "http://127.0.0.1:{up_port}/v1", models: [m], location: {{country: DE}}, retention: zero,
+      health: {{enabled: false}}}}
+keys: [{{key_env: BENCH_KEY, tenant: bench}}]
+policy: {{audit_path: {tmp}/audit-{name}.jsonl}}
+identity: {{sqlite_path: {tmp}/id-{name}.db}}
+budgets: {{sqlite_path: {tmp}/budgets-{name}.db}}
+observability: {{log_level: warning}}
+""")
+    return cfg
+
+
 def pct(xs: list[float], p: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(p * len(xs)))] * 1000
@@ -76,18 +94,7 @@ def main() -> None:
     try:
         for transport in a.transports.split(","):
             gw_port = free_port()
-            cfg = tmp / f"gw-{transport}.yaml"
-            cfg.write_text(f"""
-server: {{host: 127.0.0.1, port: {gw_port}, upstream_client: {transport}}}
-backends:
-  - {{name: up, url: "http://127.0.0.1:{up_port}/v1", models: [m], location: {{country: DE}}, retention: zero,
-      health: {{enabled: false}}}}
-keys: [{{key_env: BENCH_KEY, tenant: bench}}]
-policy: {{audit_path: {tmp}/audit-{transport}.jsonl}}
-identity: {{sqlite_path: {tmp}/id-{transport}.db}}
-budgets: {{sqlite_path: {tmp}/budgets-{transport}.db}}
-observability: {{log_level: warning}}
-""")
+            cfg = gateway_config(tmp, f"gw-{transport}", gw_port, up_port, transport)
             gw, _ = start_gateway(cfg, env={"BENCH_KEY": KEY})
             try:
                 via = f"http://127.0.0.1:{gw_port}/v1/chat/completions"

@@ -29,7 +29,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.loadgen import build_request, drive  # noqa: E402
-from bench.overhead import KEY, cpu_seconds  # noqa: E402
+from bench.overhead import KEY, cpu_seconds, gateway_config  # noqa: E402
 from tests.support.procs import free_port, wait_http  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,22 +86,6 @@ def serve_bare(port: int, upstream: str, client: str) -> None:
 
     uvicorn.run(bare_app(upstream, client), host="127.0.0.1", port=port, loop="uvloop", http="httptools",
                 log_level="warning", access_log=False, lifespan="on")
-
-
-def gateway_config(tmp: Path, name: str, port: int, up_port: int, client: str) -> Path:
-    cfg = tmp / f"{name}.yaml"
-    cfg.write_text(f"""
-server: {{host: 127.0.0.1, port: {port}, upstream_client: {client}}}
-backends:
-  - {{name: up, url: "http://127.0.0.1:{up_port}/v1", models: [m], location: {{country: DE}}, retention: zero,
-      health: {{enabled: false}}}}
-keys: [{{key_env: BENCH_KEY, tenant: bench}}]
-policy: {{audit_path: {tmp}/audit-{name}.jsonl}}
-identity: {{sqlite_path: {tmp}/id-{name}.db}}
-budgets: {{sqlite_path: {tmp}/budgets-{name}.db}}
-observability: {{log_level: warning}}
-""")
-    return cfg
 
 
 def main() -> None:
