@@ -45,16 +45,6 @@ class RequestHeaders(dict):
                 dict.__setitem__(h, name, v.decode("latin-1"))
         return h
 
-    @classmethod
-    def of(cls, items: Any) -> "RequestHeaders":
-        """From a mapping or (name, value) pairs (tests, CLI), names lower-cased, first wins."""
-        h = cls()
-        for k, v in (items.items() if hasattr(items, "items") else items):
-            name = str(k).lower()
-            if name not in h:
-                dict.__setitem__(h, name, str(v))
-        return h
-
     def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
         return dict.get(self, key.lower(), default)
 

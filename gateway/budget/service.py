@@ -9,7 +9,7 @@ import os
 import logging
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable
 from zoneinfo import ZoneInfo
 
@@ -275,13 +275,13 @@ class BudgetService:
         if p is not None:
             amount = convert(amount, p.currency, ccy, self.cfg.fx_rates)
         now = self.clock()
+        # the in-process fail-open store cannot lose a reply: no marker there (it would never be purged)
+        marker = ("", 0) if resv.store == "local" else self._done_marker(resv.rid)
         args = SettleArgs(resv.rid, round(now, 3), usage.total_tokens, round(amount * NANO),
-                          self._scopes(resv.limits, now))
-        if resv.store == "local":  # in-process: cannot lose a reply, needs no marker (and must not keep one)
+                          self._scopes(resv.limits, now), *marker)
+        if resv.store == "local":
             await self.local.settle(args)
         else:
-            key, ttl = self._done_marker(resv.rid)
-            args = replace(args, done_key=key, done_ttl_s=ttl)
             if self._pending:
                 self._pending.append(args)
             else:

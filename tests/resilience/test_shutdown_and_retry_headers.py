@@ -26,28 +26,34 @@ def _backends(up_port: int) -> list[dict]:
              "location": {"country": "DE"}, "health": {"enabled": False, "failures_to_open": 1000}}]
 
 
+def _stream_in_thread(port: int, rid: str, max_tokens: int) -> tuple[list[str], threading.Thread]:
+    """A slow streamed chat (one chunk per 0.25 s) read in a thread; returns once its first content arrived."""
+    got: list[str] = []
+
+    def client() -> None:
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", timeout=30,
+                          headers={"authorization": f"Bearer {GW_KEY}", "x-request-id": rid,
+                                   "content-type": "application/json"},
+                          content=orjson.dumps({**CHAT, "stream": True, "max_tokens": max_tokens,
+                                                "x_test_fault": "slow_chunks:0.25"})) as r:
+            for chunk in r.iter_text():
+                got.append(chunk)
+
+    t = threading.Thread(target=client)
+    t.start()
+    deadline = time.monotonic() + 5
+    while '"content"' not in "".join(got) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return got, t
+
+
 def test_sigterm_mid_stream_finishes_the_stream_and_flushes_evidence_and_ledger(tmp_path):
     up, up_port = start_upstream(tmp_path)
     cfg = write_config(tmp_path, _backends(up_port))
     gw, port = start_gateway(cfg)
     try:
-        got: list[str] = []
         rid = f"shutdown-{time.monotonic_ns()}"
-
-        def client() -> None:
-            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", timeout=30,
-                              headers={"authorization": f"Bearer {GW_KEY}", "x-request-id": rid,
-                                       "content-type": "application/json"},
-                              content=orjson.dumps({**CHAT, "stream": True, "max_tokens": 8,
-                                                    "x_test_fault": "slow_chunks:0.25"})) as r:
-                for chunk in r.iter_text():
-                    got.append(chunk)
-
-        t = threading.Thread(target=client)
-        t.start()
-        deadline = time.monotonic() + 5
-        while '"content"' not in "".join(got) and time.monotonic() < deadline:
-            time.sleep(0.02)
+        got, t = _stream_in_thread(port, rid, 8)
         gw.signal(signal.SIGTERM)  # mid-stream: ~1.5 s of the answer still to come
         time.sleep(0.3)
         with pytest.raises(httpx.HTTPError):  # it stopped accepting new connections at once
@@ -133,23 +139,8 @@ def test_stream_still_running_at_the_drain_deadline_ends_with_an_error_event(tmp
     cfg = write_config(tmp_path, _backends(up_port), server={"graceful_shutdown_s": 2})
     gw, port = start_gateway(cfg)
     try:
-        got: list[str] = []
         rid = f"cut-{time.monotonic_ns()}"
-
-        def client() -> None:
-            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", timeout=30,
-                              headers={"authorization": f"Bearer {GW_KEY}", "x-request-id": rid,
-                                       "content-type": "application/json"},
-                              content=orjson.dumps({**CHAT, "stream": True, "max_tokens": 60,
-                                                    "x_test_fault": "slow_chunks:0.25"})) as r:
-                for chunk in r.iter_text():
-                    got.append(chunk)
-
-        t = threading.Thread(target=client)
-        t.start()
-        deadline = time.monotonic() + 5
-        while '"content"' not in "".join(got) and time.monotonic() < deadline:
-            time.sleep(0.02)
+        got, t = _stream_in_thread(port, rid, 60)
         t0 = time.monotonic()
         gw.signal(signal.SIGTERM)  # ~15 s of answer left, 2 s of grace
         t.join(20)
