@@ -67,6 +67,8 @@ def vllm_stack(vllm_env):
     stack.timings["setup_env_s"] = setup_s
     stack.timings["fixture_s"] = time.monotonic() - t0
     print(f"\nvllm stack: {stack.timings}")
+    for why in stack.startup_failures:  # an engine that exited at start and was relaunched once: say why
+        print(f"vllm stack: relaunched after a failed start:\n{why}")
     yield stack
     stack.close()
     logs = ROOT / "var" / "vllm-e2e-last"

@@ -7,6 +7,9 @@ plus one gateway configured with them as `kind: vllm` backends. `VllmStack.close
 from __future__ import annotations
 
 import os
+import random
+import re
+import socket
 import subprocess
 import sys
 import time
@@ -29,6 +32,52 @@ ADMIN_KEY = "vllm-e2e-admin-0123456789"
 
 class SetupError(RuntimeError):
     """The vLLM environment, the model or an engine could not be brought up (the reason is in the message)."""
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def engine_ports(n: int, rng: random.Random | None = None) -> list[int]:
+    """n distinct ports for an engine's HTTP, KV-event and replay sockets, taken *below* the kernel's ephemeral
+    range and bindable on every interface (vLLM binds its ZMQ sockets on tcp://*). A port from free_port() lies
+    in the ephemeral range, so between choosing it and vLLM's bind any outgoing connection (the suite makes
+    thousands) or another engine's own get_open_port() can take it, and the engine core dies at start with
+    "Address already in use"; ports below that range are only ever taken by an explicit bind."""
+    rng = rng or random.Random()
+    low = max(_ephemeral_low(), 12000)
+    out: list[int] = []
+    while len(out) < n:
+        port = rng.randrange(10000, low)
+        if port in out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        out.append(port)
+    return out
+
+
+_CAUSE = re.compile(r"\b[A-Za-z_.]*(Error|Exception)\b: ")
+
+
+def failure_excerpt(log: str, tail: int = 2500) -> str:
+    """What a failed engine start printed that says why: every distinct exception line (vLLM's root cause,
+    e.g. the engine core's ZMQError, sits far above the API server's generic "Engine core initialization
+    failed" traceback that fills the end of the log), then the log's last `tail` characters."""
+    causes: list[str] = []
+    for line in log.splitlines():
+        if _CAUSE.search(line):
+            msg = line[_CAUSE.search(line).start():].strip()
+            if msg not in causes:
+                causes.append(msg)
+    head = "exceptions in the log:\n  " + "\n  ".join(causes[:12]) + "\n" if causes else ""
+    return f"{head}--- last {tail} characters:\n{log[-tail:]}"
 
 
 def ensure_env(timeout: float = 900.0) -> float:
@@ -93,6 +142,7 @@ class VllmStack:
     block_size: int | None = None
     num_blocks: int | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    startup_failures: list[str] = field(default_factory=list)
 
     @property
     def base(self) -> str:
@@ -156,26 +206,40 @@ def start_stack(workdir: Path, model_dir: Path = MODEL_DIR, *, engines: int = 2,
     served = launcher.served_name_for(model_dir)
     stack = VllmStack(model=served, engines=[], workdir=workdir, block_size=block_size, num_blocks=num_blocks)
     t0 = time.monotonic()
+    cores = os.cpu_count() or 1
+
+    def launch_engine(i: int, attempt: int) -> Engine:
+        port, kv, rp = engine_ports(3)
+        cmd = launcher.build_command(model_dir, port, kv, rp, python=python, served_model_name=served,
+                                     block_size=block_size, num_gpu_blocks_override=num_blocks,
+                                     device=device, extra_args=extra_args)
+        bind = str(i % cores) if device == "cpu" and engines > 1 else None
+        env = launcher.build_env(omp_threads_bind=bind, device=device)
+        log = workdir / f"engine-{i}{'' if attempt == 0 else f'-retry{attempt}'}.log"
+        return Engine(f"vllm-{chr(ord('a') + i)}", port, kv, rp, launcher.launch(cmd, env, log_path=log), log)
+
     try:
         for i in range(engines):
-            port, kv, rp = free_port(), free_port(), free_port()
-            while len({port, kv, rp}) < 3:
-                kv, rp = free_port(), free_port()
-            cmd = launcher.build_command(model_dir, port, kv, rp, python=python, served_model_name=served,
-                                         block_size=block_size, num_gpu_blocks_override=num_blocks,
-                                         device=device, extra_args=extra_args)
-            cores = os.cpu_count() or 1
-            bind = str(i % cores) if device == "cpu" and engines > 1 else None
-            env = launcher.build_env(omp_threads_bind=bind, device=device)
-            log = workdir / f"engine-{i}.log"
-            proc = launcher.launch(cmd, env, log_path=log)
-            stack.engines.append(Engine(f"vllm-{chr(ord('a') + i)}", port, kv, rp, proc, log))
-        for e in stack.engines:
-            try:
-                launcher.wait_ready(e.url, ready_timeout, e.proc)
-            except (TimeoutError, RuntimeError) as exc:
-                raise SetupError(f"engine {e.name}: {exc}\n{e.log.read_text(errors='replace')[-4000:]}") from None
-            e.startup_s = time.monotonic() - t0
+            stack.engines.append(launch_engine(i, 0))
+        for i in range(engines):
+            # An engine that *exits* during start-up is relaunched once on fresh ports; the first failure's
+            # cause is kept in stack.startup_failures (printed by the fixture). A timeout is not retried.
+            for attempt in range(2):
+                e = stack.engines[i]
+                try:
+                    launcher.wait_ready(e.url, ready_timeout, e.proc)
+                    break
+                except RuntimeError as exc:
+                    why = f"engine {e.name}: {exc}\n{failure_excerpt(e.log.read_text(errors='replace'))}"
+                    launcher.stop(e.proc)
+                    if attempt == 1:
+                        raise SetupError("\n".join([*stack.startup_failures, why])) from None
+                    stack.startup_failures.append(why)
+                    stack.engines[i] = launch_engine(i, attempt + 1)
+                except TimeoutError as exc:
+                    why = failure_excerpt(e.log.read_text(errors="replace"))
+                    raise SetupError(f"engine {e.name}: {exc}\n{why}") from None
+            stack.engines[i].startup_s = time.monotonic() - t0
         stack.timings["engines_ready_s"] = time.monotonic() - t0
         gw_port = free_port()
         cfg_path = workdir / "gateway.yaml"

@@ -8,14 +8,13 @@ import pytest
 import yaml
 
 from gateway.config import parse_config
-from tests.support.procs import free_port
-from tests.vllm.stack import MODEL_DIR, ROOT
+from tests.vllm.stack import MODEL_DIR, ROOT, engine_ports
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.slow]
 
 
 def test_gateway_engine_vllm_prints_backend_config(vllm_env):
-    port, kv, rp = free_port(), free_port(), free_port()
+    port, kv, rp = engine_ports(3)
     r = subprocess.run([sys.executable, "-m", "gateway", "engine", "vllm", "--model", str(MODEL_DIR),
                         "--port", str(port), "--kv-port", str(kv), "--replay-port", str(rp), "--name", "cli-engine",
                         "--priority", "--block-size", "32", "--num-gpu-blocks-override", "80", "--exit-when-ready",
