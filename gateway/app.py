@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import re
-import secrets
 import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable
@@ -46,7 +46,7 @@ def request_id(headers: Any) -> str:
     rid = headers.get("x-request-id")
     if rid and _RID.match(rid):
         return rid
-    return "req_" + secrets.token_hex(12)
+    return "req_" + os.urandom(12).hex()  # what secrets.token_hex does, without its three Python-level calls
 
 
 class NoIdentity:
@@ -321,19 +321,28 @@ class CompletionEndpoint:
         ctx.prompt_tokens_est = max(1, parsed.prompt_chars // 4)
         ctx.prompt_tokens_max = prompt_token_bound(raw, body, parsed.prompt_chars)
         ctx.model_chain = gw.config.resolve_model(parsed.model)
-        # The disconnect watcher runs for the whole request so a vanished client cancels upstream work at once:
-        # it cancels this task, which unwinds the handler (closing the upstream connection) right away.
+        # A vanished client cancels upstream work at once: this task is cancelled, which unwinds the handler
+        # (closing the upstream connection) right away. Under the gateway's own server protocol the connection
+        # tells us (no extra task); under any other ASGI server a watcher task waits on receive() instead.
         me = asyncio.current_task()
         gone = False
 
-        async def watch() -> None:
+        def lost() -> None:
             nonlocal gone
-            await _until_disconnect(receive)
             gone = True
             if me is not None:
                 me.cancel()
 
-        watcher = asyncio.ensure_future(watch())
+        conn = scope.get("gateway.conn")
+        watcher: asyncio.Future | None = None
+        if conn is not None:
+            conn.on_lost = lost
+        else:
+            async def watch() -> None:
+                await _until_disconnect(receive)
+                lost()
+
+            watcher = asyncio.ensure_future(watch())
         try:
             await self._handle(ctx, send)
         except asyncio.CancelledError:
@@ -342,7 +351,10 @@ class CompletionEndpoint:
             if me is not None:
                 me.uncancel()  # the cancellation was ours, for a client that left: nothing more to do
         finally:
-            watcher.cancel()
+            if watcher is not None:
+                watcher.cancel()
+            elif conn.on_lost is lost:
+                conn.on_lost = None
 
     async def _handle(self, ctx: RequestContext, send) -> None:
         gw = self.gw

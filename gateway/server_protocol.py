@@ -6,6 +6,11 @@ size or count limit (its h11 limit does not apply to httptools) and waits foreve
 headers byte by byte (slow-loris). This subclass keeps every refusal OpenAI-shaped and adds:
 431 past `max_header_bytes` or `max_headers`, and 408 when the request line and headers are not complete
 within `header_timeout_s` of the connection opening or the request starting.
+
+It also puts itself in every request's scope (`scope["gateway.conn"]`) so a data-plane handler can register
+`on_lost`, called once when the client's connection drops before the response is complete: the handler
+learns of a vanished client from the connection itself instead of keeping a task blocked on `receive()` for
+every request (that watcher task was ~5% of the gateway's CPU per request at saturation).
 """
 from __future__ import annotations
 
@@ -43,6 +48,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._header_count = 0
         self._header_timer: asyncio.TimerHandle | None = None
         self._refusal: tuple[int, str, str] | None = None
+        self.on_lost: Any = None  # set by the request being served: called once if the client goes away mid-request
 
     # ---- header timeout (slow-loris)
     def _arm_header_timer(self) -> None:
@@ -67,7 +73,11 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_header_timer()
+        cb, self.on_lost = self.on_lost, None
+        pending = self.cycle is not None and not self.cycle.response_complete
         super().connection_lost(exc)
+        if cb is not None and pending:
+            cb()
 
     # ---- parser callbacks
     def on_message_begin(self) -> None:
@@ -97,6 +107,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._cancel_header_timer()
+        self.scope["gateway.conn"] = self  # type: ignore[typeddict-unknown-key]
         super().on_headers_complete()
 
     # ---- refusals

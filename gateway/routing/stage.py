@@ -22,6 +22,7 @@ import xxhash
 from gateway.config import Config
 from gateway.errors import GatewayError, retry_headers
 from gateway.pipeline import RequestContext
+from gateway.policy.residency import backend_allowed
 from gateway.proxy.health import Health
 from gateway.routing.admission import BatchQueue, QueueFull, decide, slo_ms
 from gateway.routing.plan import Candidate, RoutePlan
@@ -39,8 +40,6 @@ def residency_reason(decision: Decision | None, backend) -> str | None:
     """None when the backend may receive a request under this decision, else why not."""
     if decision is None:
         return None
-    from gateway.policy.residency import backend_allowed
-
     return backend_allowed(decision, backend)
 
 

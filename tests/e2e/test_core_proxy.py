@@ -275,6 +275,20 @@ def test_client_disconnect_cancels_upstream_at_once(stack):
     assert up_stats(stack)["streams_cancelled"] == before + 1
 
 
+def test_client_disconnect_cancels_a_non_streaming_upstream_request(stack):
+    """No stream has started, so only the connection tells the gateway the client left: it must close the
+    upstream request at once (the engine would otherwise keep generating an answer nobody reads)."""
+    before = up_stats(stack)["hangs_abandoned"]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(stack["base"] + "/v1/chat/completions", timeout=httpx.Timeout(15, read=0.5),
+                   headers={"authorization": f"Bearer {GW_KEY}", "content-type": "application/json"},
+                   content=orjson.dumps({**CHAT, "x_test_fault": "hang"}))
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline and up_stats(stack)["hangs_abandoned"] == before:
+        time.sleep(0.05)
+    assert up_stats(stack)["hangs_abandoned"] == before + 1
+
+
 def test_probes_and_metrics(stack):
     assert httpx.get(stack["base"] + "/healthz").json()["status"] == "ok"
     m = httpx.get(stack["base"] + "/metrics").text

@@ -7,6 +7,8 @@ import uuid
 
 import asyncpg
 import orjson
+from hypothesis import given
+from hypothesis import strategies as st
 from starlette.applications import Starlette
 from starlette.routing import Route
 from starlette.testclient import TestClient
@@ -14,7 +16,7 @@ from starlette.testclient import TestClient
 from gateway.config import BackendConfig, Location
 from gateway.evidence.admin import make_decision_handler
 from gateway.evidence.postgres import PostgresSink
-from gateway.evidence.recorder import EvidenceRecorder, build_record
+from gateway.evidence.recorder import EvidenceRecorder, _scrub, _strip_content, build_record
 from gateway.pipeline import RequestContext, Usage
 from gateway.policy.compiler import compile_text
 from gateway.policy.stage import PolicyStage
@@ -152,3 +154,29 @@ async def test_postgres_sink_roundtrip_and_zero_retention():
     finally:
         await conn.execute(f"DROP TABLE IF EXISTS {table}")
         await conn.close()
+
+
+def _lists(v):
+    if isinstance(v, dict):
+        return {k: _lists(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_lists(x) for x in v]
+    return v
+
+
+_json = st.recursive(st.none() | st.integers(-1000, 1000) | st.text(max_size=4),
+                     lambda inner: st.lists(inner, max_size=3) | st.tuples(inner, inner)
+                     | st.dictionaries(st.sampled_from(["backend", "content", "messages", "note", "delta", "x"]),
+                                       inner, max_size=3), max_leaves=12)
+
+
+@given(_json)
+def test_strip_content_equals_the_full_scrub_and_copies_only_when_it_must(value):
+    """The no-secrets fast path drops exactly the content keys the full scrub drops, and hands back the very
+    same object (no copy) when there is nothing to drop, leaving the input untouched either way."""
+    before = orjson.dumps(value)
+    out = _strip_content(value)
+    assert _lists(out) == _lists(_scrub(value, []))
+    assert orjson.dumps(value) == before
+    if _lists(out) == _lists(value):
+        assert out is value

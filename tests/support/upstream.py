@@ -2,7 +2,8 @@
 
 Faults come in the request body (`x_test_fault`), which the gateway forwards untouched:
   "error500" | "error503" | "error400" | "hang" | "slow_first:<s>" | "die_mid" | "slow_chunks:<s>" | "bad_json".
-GET /stats tells what the upstream saw (requests, streams cancelled by a disconnecting gateway, last body).
+GET /stats tells what the upstream saw (requests, streams cancelled by a disconnecting gateway, hung requests whose
+caller went away, last body).
 Run: python -m tests.support.upstream --port P [--key KEY]
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 STATS = {"requests": 0, "streams_started": 0, "streams_cancelled": 0, "streams_completed": 0, "last_body": None,
-         "last_headers": None, "in_flight": 0}
+         "last_headers": None, "in_flight": 0, "hangs_abandoned": 0}
 WORDS = ["hello", " world", " from", " the", " upstream", " test", " engine", " ok"]
 
 
@@ -51,8 +52,11 @@ def make_app(key: str | None = None) -> Starlette:
         if fault == "error400":
             return JSONResponse({"error": {"message": "context too long", "type": "invalid_request_error",
                                            "param": "messages", "code": "context_length_exceeded"}}, status_code=400)
-        if fault == "hang":
-            await asyncio.sleep(3600)
+        if fault == "hang":  # never answers; counts the caller closing the connection on it
+            while not await request.is_disconnected():
+                await asyncio.sleep(0.05)
+            STATS["hangs_abandoned"] += 1
+            return Response(b"")
         if fault == "slow_first":
             await asyncio.sleep(arg)
         if fault == "bad_json":
