@@ -37,6 +37,16 @@ def test_every_declared_dependency_is_pinned_in_the_lock():
     assert not missing, f"declared but not in requirements.lock: {missing}"
 
 
+def test_the_environment_holds_exactly_the_locked_versions():
+    """scripts/bootstrap.sh installs with `-c requirements.lock`, so what the suite runs on is what pip-audit
+    checks: every locked package is installed at its locked version (extra tools in .venv are allowed)."""
+    from importlib import metadata
+
+    installed = {_norm(d.metadata["Name"]): d.version for d in metadata.distributions()}
+    wrong = {n: (v, installed.get(n)) for n, v in _locked().items() if installed.get(n) != v}
+    assert not wrong, f"locked vs installed (re-run scripts/bootstrap.sh): {wrong}"
+
+
 def test_pip_audit_finds_no_known_vulnerability_in_the_lock():
     exe = shutil.which("pip-audit", path=str(Path(sys.executable).parent)) or shutil.which("pip-audit")
     assert exe, "pip-audit is not installed (it is a dev extra: pip install -e '.[dev]')"
