@@ -42,11 +42,19 @@ _RID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 STREAM_CUT_MARGIN_S = 1.0  # streams are cut this long before uvicorn's graceful-shutdown timeout cancels them
 
 
-def request_id(headers: Any) -> str:
-    rid = headers.get("x-request-id")
-    if rid and _RID.match(rid):
-        return rid
+def new_request_id() -> str:
     return "req_" + os.urandom(12).hex()  # what secrets.token_hex does, without its three Python-level calls
+
+
+def client_request_id(headers: Any) -> str | None:
+    """The client's own x-request-id when it is usable (1-128 of [A-Za-z0-9._:-]), else None."""
+    rid = headers.get("x-request-id")
+    return rid if rid and _RID.match(rid) else None
+
+
+def request_id(headers: Any) -> str:
+    """The id a response echoes in x-request-id: the client's when valid, else a new one."""
+    return client_request_id(headers) or new_request_id()
 
 
 class NoIdentity:
@@ -278,7 +286,11 @@ class CompletionEndpoint:
     async def __call__(self, scope, receive, send) -> None:
         gw = self.gw
         headers = RequestHeaders.from_scope(scope)
-        rid = request_id(headers)
+        # The client's x-request-id is echoed, never trusted as a key: budgets (reservation, settle marker),
+        # the spend ledger, routing's in-flight table and the audit record are keyed by an id the gateway
+        # generates for every request, so a client reusing an id cannot merge, skip or overwrite them.
+        cid = client_request_id(headers)
+        rid = cid or new_request_id()
         if scope["method"] != "POST":
             await send_error(send, GatewayError(405, "Method not allowed; use POST.", code="method_not_allowed"), rid,
                              {"allow": "POST"})
@@ -312,8 +324,12 @@ class CompletionEndpoint:
         except asyncio.CancelledError:
             return
         client = scope.get("client")
-        ctx = RequestContext(request_id=rid, endpoint=self.endpoint, headers=headers, body=body,
-                             client_addr=client[0] if client else "")
+        ctx = RequestContext(request_id=rid if cid is None else new_request_id(), endpoint=self.endpoint,
+                             headers=headers, body=body, client_addr=client[0] if client else "")
+        if cid is not None:  # echoed as x-request-id; the gateway's own id rides along for the audit lookup
+            ctx.client_request_id = cid
+            ctx.extra_headers["x-request-id"] = cid
+            ctx.extra_headers["x-gateway-request-id"] = ctx.request_id
         ctx.model = parsed.model
         ctx.stream = parsed.stream
         ctx.client_wants_usage = parsed.include_usage

@@ -23,7 +23,9 @@ log = logging.getLogger("gateway.budget.ledger")
 
 COLUMNS = ("request_id", "ts", "principal_id", "tenant", "team", "project", "key_id", "partner", "end_user",
            "model", "backend", "prompt_tokens", "completion_tokens", "cached_tokens", "total_tokens", "cost",
-           "currency", "gpu_seconds", "status", "cut_by_budget", "budget_store")
+           "currency", "gpu_seconds", "status", "cut_by_budget", "budget_store", "client_request_id")
+# Columns added after the first release: an existing table gets them on open (ALTER TABLE ... ADD COLUMN).
+_ADDED = ("client_request_id",)
 _TYPES_SQL = {"ts": "DOUBLE PRECISION", "prompt_tokens": "BIGINT", "completion_tokens": "BIGINT",
               "cached_tokens": "BIGINT", "total_tokens": "BIGINT", "cost": "DOUBLE PRECISION",
               "gpu_seconds": "DOUBLE PRECISION", "status": "INTEGER", "cut_by_budget": "BOOLEAN"}
@@ -68,7 +70,12 @@ class SqliteSink:
     def _init(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self._lock:
-            self._conn().execute(_ddl(self.table))
+            db = self._conn()
+            db.execute(_ddl(self.table))
+            have = {r[1] for r in db.execute(f"PRAGMA table_info({self.table})")}
+            for c in _ADDED:
+                if c not in have:
+                    db.execute(f"ALTER TABLE {self.table} ADD COLUMN {c} {_TYPES_SQL.get(c, 'TEXT')}")
 
     async def write(self, rows: list[dict[str, Any]]) -> None:
         await asyncio.to_thread(self._write, rows)
@@ -108,6 +115,9 @@ class PostgresSink:
             self.pool = await asyncpg.create_pool(self.dsn, min_size=1, max_size=2, timeout=5.0)
             async with self.pool.acquire() as c:
                 await c.execute(_ddl(self.table))
+                for col in _ADDED:
+                    await c.execute(f"ALTER TABLE {self.table} ADD COLUMN IF NOT EXISTS {col} "
+                                    f"{_TYPES_SQL.get(col, 'TEXT')}")
         return self.pool
 
     async def open(self) -> None:

@@ -80,7 +80,7 @@ class BudgetStage:
             "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "cached_tokens": usage.cached_tokens, "total_tokens": usage.total_tokens, "cost": amount,
             "currency": ccy, "gpu_seconds": gpu_s, "status": ctx.status, "cut_by_budget": ctx.cut_by_budget,
-            "budget_store": resv.store if resv is not None else None,
+            "budget_store": resv.store if resv is not None else None, "client_request_id": ctx.client_request_id,
         })
 
     def _price_model(self, ctx: RequestContext) -> str:

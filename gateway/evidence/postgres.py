@@ -20,11 +20,14 @@ CREATE TABLE IF NOT EXISTS {t} (
 );
 CREATE INDEX IF NOT EXISTS {t}_ts_idx ON {t} (ts);
 CREATE INDEX IF NOT EXISTS {t}_tenant_ts_idx ON {t} (tenant, ts);
+ALTER TABLE {t} ADD COLUMN IF NOT EXISTS client_request_id text;
+CREATE INDEX IF NOT EXISTS {t}_client_rid_idx ON {t} (client_request_id, ts);
 """
 
 
 class PostgresSink:
-    """Writes batches with one executemany; a re-recorded request id replaces its row."""
+    """Writes batches with one executemany; a re-recorded request id replaces its row (request ids are the
+    gateway's own, unique per request; the client's x-request-id is a separate, non-unique column)."""
 
     def __init__(self, dsn: str, table: str = "audit_decisions") -> None:
         if not table.replace("_", "").isalnum():
@@ -43,21 +46,25 @@ class PostgresSink:
         for r in recs:
             p = r.get("principal") or {}
             dec = r.get("decision") or {}
-            rows.append((r["request_id"], datetime.fromisoformat(r["ts"]), p.get("tenant"), p.get("id"),
-                         dec.get("allow"), r.get("backend"), r.get("status"),
+            rows.append((r["request_id"], r.get("client_request_id"), datetime.fromisoformat(r["ts"]), p.get("tenant"),
+                         p.get("id"), dec.get("allow"), r.get("backend"), r.get("status"),
                          orjson.dumps(r, default=str, option=orjson.OPT_NON_STR_KEYS).decode()))
         async with self._pool.acquire() as c:
             await c.executemany(
-                f"INSERT INTO {self.table} (request_id, ts, tenant, principal_id, allow, backend, status, record) "
-                "VALUES ($1, $2, $3, $4, $5, $6, $7, $8::jsonb) ON CONFLICT (request_id) DO UPDATE SET "
-                "ts = EXCLUDED.ts, tenant = EXCLUDED.tenant, principal_id = EXCLUDED.principal_id, "
+                f"INSERT INTO {self.table} (request_id, client_request_id, ts, tenant, principal_id, allow, backend, "
+                "status, record) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9::jsonb) ON CONFLICT (request_id) DO UPDATE "
+                "SET client_request_id = EXCLUDED.client_request_id, ts = EXCLUDED.ts, tenant = EXCLUDED.tenant, principal_id = EXCLUDED.principal_id, "
                 "allow = EXCLUDED.allow, backend = EXCLUDED.backend, status = EXCLUDED.status, record = EXCLUDED.record",
                 rows)
 
     async def get(self, request_id: str) -> dict[str, Any] | None:
+        """By the gateway's request id, else the newest record carrying it as the client's x-request-id."""
         assert self._pool is not None
         async with self._pool.acquire() as c:
             v = await c.fetchval(f"SELECT record::text FROM {self.table} WHERE request_id = $1", request_id)
+            if v is None:
+                v = await c.fetchval(f"SELECT record::text FROM {self.table} WHERE client_request_id = $1 "
+                                     "ORDER BY ts DESC LIMIT 1", request_id)
         return orjson.loads(v) if v is not None else None
 
     async def close(self) -> None:

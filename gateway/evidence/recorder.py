@@ -126,6 +126,7 @@ def build_record(ctx: RequestContext, *, capture_content: bool = False,
                         "operator": getattr(b, "operator", None)}
     rec: dict[str, Any] = {
         "request_id": ctx.request_id,
+        "client_request_id": ctx.client_request_id,
         "ts": datetime.fromtimestamp(ctx.received_wall, timezone.utc).isoformat(),
         "endpoint": ctx.endpoint,
         "model": ctx.model,
@@ -201,6 +202,7 @@ class EvidenceRecorder:
         self.backend_lookup = backend_lookup
         self._queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue(maxsize=max_queue)
         self._recent: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._recent_client: OrderedDict[str, dict[str, Any]] = OrderedDict()  # client x-request-id -> newest
         self._recent_max = recent
         self._batch = batch
         self._task: asyncio.Task[None] | None = None
@@ -239,6 +241,12 @@ class EvidenceRecorder:
         self._recent.move_to_end(rec["request_id"])
         while len(self._recent) > self._recent_max:
             self._recent.popitem(last=False)
+        cid = rec.get("client_request_id")
+        if cid is not None:
+            self._recent_client[cid] = rec
+            self._recent_client.move_to_end(cid)
+            while len(self._recent_client) > self._recent_max:
+                self._recent_client.popitem(last=False)
 
     async def _run(self) -> None:
         stop = False
@@ -321,8 +329,9 @@ class EvidenceRecorder:
             await self.sink.close()
 
     async def get(self, request_id: str) -> dict[str, Any] | None:
-        """A record by request id: recent memory first, then the sink, then a scan of the JSON-lines file."""
-        rec = self._recent.get(request_id)
+        """A record by the gateway's request id or, failing that, the newest one with that client x-request-id:
+        recent memory first, then the sink, then a scan of the JSON-lines file."""
+        rec = self._recent.get(request_id) or self._recent_client.get(request_id)
         if rec is not None:
             return rec
         if self.sink is not None:
@@ -339,10 +348,14 @@ class EvidenceRecorder:
 
     def _scan(self, request_id: str) -> dict[str, Any] | None:
         assert self.path is not None
-        needle = b'"request_id":' + orjson.dumps(request_id)
-        found = None
+        quoted = orjson.dumps(request_id)
+        needle, client_needle = b'"request_id":' + quoted, b'"client_request_id":' + quoted
+        found = by_client = None
         with open(self.path, "rb") as f:
             for line in f:
                 if needle in line:
-                    found = line  # the last one wins
-        return orjson.loads(found) if found else None
+                    found = line  # the gateway's own id (unique; the last line wins should one be rewritten)
+                elif client_needle in line:
+                    by_client = line  # the newest with that client x-request-id
+        hit = found or by_client
+        return orjson.loads(hit) if hit else None

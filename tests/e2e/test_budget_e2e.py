@@ -22,6 +22,8 @@ pytestmark = pytest.mark.e2e
 KEY = "budget-e2e-key-0123456789"
 CUT_KEY = "budget-cut-key-0123456789"
 KEY2 = "budget-e2e-key2-0123456789"
+DUP_KEY = "budget-dup-key-0123456789"
+DUP_LIMIT = 600
 LIMIT, MAXT = 2000, 40
 # the reservation bounds the prompt at chars + 16/message + 16 tokens ("go" -> 38), leaving 6 for the stream
 CUT_BUDGET = 44
@@ -41,7 +43,8 @@ def stack(tmp_path_factory):
     (tmp / "policy.yaml").write_text(yaml.safe_dump({"version": 1, "rules": [
         {"id": "acme-tokens", "match": {"tenant": "acme"}, "budgets": [{"window": "day", "tokens": LIMIT}]},
         {"id": "acme2-tokens", "match": {"tenant": "acme2"}, "budgets": [{"window": "day", "tokens": LIMIT}]},
-        {"id": "cut-tokens", "match": {"tenant": "cut"}, "budgets": [{"window": "day", "tokens": CUT_BUDGET}]}]}))
+        {"id": "cut-tokens", "match": {"tenant": "cut"}, "budgets": [{"window": "day", "tokens": CUT_BUDGET}]},
+        {"id": "dup-tokens", "match": {"tenant": "dup"}, "budgets": [{"window": "day", "tokens": DUP_LIMIT}]}]}))
     gws = []
     for name in ("a", "b"):
         port = free_port()
@@ -49,7 +52,7 @@ def stack(tmp_path_factory):
                "backends": [{"name": "up", "kind": "openai", "url": f"http://127.0.0.1:{up_port}/v1",
                              "models": ["up-model"], "location": {"country": "DE"}, "retention": "zero"}],
                "keys": [{"key": KEY, "tenant": "acme", "name": "k"}, {"key": CUT_KEY, "tenant": "cut", "name": "c"},
-                        {"key": KEY2, "tenant": "acme2", "name": "k2"}],
+                        {"key": KEY2, "tenant": "acme2", "name": "k2"}, {"key": DUP_KEY, "tenant": "dup", "name": "d"}],
                "policy": {"files": [str(tmp / "policy.yaml")], "audit_path": str(tmp / f"audit-{name}.jsonl")},
                "identity": {"sqlite_path": str(tmp / f"id-{name}.db")},
                "budgets": {"store": "redis", "key_prefix": prefix, "sqlite_path": str(tmp / "ledger.db"),
@@ -71,7 +74,8 @@ def stack(tmp_path_factory):
 def ledger(tmp) -> list[tuple]:
     db = sqlite3.connect(tmp / "ledger.db")
     try:
-        return db.execute("select request_id, total_tokens, completion_tokens, cut_by_budget, tenant "
+        return db.execute("select coalesce(client_request_id, request_id), total_tokens, completion_tokens, "
+                          "cut_by_budget, tenant "
                           "from budget_ledger").fetchall()
     finally:
         db.close()
@@ -117,6 +121,45 @@ async def _run_200(stack, content: str, tenant: str) -> None:
               if r.type(k) == "hash"]
     r.close()
     assert totals == [settled]  # Redis settled exactly what the ledger recorded: nothing charged twice
+
+
+async def test_a_reused_client_request_id_cannot_merge_or_skip_budget_holds(stack):
+    """Every client request carries the same x-request-id. It is echoed, but budgets, the ledger and the audit
+    record are keyed by the gateway's own id: each request holds and settles on its own, so the limit holds
+    and every served request has its ledger row (with the client id reused, holds used to overwrite each
+    other, later settles were skipped as replays and ledger rows were dropped as duplicates)."""
+    body = orjson.dumps({"model": "up-model", "messages": [{"role": "user", "content": "count"}], "max_tokens": MAXT})
+
+    async def one(c: httpx.AsyncClient, i: int) -> httpx.Response:
+        return await c.post(stack["bases"][i % 2] + "/v1/chat/completions", content=body, timeout=30,
+                            headers={"authorization": f"Bearer {DUP_KEY}", "content-type": "application/json",
+                                     "x-request-id": "same-id"})
+
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=60)) as c:
+        rs = await asyncio.gather(*(one(c, i) for i in range(60)))
+    ok = [r for r in rs if r.status_code == 200]
+    assert ok and len(ok) < 60 and all(r.status_code in (200, 429) for r in rs)
+    assert {r.headers["x-request-id"] for r in rs} == {"same-id"}  # echoed to the client
+    gids = [r.headers["x-gateway-request-id"] for r in rs]
+    assert len(set(gids)) == 60 and all(g.startswith("req_") for g in gids)
+    await asyncio.sleep(1.0)  # ledger flush
+    rows = [x for x in ledger(stack["tmp"]) if x[4] == "dup"]
+    assert len(rows) == len(ok) and {x[0] for x in rows} == {"same-id"}
+    settled = sum(x[1] for x in rows)
+    assert settled <= DUP_LIMIT + 11 + MAXT + 16, settled
+    r = redis.Redis(host="127.0.0.1", port=6379, decode_responses=True)
+    totals = [int(r.hget(k, "T") or 0) for k in r.scan_iter(f"{stack['prefix']}:tenant:dup:day:*")
+              if r.type(k) == "hash"]
+    r.close()
+    assert totals == [settled]
+    for _ in range(50):  # the audit writers flush in the background
+        audit = [orjson.loads(line) for name in ("a", "b") if (stack["tmp"] / f"audit-{name}.jsonl").exists()
+                 for line in (stack["tmp"] / f"audit-{name}.jsonl").read_bytes().splitlines() if line.strip()]
+        dup = [a for a in audit if a.get("client_request_id") == "same-id"]
+        if len(dup) >= 60:
+            break
+        await asyncio.sleep(0.1)
+    assert len(dup) == 60 and len({a["request_id"] for a in dup}) == 60  # one record each, none overwritten
 
 
 def test_uncapped_stream_is_cut_at_the_remaining_budget(stack):

@@ -45,8 +45,9 @@ def _proxy(tmp, port: int) -> Proc:
 async def _rows(table: str, prefix: str) -> set[str]:
     c = await asyncpg.connect(PG)
     try:
-        return {r["request_id"] for r in await c.fetch(f"SELECT request_id FROM {table} WHERE request_id LIKE $1",
-                                                        prefix + "%")}
+        # the client's x-request-id is recorded in its own column (the gateway keys rows by its own id)
+        return {r["client_request_id"] for r in await c.fetch(
+            f"SELECT client_request_id FROM {table} WHERE client_request_id LIKE $1", prefix + "%")}
     finally:
         await c.close()
 
@@ -107,6 +108,6 @@ policy: {{audit_path: {tmp_path}/audit.jsonl, audit_postgres_dsn: "{dsn}"}}
         c = await asyncpg.connect(PG)
         try:
             for t in ("budget_ledger", "audit_decisions"):
-                await c.execute(f"DELETE FROM {t} WHERE request_id LIKE $1", prefix + "%")
+                await c.execute(f"DELETE FROM {t} WHERE client_request_id LIKE $1", prefix + "%")
         finally:
             await c.close()

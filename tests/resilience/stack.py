@@ -93,6 +93,8 @@ def audit(tmp: Path) -> dict[str, dict]:
             if line.strip():
                 rec = json.loads(line)
                 out[rec["request_id"]] = rec
+                if rec.get("client_request_id"):  # tests send their own x-request-id and look records up by it
+                    out[rec["client_request_id"]] = rec
     return out
 
 
@@ -111,7 +113,9 @@ def ledger_rows(tmp: Path) -> list[tuple]:
         return []
     db = sqlite3.connect(p)
     try:
-        return db.execute("select request_id, total_tokens, backend, status from budget_ledger").fetchall()
+        # keyed by the client's x-request-id when it sent one (tests do), else the gateway's own id
+        return db.execute("select coalesce(client_request_id, request_id), total_tokens, backend, status "
+                          "from budget_ledger").fetchall()
     except sqlite3.OperationalError:
         return []
     finally:
