@@ -244,6 +244,8 @@ def test_engine_backends_match_engine_flags(helm: str, namespace: str) -> None:
         assert probe["path"] == b.health.path
     partner = cfg.backend("opper-eu")
     assert partner.operator == "partner" and partner.api_key_env == "OPPER_API_KEY"
+    assert partner.url == "https://api.opper.ai/v3/compat"  # Opper's OpenAI-compatible endpoint
+    assert "/" in partner.upstream_model("qwen3.6-35b")  # Opper names models provider/model
     assert cfg.models["qwen3.6-35b"] == ("qwen-de-1", "qwen-se-1", "opper-eu")
 
 
@@ -323,6 +325,47 @@ def test_hpa_custom_metrics_and_no_fixed_replicas(helm: str) -> None:
     types = [m["type"] for m in hpa["spec"]["metrics"]]
     assert types == ["Resource", "Pods"] and hpa["spec"]["minReplicas"] == 3
     assert "replicas" not in one(objs, "Deployment")["spec"]
+
+
+def exported_metric_names() -> set[str]:
+    """The series names the gateway's /metrics serves from gateway.metrics.Metrics' registry (what an HPA
+    custom metric through a Prometheus adapter can name): a counter as <name>_total, a histogram as
+    <name>_bucket/_sum/_count, a gauge as <name>."""
+    from gateway.metrics import Metrics
+
+    suffixes = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),
+                "summary": ("", "_sum", "_count", "_created"), "gauge": ("",), "info": ("_info",)}
+    return {f.name + s for f in Metrics().registry.collect() for s in suffixes.get(f.type, ("",))}
+
+
+def custom_metric_names(values: Any) -> list[str]:
+    """Every Pods/Object MetricSpec's metric name anywhere in a values document (autoscaling.metrics today)."""
+    found: list[str] = []
+    if isinstance(values, dict):
+        kind = {"Pods": "pods", "Object": "object"}.get(values.get("type"))  # type: ignore[arg-type]
+        if kind and isinstance(values.get(kind), dict):
+            found.append(values[kind]["metric"]["name"])
+        for v in values.values():
+            found += custom_metric_names(v)
+    elif isinstance(values, list):
+        for v in values:
+            found += custom_metric_names(v)
+    return found
+
+
+def test_hpa_custom_metrics_are_metrics_the_gateway_exports() -> None:
+    """A Pods/Object metric the chart's values name must be one gateway/metrics.py serves at /metrics, or the
+    HPA never gets a value (it once named gateway_requests_in_flight; the gauge is gateway_in_flight_requests)."""
+    exported = exported_metric_names()
+    assert "gateway_in_flight_requests" in exported and "gateway_requests_total" in exported
+    assert "gateway_requests_in_flight" not in exported
+    named: dict[str, list[str]] = {}
+    for path in [CHART / "values.yaml", *CI_VALUES]:
+        names = custom_metric_names(yaml.safe_load(path.read_text()))
+        named[path.name] = names
+        unknown = sorted(set(names) - exported)
+        assert not unknown, f"{path.relative_to(ROOT)} names custom metrics the gateway does not export: {unknown}"
+    assert named["multi-replica-values.yaml"], "the check found no custom metric: it would pass vacuously"
 
 
 def test_network_policy_opens_engine_ports_to_gateway_only(helm: str) -> None:
