@@ -1,8 +1,11 @@
 """Dispatch: send a request to the first candidate that answers well, retrying only where it is safe.
 
-Retries happen only before anything reached the client, only on connect errors, 502/503 or an engine that
-dies before its first token, only to candidates the routing stage produced (which already passed the
-residency filter; it is checked again here), and only while the retry budget allows. A stream that breaks
+Retries happen only before anything reached the client; on connect errors, an engine that dies before its
+first token, an upstream 502/503 or 500 (vLLM answers 500 when its engine core died), and an upstream that
+refused the request without working on it (429 rate limited, 401/403 our credential) - a completion has no
+side effects, so a retry can only cost compute, never duplicate an action; never on 504 or other statuses.
+Retries go only to candidates the routing stage produced (which already passed the residency filter; it is
+checked again here), and only while the retry budget allows. A stream that breaks
 after it started ends with an OpenAI error event and `[DONE]`.
 """
 from __future__ import annotations
