@@ -73,6 +73,17 @@ class CompiledPolicy:
     def rule(self, rule_id: str) -> Rule:
         return self._by_id[rule_id]
 
+    def setting_rule(self, decision: Decision, key: str) -> str | None:
+        """The id of the rule that gave `decision` its single value `key` (a Decision field set by `set`, e.g.
+        "max_context"): the most specific matched rule that sets it, ties by order, as `_combine` chose it.
+        None when no matched rule of this snapshot sets it. Only called on rare paths (a refusal naming it)."""
+        best: Rule | None = None
+        for rid in decision.matched_rules:
+            r = self._by_id.get(rid)
+            if r is not None and key in r.sets and (best is None or r.rank > best.rank):
+                best = r
+        return best.id if best is not None else None
+
     # ------------------------------------------------------------------------------------------- evaluation
 
     def _entries(self, p: Principal, req: RequestAttrs) -> list[tuple[int, Rule, tuple[Any, ...]]]:

@@ -135,6 +135,15 @@ class OPAPolicy:
             await self._client.close_connection()
             self._client = None
 
+    def setting_rule(self, decision: Decision, key: str) -> str | None:
+        """Which rule set the single value `key` of a decision this policy made: the local rule when its value
+        is the one in force (merge mode), else "opa" (OPA overrode it, or replace mode)."""
+        local = self._local() if self._local is not None else None
+        rid = local.setting_rule(decision, key) if local is not None else None
+        if rid is not None and local is not None and local.rule(rid).sets.get(key) == getattr(decision, key):
+            return rid
+        return "opa" if "opa" in decision.matched_rules else rid
+
     async def adecide(self, principal: Principal, request: RequestAttrs) -> Decision:
         local = self._local().decide(principal, request) if self._local is not None else None
         if local is not None and not local.allow:

@@ -24,8 +24,24 @@ def lower_headers(headers: Any) -> dict[str, str]:
     return {str(k).lower(): str(v) for k, v in items}
 
 
+# OpenAI's (and vLLM's) default max_tokens for /v1/completions when the request sends none
+_COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+def _max_tokens_key(ctx: RequestContext) -> str:
+    """The body field a max_tokens override goes into: the one the client used (chat may send either)."""
+    return "max_completion_tokens" if "max_completion_tokens" in (ctx.body or {}) else "max_tokens"
+
+
+def _setting_rule(policy: Any, d: Decision, key: str) -> str:
+    """The rule that set a single value of the decision, for messages and evidence."""
+    find = getattr(policy, "setting_rule", None)
+    return (find(d, key) if find is not None else None) or "(unknown)"
+
+
 class PolicyStage:
-    """Stage "decide": sets ctx.decision and ctx.evidence["decision"]; caps max_tokens; 403 on deny."""
+    """Stage "decide": sets ctx.decision and ctx.evidence["decision"]; caps max_tokens; 403 on deny; 400 when
+    the request does not fit the decision's max_context."""
 
     name = "decide"
 
@@ -52,12 +68,12 @@ class PolicyStage:
                                    extra={"rule": d.deny_rule})
             raise GatewayError(d.deny_status, f"policy decision unavailable ({d.deny_rule}): {d.reason}",
                                code="policy_unavailable", extra={"rule": d.deny_rule})
+        client_max_tokens = ctx.max_tokens is not None
         cap = d.max_tokens_cap
         if cap is not None and (ctx.max_tokens is None or ctx.max_tokens > cap):
             ctx.evidence["max_tokens_capped"] = {"requested": ctx.max_tokens, "cap": cap}
             ctx.max_tokens = cap
-            key = "max_completion_tokens" if "max_completion_tokens" in (ctx.body or {}) else "max_tokens"
-            ctx.body_overrides[key] = cap
+            ctx.body_overrides[_max_tokens_key(ctx)] = cap
         if ctx.model_chain and (len(ctx.model_chain) > 1 or ctx.model_chain[0] != ctx.model):
             chain = self._filter_chain(policy, p, attrs, d, ctx.model_chain)
             if not chain:
@@ -66,6 +82,62 @@ class PolicyStage:
             if chain != ctx.model_chain:
                 ctx.evidence["model_chain_dropped"] = [m for m in ctx.model_chain if m not in chain]
                 ctx.model_chain = chain
+        if d.max_context is not None:
+            self._limit_context(ctx, policy, d, client_max_tokens)
+
+    @staticmethod
+    def _limit_context(ctx: RequestContext, policy: Any, d: Decision, client_max_tokens: bool) -> None:
+        """Enforce `set.max_context`: estimated prompt tokens + max_tokens must fit (docs/policy.md).
+
+        The prompt is counted with ctx.prompt_tokens_est (4 characters per token; exact for token-id prompts),
+        not the byte-level upper bound the budget stage reserves with: that bound counts every byte as a token
+        and would refuse ordinary English prompts at about a quarter of the limit. A max_tokens the client sent
+        (after the max_tokens cap) that does not fit is a 400 `context_length_exceeded`; when the client sent
+        none, the gateway picks the completion length (the cap, the engine default of 16 for completions, or
+        for chat the rest of the context) and lowers it to what fits. Embeddings count the input only.
+        """
+        limit = int(d.max_context)  # type: ignore[arg-type]
+        prompt = ctx.prompt_tokens_est
+        room = limit - prompt  # completion tokens that still fit
+        if ctx.endpoint == "embeddings":
+            completion = 0
+            if prompt <= limit:
+                return
+        elif client_max_tokens:
+            completion = ctx.max_tokens or 0
+            if room >= 1 and completion <= room:
+                return
+        else:  # the gateway picks the completion length: lower it to what fits
+            completion = 0
+            if room >= 1:
+                implied = ctx.max_tokens if ctx.max_tokens is not None else (
+                    _COMPLETIONS_DEFAULT_MAX_TOKENS if ctx.endpoint == "completions" else None)
+                if implied is None or implied > room:
+                    ctx.evidence["max_context"] = {
+                        "rule": _setting_rule(policy, d, "max_context"), "max_context": limit,
+                        "prompt_tokens_est": prompt, "max_tokens": implied, "outcome": "max_tokens_lowered",
+                        "set_max_tokens": room}
+                    ctx.max_tokens = room
+                    ctx.body_overrides[_max_tokens_key(ctx)] = room
+                return
+        rule = _setting_rule(policy, d, "max_context")
+        ctx.evidence["max_context"] = {"rule": rule, "max_context": limit, "prompt_tokens_est": prompt,
+                                       "max_tokens": ctx.max_tokens, "requested_context": prompt + completion,
+                                       "outcome": "refused"}
+        if ctx.endpoint == "embeddings":
+            msg = (f"This request's input is about {prompt} tokens (estimated), over the context limit of {limit} "
+                   f"tokens set by policy rule {rule}.")
+            param = "input"
+        elif room < 1:
+            msg = (f"This request's prompt is about {prompt} tokens (estimated), which leaves no room for a "
+                   f"completion within the context limit of {limit} tokens set by policy rule {rule}.")
+            param = "prompt" if ctx.endpoint == "completions" else "messages"
+        else:
+            msg = (f"This request needs about {prompt + completion} tokens of context ({prompt} in the prompt, "
+                   f"estimated, + {completion} max_tokens), over the limit of {limit} tokens set by policy rule "
+                   f"{rule}. Lower max_tokens to at most {room} or shorten the prompt.")
+            param = _max_tokens_key(ctx)
+        raise GatewayError(400, msg, code="context_length_exceeded", param=param, extra={"rule": rule})
 
     @staticmethod
     def _filter_chain(policy: Any, p: Any, attrs: RequestAttrs, d: Decision, chain: tuple[str, ...]) -> tuple[str, ...]:

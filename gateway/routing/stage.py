@@ -113,6 +113,27 @@ def tenant_cache_salt(tenant: str, secret: str) -> str:
     return "t" + xxhash.xxh3_128_hexdigest(secret.encode() + b"\x00" + tenant.encode())
 
 
+def engine_cache_salt(ctx: RequestContext, secret_env: str | None) -> str | None:
+    """The cache_salt the engine receives, or None (no salt: the shared prefix cache).
+
+    Under the policy's cache isolation, the tenant's own salt (tenant_cache_salt). A client's own `cache_salt`
+    is never forwarded as sent: it is namespaced by the caller's tenant (and, under isolation, combined with
+    the tenant's salt), so no caller can present another tenant's salt - which is computable when
+    `routing.cache_salt_secret_env` is unset - or share a prefix cache with another tenant by choosing the
+    same string. Requests of one tenant with the same client salt still share their cache."""
+    d = ctx.decision
+    client = ctx.body.get("cache_salt")
+    client = client if isinstance(client, str) else None
+    isolate = d is not None and d.cache_isolation
+    if not isolate and client is None:
+        return None
+    secret = (os.environ.get(secret_env, "") if secret_env else "") or _SALT_DEFAULT_SECRET
+    tenant = ctx.principal.tenant if ctx.principal is not None else ""
+    if client is None:
+        return tenant_cache_salt(tenant, secret)
+    return tenant_cache_salt(f"{tenant}\x00{'isolated' if isolate else 'shared'}\x00client:{client}", secret)
+
+
 def session_id(headers: Any, names: list[str]) -> tuple[str, str] | None:
     """(header, value) of the first affinity header present with a usable id: 1-256 printable ASCII, so the
     affinity map and the audit record only ever hold bounded ids (a longer or binary value is ignored)."""
@@ -229,7 +250,7 @@ class PredictiveRouteStage:
         if tel:
             try:
                 lora = None
-                toks, source = await self.telemetry.tokens_for(tel[0], None, ctx.body)
+                toks, source = await self.telemetry.tokens_for(tel[0], None, ctx.body, retain=not ctx.zero_retention)
                 n_tokens = max(1, len(toks))
                 found = self.telemetry.lookup(tel, toks, salt=salt, lora=lora)
                 cached = {k: int(v.tokens) for k, v in found.items()}
@@ -309,13 +330,9 @@ class PredictiveRouteStage:
                                      "reason": "spill to partner not allowed by policy", "filter": "spill"})
             partners = []
 
-        salt = None
-        if d is not None and d.cache_isolation and ctx.principal is not None:
-            secret = os.environ.get(rc.cache_salt_secret_env, "") if rc.cache_salt_secret_env else ""
-            salt = tenant_cache_salt(ctx.principal.tenant, secret or _SALT_DEFAULT_SECRET)
-            ctx.body_overrides["cache_salt"] = salt
-        elif isinstance(ctx.body.get("cache_salt"), str):
-            salt = ctx.body["cache_salt"]  # the client's own salt reaches the engine: look the index up with it
+        salt = engine_cache_salt(ctx, rc.cache_salt_secret_env)
+        if salt is not None:
+            ctx.body_overrides["cache_salt"] = salt  # and the index is looked up with the salt the engine sees
         if d is not None and ctx.endpoint != "embeddings":
             prio = rc.priority_values.get(d.priority)
             if prio is not None:

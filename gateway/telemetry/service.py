@@ -2,7 +2,10 @@
 
 Owns the KV index, one KVEventSubscriber per engine with kv_events, one metrics scrape loop per engine, the
 token source, the gateway's own in-flight accounting, and the agreement between predicted and actual cached
-tokens (exported as Prometheus metrics and in /admin/fleet).
+tokens (in /admin/fleet, and at /metrics as the gateway_kv_index_*agreement_ratio gauges that
+gateway.observability.collect reads from fleet_snapshot()). The gateway_kv_*_cached_tokens and
+gateway_kv_agreement_requests counters below sit on prometheus-client's default registry, which /metrics does not
+serve (it renders gateway.metrics.Metrics' own registry).
 """
 from __future__ import annotations
 
@@ -158,12 +161,13 @@ class TelemetryService:
             await asyncio.sleep(tc.scrape_interval_s)
 
     # ------------------------------------------------------------------------------ request path
-    async def tokens_for(self, backend_name: str | None, endpoint: str | None, body: dict[str, Any]
-                         ) -> tuple[list[int], str]:
-        """Token ids of a request and their source ("local" | "engine" | "approx")."""
+    async def tokens_for(self, backend_name: str | None, endpoint: str | None, body: dict[str, Any],
+                         retain: bool = True) -> tuple[list[int], str]:
+        """Token ids of a request and their source ("local" | "engine" | "approx"). retain=False (a
+        zero-retention request) keeps them out of the token cache: tokenized, used, dropped."""
         if endpoint is None and backend_name in self._backends:
             endpoint = self._backends[backend_name].server_root
-        return await self.tokens.tokens(endpoint, body)
+        return await self.tokens.tokens(endpoint, body, retain=retain)
 
     def lookup(self, engine_names: Iterable[str], tokens: Sequence[int] | RequestKeys, salt: str | None = None,
                lora: str | None = None) -> dict[str, CachedPrefix]:
@@ -255,4 +259,5 @@ class TelemetryService:
                 "index": {k: v for k, v in st.items() if k != "engines"},
                 "tokens": {"mode": self.tokens.mode, "by_source": dict(self.tokens.by_source),
                            "cache_hits": self.tokens.hits, "cache_misses": self.tokens.misses,
+                           "uncached": self.tokens.uncached,
                            "local_error": self.tokens.local_error}}

@@ -69,7 +69,11 @@ class LocalTokenizer:
 
 
 class TokenSource:
-    """Resolves a request body to (token ids, source); caches by (model, rendered request) in an LRU."""
+    """Resolves a request body to (token ids, source); caches by (model, rendered request) in an LRU.
+
+    Cached token ids decode back to the prompt, so a request under zero retention passes `retain=False`:
+    it is tokenized, used and dropped, and neither reads nor writes the cache (counted in `uncached`).
+    """
 
     def __init__(self, mode: str = "auto", client: httpx.AsyncClient | None = None, cache_size: int = 4096,
                  timeout_s: float = 0.5) -> None:
@@ -88,6 +92,7 @@ class TokenSource:
         self._cache_size = cache_size
         self.hits = 0
         self.misses = 0
+        self.uncached = 0  # resolved with retain=False (zero retention): never looked up nor stored
         self.by_source: dict[str, int] = {}
 
     async def close(self) -> None:
@@ -99,8 +104,17 @@ class TokenSource:
         return xxhash.xxh3_128_digest(orjson.dumps(sub, option=orjson.OPT_SORT_KEYS, default=str)) + \
             (endpoint or "").encode()
 
-    async def tokens(self, endpoint: str | None, body: dict[str, Any]) -> tuple[list[int], str]:
-        """Token ids for the request's prompt and the source that produced them ("local"/"engine"/"approx")."""
+    async def tokens(self, endpoint: str | None, body: dict[str, Any], retain: bool = True
+                     ) -> tuple[list[int], str]:
+        """Token ids for the request's prompt and the source that produced them ("local"/"engine"/"approx").
+
+        retain=False (zero retention): resolve without touching the cache, so nothing of the prompt outlives
+        the call here."""
+        if not retain:
+            self.uncached += 1
+            res = await self._resolve(endpoint, body)
+            self.by_source[res[1]] = self.by_source.get(res[1], 0) + 1
+            return res
         key = self._key(endpoint if self._local is None else None, body)
         hit = self._cache.get(key)
         if hit is not None:

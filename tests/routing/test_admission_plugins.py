@@ -10,7 +10,9 @@ from gateway.config import BackendConfig
 from gateway.routing.admission import BatchQueue, QueueFull, decide, slo_ms
 from gateway.routing.plan import Candidate
 from gateway.routing.plugins import ApproxPrefixIndex, EngineView, Scored, build_strategy, text_blocks
-from gateway.routing.stage import tenant_cache_salt
+from gateway.pipeline import RequestContext
+from gateway.routing.stage import _SALT_DEFAULT_SECRET, engine_cache_salt, tenant_cache_salt
+from gateway.types import Decision, Principal
 
 
 def test_slo_precedence():
@@ -96,3 +98,38 @@ def test_cache_salt_is_valid_for_vllm_and_per_tenant():
     assert a != b and a == tenant_cache_salt("acme", "s") and a != tenant_cache_salt("acme", "other")
     for s in (a, b, tenant_cache_salt("a/b@c\\d\x00", "s")):
         assert 0 < len(s) <= 128 and not re.search(r"[@/\\\x00]", s) and "acme" not in s
+
+
+def _salt_ctx(tenant: str, client_salt: str | None = None, isolate: bool = False) -> RequestContext:
+    body = {"model": "m", "messages": []} if client_salt is None else {"model": "m", "cache_salt": client_salt}
+    c = RequestContext(request_id="r", endpoint="chat", headers={}, body=body)
+    c.principal = Principal(id=f"key:{tenant}", kind="api_key", tenant=tenant)
+    c.decision = Decision(allow=True, cache_isolation=isolate)
+    return c
+
+
+def test_engine_cache_salt_namespaces_a_client_salt_by_tenant():
+    """A client's own cache_salt never reaches the engine as sent: tenants choosing the same string do not
+    share a cache, and a tenant presenting another tenant's isolation salt (computable when no secret is
+    configured) does not get that tenant's cache; one tenant's requests with one salt still share."""
+    assert engine_cache_salt(_salt_ctx("acme"), None) is None  # no isolation, no client salt: shared cache
+    mine = engine_cache_salt(_salt_ctx("acme", "s1"), None)
+    assert mine == engine_cache_salt(_salt_ctx("acme", "s1"), None) != "s1"
+    assert mine != engine_cache_salt(_salt_ctx("globex", "s1"), None)
+    assert mine != engine_cache_salt(_salt_ctx("acme", "s2"), None)
+    victim = engine_cache_salt(_salt_ctx("globex", isolate=True), None)
+    assert victim == tenant_cache_salt("globex", _SALT_DEFAULT_SECRET)
+    assert engine_cache_salt(_salt_ctx("acme", victim), None) != victim  # forged salt: not the victim's cache
+    assert engine_cache_salt(_salt_ctx("acme", victim, isolate=True), None) != victim
+    iso_client = engine_cache_salt(_salt_ctx("acme", "s1", isolate=True), None)
+    assert iso_client not in (mine, engine_cache_salt(_salt_ctx("acme", isolate=True), None))
+    for s in (mine, victim, iso_client, engine_cache_salt(_salt_ctx("a", "x" * 5000 + "/@\\"), None)):
+        assert 0 < len(s) <= 128 and not re.search(r"[@/\\\x00]", s)
+
+
+def test_engine_cache_salt_uses_the_configured_secret(monkeypatch):
+    monkeypatch.setenv("GW_SALT_SECRET", "k1")
+    a = engine_cache_salt(_salt_ctx("acme", isolate=True), "GW_SALT_SECRET")
+    monkeypatch.setenv("GW_SALT_SECRET", "k2")
+    assert a != engine_cache_salt(_salt_ctx("acme", isolate=True), "GW_SALT_SECRET")
+    assert a == tenant_cache_salt("acme", "k1")
