@@ -357,6 +357,11 @@ def parse_config(text: str, source: str = "<config>", base_dir: Path | None = No
         raise _fail(source, marks, "budgets.store", "must be 'memory' or 'redis'")
     if raw.budgets.on_store_error not in ("closed", "open"):
         raise _fail(source, marks, "budgets.on_store_error", "must be 'closed' or 'open'")
+    if raw.budgets.reservation_ttl_s <= 0:
+        raise _fail(source, marks, "budgets.reservation_ttl_s", "must be > 0")
+    if raw.budgets.reserve_gpu_seconds is not None and raw.budgets.reserve_gpu_seconds < 0:
+        raise _fail(source, marks, "budgets.reserve_gpu_seconds", "must be >= 0 (omit it to reserve the longest "
+                                                                  "request the backends allow)")
     if raw.identity.store not in ("sqlite", "postgres"):
         raise _fail(source, marks, "identity.store", "must be 'sqlite' or 'postgres'")
     if raw.routing.strategy not in ("predicted_ttft", "least_loaded", "round_robin", "prefix_hash"):

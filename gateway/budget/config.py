@@ -31,6 +31,6 @@ class BudgetsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     timezone: str = "UTC"
     default_max_tokens: int = 4096
     min_completion_tokens: int = 1  # an uncapped request is admitted if at least this many tokens remain
-    reserve_gpu_seconds: float = 0.0  # worst case reserved for GPU-second-priced models
-    reservation_ttl_s: float = 120.0
+    reserve_gpu_seconds: float | None = None  # GPU-seconds reserved per request; null: the longest request allowed
+    reservation_ttl_s: float = 120.0  # hold expiry; raised to the longest request the backends allow (budgets.md)
     prices: dict[str, ModelPrice] = msgspec.field(default_factory=dict)

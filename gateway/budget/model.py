@@ -8,8 +8,8 @@ A reserve is checked and applied over every scope x window of a request in one a
   money:       settled + held + prompt cost + c * out_price <= limit   (integer nano-units)
 c is the largest value <= max_c that fits every limit; below min_c the request is refused. A capped request
 has min_c == max_c; an uncapped one gets whatever fits (the stream is cut there). Holds live per scope with an
-expiry, so a crashed replica's reservations lapse after reservation_ttl_s; settle drops the hold and adds
-the actual usage to every window of every scope (the request itself was counted at reserve).
+expiry, so a crashed replica's reservations lapse after the hold TTL (BudgetService.hold_ttl_s); settle drops
+the hold and adds the actual usage to every window of every scope (the request itself was counted at reserve).
 """
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ class ScopePlan:
 class ReserveArgs:
     rid: str
     now: float
-    expires: float  # hold expiry (now + reservation_ttl_s)
+    expires: float  # hold expiry (now + BudgetService.hold_ttl_s)
     hold_ttl_s: int
     fixed_tokens: int  # prompt tokens (known or estimated)
     fixed_money: int  # nano-units for the prompt

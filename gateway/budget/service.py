@@ -10,7 +10,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 from zoneinfo import ZoneInfo
 
 from gateway.budget.config import BudgetsConfig, ModelPrice
@@ -24,6 +24,11 @@ from gateway.pipeline import Usage
 from gateway.types import BudgetSpec, Principal
 
 log = logging.getLogger("gateway.budget")
+
+REQUEST_SLACK_S = 60.0
+"""Added to the longest request the backends allow (longest `timeouts.total_s` + routing's batch queue wait):
+connect failures and retries before the serving attempt, and the settle itself. See `longest_request_s`."""
+_DEFAULT_TOTAL_S = 600.0  # gateway.config.Timeouts.total_s: what a backend without its own timeouts gets
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +68,7 @@ class SettleOutcome:
     currency: str
     tokens: int
     row: dict[str, Any] = field(default_factory=dict)
+    gpu_seconds: float | None = None  # the GPU-seconds charged (given, or measured from reserve to settle)
 
 
 def _min(a: Any, b: Any) -> Any:
@@ -85,6 +91,8 @@ class BudgetService:
         self._retry_task: asyncio.Task[None] | None = None
         self._limits_cache: dict[Any, Any] = {}  # (scopes, budgets, scale) -> merged limits; cleared on swap
         self._period_cache: dict[str, Any] = {}  # calendar window -> WindowRef valid until its end
+        self._price_cache: dict[tuple[str, ...], tuple[float, float, float]] = {}  # model chain -> worst price
+        self.hold_ttl_s = self._hold_ttl()
 
     def _make_store(self, cfg: BudgetsConfig) -> BudgetStore:
         if cfg.store == "redis":
@@ -115,6 +123,33 @@ class BudgetService:
         self.tz = ZoneInfo(self.cfg.timezone)
         self._limits_cache = {}
         self._period_cache = {}
+        self._price_cache = {}
+        self.hold_ttl_s = self._hold_ttl()
+
+    def longest_request_s(self, backends: Iterable[str] | None = None) -> float:
+        """The longest a request may run between its reservation and its settle, over `backends` (names; None
+        = every configured backend): the longest `timeouts.total_s` (one attempt's limit, streams included) +
+        `routing.batch_queue_timeout_s` (admission may queue it after the reservation) + REQUEST_SLACK_S."""
+        raw = self._config.raw
+        names = None if backends is None else set(backends)
+        totals = [b.timeouts.total_s for b in raw.backends if names is None or b.name in names]
+        if not totals:  # nothing known serves it: every configured backend, else the default timeout
+            totals = [b.timeouts.total_s for b in raw.backends] or [_DEFAULT_TOTAL_S]
+        return max(totals) + raw.routing.batch_queue_timeout_s + REQUEST_SLACK_S
+
+    def _hold_ttl(self) -> float:
+        """Holds must outlive the longest request, else a slow request's hold lapses while it runs and the
+        concurrency/token/money checks of other requests no longer see it. So the effective hold expiry is
+        max(reservation_ttl_s, longest_request_s()): a shorter reservation_ttl_s is raised, not refused, so
+        every config that loaded before still loads. One value for all requests (a per-request value would let
+        a short hold shorten the expiry of a scope's hold keys under a long one)."""
+        floor = self.longest_request_s()
+        ttl = max(self.cfg.reservation_ttl_s, floor)
+        if ttl > self.cfg.reservation_ttl_s:
+            log.info("budget holds expire after %.0fs: budgets.reservation_ttl_s=%gs is raised to the longest "
+                     "request the backends allow (longest timeouts.total_s + routing.batch_queue_timeout_s + %gs)",
+                     ttl, self.cfg.reservation_ttl_s, REQUEST_SLACK_S)
+        return ttl
 
     @property
     def available(self) -> bool:
@@ -194,18 +229,36 @@ class BudgetService:
         return ref.ref
 
     def _price(self, models: tuple[str, ...]) -> tuple[float, float, float]:
-        """Worst-case (input, output, fixed) nano-units per token over the models that may serve it."""
+        """Worst-case (input, output, fixed) nano-units (per token; fixed per request) over every (backend,
+        model) the request may be charged at: each model of the chain with each backend serving any of them
+        (the route is not planned yet, and retries or spills may land on any of them), each pair priced as
+        settle prices it (`<backend>:<model>`, else `<model>`). A model no configured backend serves is also
+        priced without a backend. Cached per chain until the next config swap."""
+        hit = self._price_cache.get(models)
+        if hit is not None:
+            return hit
+        cfg = self.cfg
+        serving = self._config.models  # model -> names of the backends serving it
+        backends = sorted({b for m in models for b in serving.get(m, ())})
+        gpu_s = cfg.reserve_gpu_seconds
+        if gpu_s is None:
+            gpu_s = self.longest_request_s(backends)
         pin = pout = fixed = 0.0
         for m in models:
-            p: ModelPrice | None = find_price(m, self.cfg.prices)
-            if p is None:
-                continue
-            fx = convert(1.0, p.currency, self.cfg.currency, self.cfg.fx_rates)
-            pin = max(pin, p.input * fx * 1000)  # per million tokens == nano-units per token / 1000
-            pout = max(pout, p.output * fx * 1000)
-            if p.gpu_second is not None:
-                fixed = max(fixed, p.gpu_second * fx * self.cfg.reserve_gpu_seconds * NANO)
-        return pin, pout, fixed
+            for b in (backends if m in serving else (*backends, None)):
+                p: ModelPrice | None = find_price(m, cfg.prices, b)
+                if p is None:
+                    continue
+                fx = convert(1.0, p.currency, cfg.currency, cfg.fx_rates)
+                pin = max(pin, p.input * fx * 1000)  # per million tokens == nano-units per token / 1000
+                pout = max(pout, p.output * fx * 1000)
+                if p.gpu_second is not None:
+                    fixed = max(fixed, p.gpu_second * fx * gpu_s * NANO)
+        out = (pin, pout, fixed)
+        if len(self._price_cache) > 10_000:
+            self._price_cache.clear()
+        self._price_cache[models] = out
+        return out
 
     # ------------------------------------------------------------------------------------ reserve
 
@@ -255,7 +308,7 @@ class BudgetService:
 
     def _reserve_args(self, rid: str, now: float, limits: Any, prompt: int, max_c: int, min_c: int,
                       pin: float, pout: float, pfixed: float) -> ReserveArgs:
-        ttl = self.cfg.reservation_ttl_s
+        ttl = self.hold_ttl_s
         return ReserveArgs(
             rid=rid, now=round(now, 3), expires=round(now + ttl, 3), hold_ttl_s=int(ttl) + 60,
             fixed_tokens=prompt, fixed_money=math.ceil(prompt * pin + pfixed), max_completion=max_c,
@@ -265,16 +318,21 @@ class BudgetService:
 
     async def settle(self, resv: Reservation, usage: Usage, model: str, backend: str | None = None,
                      gpu_seconds: float | None = None) -> SettleOutcome:
-        """Replace the hold with actual usage. Never loses spend: a failed primary settle is queued and replayed."""
+        """Replace the hold with actual usage. Never loses spend: a failed primary settle is queued and replayed.
+
+        A GPU-second-priced model served by `backend` without `gpu_seconds` given is charged the wall time
+        from this reservation to now (what the gateway held the request for: it bounds the engine's time)."""
         if resv.settled:
             raise RuntimeError(f"reservation {resv.rid} settled twice")
         resv.settled = True
+        now = self.clock()
         p = find_price(model, self.cfg.prices, backend)
+        if gpu_seconds is None and backend is not None and p is not None and p.gpu_second is not None:
+            gpu_seconds = max(0.0, round(now - resv.args.now, 3))
         ccy = self.cfg.currency
         amount = cost(model, usage, self.cfg.prices, gpu_seconds, backend)
         if p is not None:
             amount = convert(amount, p.currency, ccy, self.cfg.fx_rates)
-        now = self.clock()
         # the in-process fail-open store cannot lose a reply: no marker there (it would never be purged)
         marker = ("", 0) if resv.store == "local" else self._done_marker(resv.rid)
         args = SettleArgs(resv.rid, round(now, 3), usage.total_tokens, round(amount * NANO),
@@ -291,13 +349,15 @@ class BudgetService:
                     log.warning("budget settle of %s deferred: %s", resv.rid, e)
                     self._down_until = self.clock() + self.cfg.redis_retry_s
                     self._pending.append(args)
-        return SettleOutcome(amount, ccy, usage.total_tokens)
+        return SettleOutcome(amount, ccy, usage.total_tokens, gpu_seconds=gpu_seconds)
 
     def _done_marker(self, rid: str) -> tuple[str, int]:
         """Idempotency marker of a settle on the shared store (Redis), so a settle replayed after its reply was
-        lost is not charged twice. It outlives the hold by 5 minutes; a replay later than that (a store outage
-        that began between executing a settle and answering it, and lasted longer) may charge twice: spend is
-        over-counted, never lost. The in-process stores cannot lose a reply and get no marker."""
+        lost is not charged twice. It lives `reservation_ttl_s` + 5 minutes from the settle (the configured
+        value, not the raised hold expiry: the marker guards replays after an outage, not the hold, and its
+        life is memory per settled request); a replay later than that (a store outage that began between
+        executing a settle and answering it, and lasted longer) may charge twice: spend is over-counted, never
+        lost. The in-process stores cannot lose a reply and get no marker."""
         if self.cfg.store != "redis":
             return "", 0
         return f"{self.cfg.key_prefix}:settled:{rid}", int(self.cfg.reservation_ttl_s) + 300

@@ -8,6 +8,7 @@ stream at the budget. finish: settle with the real usage (or what was delivered)
 from __future__ import annotations
 
 import logging
+import time
 
 from gateway.budget.pricing import find_price
 from gateway.budget.service import BudgetService, Reservation, _NoLimits
@@ -62,7 +63,12 @@ class BudgetStage:
         svc = self.service
         model = self._price_model(ctx)
         price = find_price(model, svc.cfg.prices, ctx.backend)
-        gpu_s = ctx.total_s if (price is not None and price.gpu_second is not None) else None
+        gpu_s = None
+        if price is not None and price.gpu_second is not None and ctx.backend is not None:
+            # the gateway's wall time for the request so far (arrival to now, the end of the response): what
+            # it held an engine slot for, an upper bound of the engine's time (ObserveStage sets total_s later)
+            total = ctx.total_s if ctx.total_s is not None else time.perf_counter() - ctx.received_at
+            gpu_s = round(max(0.0, total), 3)
         if resv is not None:
             out = await svc.settle(resv, usage, model, ctx.backend, gpu_s)
             amount, ccy = out.cost, out.currency
