@@ -1,8 +1,14 @@
 """Admin plane routes (/admin/...): CRUD for tenants, teams, projects, partners and keys.
 
 Every route authenticates with `IdentityService.authenticate_admin`. Role "admin" sees everything;
-"tenant_admin" sees only its own tenant: naming another tenant is 403, and a key id of another tenant is
-404 (key ids are not confirmed to outsiders). Tenants and partners are created by platform admins only.
+"tenant_admin" sees only its own tenant: naming another tenant is 403, and a key or partner id of another
+tenant is 404 (ids that are not under a tenant path are not confirmed to outsiders). Tenants and partners are
+created, changed and deleted by platform admins only; teams, projects and keys by either within the tenant.
+
+PATCH takes a JSON object of the fields to change (`name`, `labels`; keys also `scopes`, `models`,
+`expires_at`); `labels` replaces the whole set. DELETE removes a tenant/team/project/partner only when nothing
+depends on it any more (409 `resource_in_use` naming what is attached); DELETE of a key revokes it (the row
+stays for audit) and is idempotent.
 """
 from __future__ import annotations
 
@@ -61,6 +67,11 @@ def _not_found(what: str) -> GatewayError:
     return GatewayError(404, f"{what} not found.", code="not_found")
 
 
+def _deleted(obj: str, **ids: str) -> dict[str, Any]:
+    """OpenAI's delete response shape: {"id", "object", "deleted": true} (+ the parent ids of the record)."""
+    return {**ids, "object": obj, "deleted": True}
+
+
 def admin_routes(service: IdentityService) -> list[Route]:
     """Starlette routes for the admin plane, to mount under the app."""
 
@@ -104,11 +115,17 @@ def admin_routes(service: IdentityService) -> list[Route]:
     async def patch_tenant(req: Request, p: Principal) -> Any:
         require_admin(p)
         tid = req.path_params["tenant"]
-        b = await _body(req)
-        t = await service.update_tenant_labels(tid, b.get("labels") or {})
+        t = await service.update_tenant(tid, await _body(req))
         if t is None:
             raise _not_found("Tenant")
         return to_dict(t)
+
+    async def delete_tenant(req: Request, p: Principal) -> Any:
+        require_admin(p)
+        tid = req.path_params["tenant"]
+        if not await service.delete_tenant(tid):
+            raise _not_found("Tenant")
+        return _deleted("tenant", id=tid)
 
     # ---- teams
     async def list_teams(req: Request, p: Principal) -> Any:
@@ -122,6 +139,30 @@ def admin_routes(service: IdentityService) -> list[Route]:
         b = await _body(req)
         t = await service.create_team(tid, b.get("id"), b.get("name") or "", b.get("labels"))
         return _json(to_dict(t), 201)
+
+    def _team_path(req: Request, p: Principal) -> tuple[str, str]:
+        tid = req.path_params["tenant"]
+        require_tenant(p, tid)
+        return tid, req.path_params["team"]
+
+    async def get_team(req: Request, p: Principal) -> Any:
+        t = await service.get_team(*_team_path(req, p))
+        if t is None:
+            raise _not_found("Team")
+        return to_dict(t)
+
+    async def patch_team(req: Request, p: Principal) -> Any:
+        tid, team = _team_path(req, p)
+        t = await service.update_team(tid, team, await _body(req))
+        if t is None:
+            raise _not_found("Team")
+        return to_dict(t)
+
+    async def delete_team(req: Request, p: Principal) -> Any:
+        tid, team = _team_path(req, p)
+        if not await service.delete_team(tid, team):
+            raise _not_found("Team")
+        return _deleted("team", id=team, tenant=tid)
 
     # ---- projects
     def _tenant_of(req: Request, p: Principal, b: dict[str, Any] | None = None) -> str:
@@ -142,6 +183,29 @@ def admin_routes(service: IdentityService) -> list[Route]:
         x = await service.create_project(tid, b.get("team"), b.get("id"), b.get("name") or "", b.get("labels"))
         return _json(to_dict(x), 201)
 
+    def _project_path(req: Request, p: Principal) -> tuple[str, str, str]:
+        tid, team = _team_path(req, p)
+        return tid, team, req.path_params["project"]
+
+    async def get_project(req: Request, p: Principal) -> Any:
+        x = await service.get_project(*_project_path(req, p))
+        if x is None:
+            raise _not_found("Project")
+        return to_dict(x)
+
+    async def patch_project(req: Request, p: Principal) -> Any:
+        tid, team, pid = _project_path(req, p)
+        x = await service.update_project(tid, team, pid, await _body(req))
+        if x is None:
+            raise _not_found("Project")
+        return to_dict(x)
+
+    async def delete_project(req: Request, p: Principal) -> Any:
+        tid, team, pid = _project_path(req, p)
+        if not await service.delete_project(tid, team, pid):
+            raise _not_found("Project")
+        return _deleted("project", id=pid, tenant=tid, team=team)
+
     # ---- partners
     async def list_partners(req: Request, p: Principal) -> Any:
         ps = await service.list_partners(None if is_admin(p) else p.tenant)
@@ -153,6 +217,26 @@ def admin_routes(service: IdentityService) -> list[Route]:
         x = await service.create_partner(b.get("id"), b.get("tenant") or b.get("id"), b.get("name") or "",
                                          b.get("labels"))
         return _json(to_dict(x), 201)
+
+    async def get_partner(req: Request, p: Principal) -> Any:
+        x = await service.get_partner(req.path_params["partner"])
+        if x is None or (not is_admin(p) and x.tenant != p.tenant):
+            raise _not_found("Partner")
+        return to_dict(x)
+
+    async def patch_partner(req: Request, p: Principal) -> Any:
+        require_admin(p)
+        x = await service.update_partner(req.path_params["partner"], await _body(req))
+        if x is None:
+            raise _not_found("Partner")
+        return to_dict(x)
+
+    async def delete_partner(req: Request, p: Principal) -> Any:
+        require_admin(p)
+        pid = req.path_params["partner"]
+        if not await service.delete_partner(pid):
+            raise _not_found("Partner")
+        return _deleted("partner", id=pid)
 
     # ---- keys
     async def list_keys(req: Request, p: Principal) -> Any:
@@ -185,7 +269,14 @@ def admin_routes(service: IdentityService) -> list[Route]:
         assert k is not None
         return k.public()
 
-    async def revoke_key(req: Request, p: Principal) -> Any:
+    async def patch_key(req: Request, p: Principal) -> Any:
+        kid = await _own_key(req, p)
+        k = await service.update_key(kid, await _body(req))
+        if k is None:
+            raise _not_found("Key")
+        return k.public()
+
+    async def revoke_key(req: Request, p: Principal) -> Any:  # POST .../revoke and DELETE: idempotent
         kid = await _own_key(req, p)
         k = await service.revoke_key(kid)
         assert k is not None
@@ -208,15 +299,27 @@ def admin_routes(service: IdentityService) -> list[Route]:
         Route("/admin/tenants", wrap(create_tenant), methods=["POST"]),
         Route("/admin/tenants/{tenant}", wrap(get_tenant), methods=["GET"]),
         Route("/admin/tenants/{tenant}", wrap(patch_tenant), methods=["PATCH"]),
+        Route("/admin/tenants/{tenant}", wrap(delete_tenant), methods=["DELETE"]),
         Route("/admin/tenants/{tenant}/teams", wrap(list_teams), methods=["GET"]),
         Route("/admin/tenants/{tenant}/teams", wrap(create_team), methods=["POST"]),
+        Route("/admin/tenants/{tenant}/teams/{team}", wrap(get_team), methods=["GET"]),
+        Route("/admin/tenants/{tenant}/teams/{team}", wrap(patch_team), methods=["PATCH"]),
+        Route("/admin/tenants/{tenant}/teams/{team}", wrap(delete_team), methods=["DELETE"]),
+        Route("/admin/tenants/{tenant}/teams/{team}/projects/{project}", wrap(get_project), methods=["GET"]),
+        Route("/admin/tenants/{tenant}/teams/{team}/projects/{project}", wrap(patch_project), methods=["PATCH"]),
+        Route("/admin/tenants/{tenant}/teams/{team}/projects/{project}", wrap(delete_project), methods=["DELETE"]),
         Route("/admin/projects", wrap(list_projects), methods=["GET"]),
         Route("/admin/projects", wrap(create_project), methods=["POST"]),
         Route("/admin/partners", wrap(list_partners), methods=["GET"]),
         Route("/admin/partners", wrap(create_partner), methods=["POST"]),
+        Route("/admin/partners/{partner}", wrap(get_partner), methods=["GET"]),
+        Route("/admin/partners/{partner}", wrap(patch_partner), methods=["PATCH"]),
+        Route("/admin/partners/{partner}", wrap(delete_partner), methods=["DELETE"]),
         Route("/admin/keys", wrap(list_keys), methods=["GET"]),
         Route("/admin/keys", wrap(create_key), methods=["POST"]),
         Route("/admin/keys/{key_id}", wrap(get_key), methods=["GET"]),
+        Route("/admin/keys/{key_id}", wrap(patch_key), methods=["PATCH"]),
+        Route("/admin/keys/{key_id}", wrap(revoke_key), methods=["DELETE"]),
         Route("/admin/keys/{key_id}/revoke", wrap(revoke_key), methods=["POST"]),
         Route("/admin/keys/{key_id}/rotate", wrap(rotate_key), methods=["POST"]),
     ]

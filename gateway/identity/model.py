@@ -80,3 +80,16 @@ class Conflict(Exception):
 
 class NotFound(Exception):
     """A referenced parent (tenant, team, ...) does not exist."""
+
+
+class InUse(Exception):
+    """A delete was refused because other records still depend on this one; `dependents` counts them by kind
+    (e.g. {"teams": 2, "active keys": 1})."""
+
+    def __init__(self, dependents: dict[str, int]) -> None:
+        super().__init__(", ".join(f"{n} {kind}" for kind, n in dependents.items()))
+        self.dependents = dependents
+
+
+class NotEditable(Exception):
+    """An update was refused because of the record's state (a revoked key, the lifetime of a rotated key)."""

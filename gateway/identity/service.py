@@ -23,7 +23,7 @@ from gateway.config import Config
 from gateway.errors import GatewayError
 from gateway.identity import keys as keyfmt
 from gateway.identity.jwt_verify import JWTVerifier, token_error
-from gateway.identity.model import ApiKey, Conflict, NotFound, Partner, Project, Team, Tenant
+from gateway.identity.model import ApiKey, Conflict, InUse, NotEditable, NotFound, Partner, Project, Team, Tenant
 from gateway.identity.ratelimit import FailureLimiter
 from gateway.identity.store import IdentityStore
 from gateway.types import Principal
@@ -103,6 +103,40 @@ def validate_str_list(value: Any, what: str) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(x, str) and 0 < len(x) <= 128 for x in value):
         raise _bad(f"{what} must be a list of strings.", param=what)
     return list(value)
+
+
+# What an update (admin PATCH) may change. Ids, parents, purpose and the secret never change: a key in another
+# place or with another purpose is a new key (create + revoke, or rotate).
+HIER_EDITABLE = ("name", "labels")
+KEY_EDITABLE = ("name", "labels", "scopes", "models", "expires_at")
+
+
+def validate_changes(changes: Mapping[str, Any], editable: tuple[str, ...]) -> dict[str, Any]:
+    """An update body checked field by field: 400 naming the first offending field. `labels` replaces the whole
+    label set; null clears labels/scopes/models (empty `models` = no model restriction) and `expires_at`."""
+    out: dict[str, Any] = {}
+    for f, v in changes.items():
+        if f not in editable:
+            raise _bad(f"Field '{f[:64]}' cannot be changed; editable fields: {', '.join(editable)}.", param=f[:64])
+        if f == "name":
+            if not isinstance(v, str) or not 0 < len(v) <= 256:
+                raise _bad("name must be a string of 1-256 characters.", param="name")
+            out[f] = v
+        elif f == "labels":
+            out[f] = validate_labels(v)
+        elif f in ("scopes", "models"):
+            out[f] = validate_str_list(v, f)
+        elif f == "expires_at":
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= time.time()):
+                raise _bad("expires_at must be a future unix time, or null for no expiry.", param="expires_at")
+            out[f] = None if v is None else float(v)
+    return out
+
+
+def in_use(what: str, e: InUse) -> GatewayError:
+    deps = ", ".join(f"{n} {kind[:-1] if n == 1 and kind.endswith('s') else kind}" for kind, n in e.dependents.items())
+    return GatewayError(409, f"{what} still has {deps} attached; delete those (revoke keys) first.",
+                        code="resource_in_use")
 
 
 @dataclasses.dataclass(slots=True)
@@ -369,17 +403,52 @@ class IdentityService:
         return await self._s().list_tenants()
 
     async def update_tenant_labels(self, tenant_id: str, labels: dict[str, str]) -> Tenant | None:
-        t = await self._s().update_tenant_labels(tenant_id, validate_labels(labels))
+        return await self.update_tenant(tenant_id, {"labels": labels})
+
+    # Updates and deletes publish their change event in the store's transaction (every replica drops what it
+    # cached); this replica also applies it synchronously, so its next request already sees the change.
+    async def update_tenant(self, tenant_id: str, changes: Mapping[str, Any]) -> Tenant | None:
+        t = await self._s().update_tenant(tenant_id, validate_changes(changes, HIER_EDITABLE))
         self._on_event(f"tenant:{tenant_id}")
         return t
+
+    async def delete_tenant(self, tenant_id: str) -> bool:
+        """Remove a tenant with no teams, projects, partners or unrevoked keys (else 409). False if unknown."""
+        try:
+            done = await self._s().delete_tenant(tenant_id)
+        except InUse as e:
+            raise in_use(f"Tenant '{tenant_id}'", e) from None
+        self._on_event(f"tenant:{tenant_id}")
+        if done:
+            log.info("tenant %s deleted", tenant_id)
+        return done
 
     async def create_team(self, tenant: str, team_id: str, name: str = "",
                           labels: dict[str, str] | None = None) -> Team:
         t = Team(tenant, validate_id(team_id, "id"), name or team_id, validate_labels(labels), time.time())
         return await self._guard(self._s().create_team(t))
 
+    async def get_team(self, tenant: str, team_id: str) -> Team | None:
+        return await self._s().get_team(tenant, team_id)
+
     async def list_teams(self, tenant: str) -> list[Team]:
         return await self._s().list_teams(tenant)
+
+    async def update_team(self, tenant: str, team_id: str, changes: Mapping[str, Any]) -> Team | None:
+        t = await self._s().update_team(tenant, team_id, validate_changes(changes, HIER_EDITABLE))
+        self._on_event(f"team:{tenant}/{team_id}")
+        return t
+
+    async def delete_team(self, tenant: str, team_id: str) -> bool:
+        """Remove a team with no projects or unrevoked keys (else 409). False if unknown."""
+        try:
+            done = await self._s().delete_team(tenant, team_id)
+        except InUse as e:
+            raise in_use(f"Team '{team_id}'", e) from None
+        self._on_event(f"team:{tenant}/{team_id}")
+        if done:
+            log.info("team %s/%s deleted", tenant, team_id)
+        return done
 
     async def create_project(self, tenant: str, team: str, project_id: str, name: str = "",
                              labels: dict[str, str] | None = None) -> Project:
@@ -387,8 +456,28 @@ class IdentityService:
                     validate_labels(labels), time.time())
         return await self._guard(self._s().create_project(p))
 
+    async def get_project(self, tenant: str, team: str, project_id: str) -> Project | None:
+        return await self._s().get_project(tenant, team, project_id)
+
     async def list_projects(self, tenant: str, team: str | None = None) -> list[Project]:
         return await self._s().list_projects(tenant, team)
+
+    async def update_project(self, tenant: str, team: str, project_id: str,
+                             changes: Mapping[str, Any]) -> Project | None:
+        p = await self._s().update_project(tenant, team, project_id, validate_changes(changes, HIER_EDITABLE))
+        self._on_event(f"project:{tenant}/{team}/{project_id}")
+        return p
+
+    async def delete_project(self, tenant: str, team: str, project_id: str) -> bool:
+        """Remove a project with no unrevoked keys (else 409). False if unknown."""
+        try:
+            done = await self._s().delete_project(tenant, team, project_id)
+        except InUse as e:
+            raise in_use(f"Project '{project_id}'", e) from None
+        self._on_event(f"project:{tenant}/{team}/{project_id}")
+        if done:
+            log.info("project %s/%s/%s deleted", tenant, team, project_id)
+        return done
 
     async def create_partner(self, partner_id: str, tenant: str, name: str = "",
                              labels: dict[str, str] | None = None) -> Partner:
@@ -396,8 +485,27 @@ class IdentityService:
                     validate_labels(labels), time.time())
         return await self._guard(self._s().create_partner(p))
 
+    async def get_partner(self, partner_id: str) -> Partner | None:
+        return await self._s().get_partner(partner_id)
+
     async def list_partners(self, tenant: str | None = None) -> list[Partner]:
         return await self._s().list_partners(tenant)
+
+    async def update_partner(self, partner_id: str, changes: Mapping[str, Any]) -> Partner | None:
+        p = await self._s().update_partner(partner_id, validate_changes(changes, HIER_EDITABLE))
+        self._on_event(f"partner:{partner_id}")
+        return p
+
+    async def delete_partner(self, partner_id: str) -> bool:
+        """Remove a partner with no unrevoked keys (else 409). False if unknown."""
+        try:
+            done = await self._s().delete_partner(partner_id)
+        except InUse as e:
+            raise in_use(f"Partner '{partner_id}'", e) from None
+        self._on_event(f"partner:{partner_id}")
+        if done:
+            log.info("partner %s deleted", partner_id)
+        return done
 
     async def create_key(self, tenant: str, *, team: str | None = None, project: str | None = None,
                          partner: str | None = None, name: str = "", purpose: str = "data",
@@ -431,6 +539,18 @@ class IdentityService:
 
     async def list_keys(self, tenant: str | None = None) -> list[ApiKey]:
         return await self._s().list_keys(tenant)
+
+    async def update_key(self, key_id: str, changes: Mapping[str, Any]) -> ApiKey | None:
+        """Edit name/labels/scopes/models/expires_at; 409 for a revoked key or the expiry of a rotated one."""
+        ch = validate_changes(changes, KEY_EDITABLE)
+        try:
+            k = await self._s().update_key(key_id, ch)
+        except NotEditable as e:
+            raise GatewayError(409, str(e), code="conflict") from None
+        self._on_event(f"key:{key_id}")
+        if k is not None and ch:
+            log.info("api key %s updated (%s)", key_id, ", ".join(sorted(ch)))
+        return k
 
     async def revoke_key(self, key_id: str) -> ApiKey | None:
         k = await self._s().revoke_key(key_id, time.time())

@@ -75,6 +75,63 @@ async def test_postgres_notify_propagates_revocation_fast(tmp_path: Path, pg_sch
         await b.close()
 
 
+async def until(check: Any, limit_s: float) -> float:
+    """Seconds until the async predicate holds (polling every 10 ms); fails after limit_s."""
+    t0 = time.monotonic()
+    while not await check():
+        assert time.monotonic() - t0 < limit_s, f"not seen within {limit_s}s"
+        await asyncio.sleep(0.01)
+    return time.monotonic() - t0
+
+
+async def test_postgres_notify_propagates_edits_and_deletes(tmp_path: Path, pg_schema: str) -> None:
+    """Admin PATCH/DELETE (team, project, partner, key) reach a replica holding cached principals in well under
+    the 60 s TTL: only the NOTIFY published by the change can do that."""
+    a, b = await two(tmp_path, "postgres", pg_schema, ttl=60.0)
+    try:
+        await a.create_tenant("acme", labels={"residency": "eea"})
+        await a.create_team("acme", "search", labels={"tier": "batch"})
+        await a.create_project("acme", "search", "ranker", labels={"retention": "30d"})
+        await a.create_partner("opper", "acme")
+        k, secret = await a.create_key("acme", team="search", project="ranker")
+        pk, psecret = await a.create_key("acme", partner="opper")
+        h, ph = {"authorization": f"Bearer {secret}"}, {"authorization": f"Bearer {psecret}"}
+        assert (await b.authenticate(h, "r")).labels["tier"] == "batch"  # cached in b
+        assert (await b.authenticate(ph, "r")).labels == {"residency": "eea"}
+
+        await a.update_team("acme", "search", {"labels": {"tier": "realtime"}})
+        assert await until(lambda: _labels_has(b, h, "tier", "realtime"), 2.0) < 2.0
+        await a.update_project("acme", "search", "ranker", {"labels": {"retention": "zero"}})
+        assert await until(lambda: _labels_has(b, h, "retention", "zero"), 2.0) < 2.0
+        await a.update_partner("opper", {"labels": {"residency": "us"}})
+        assert await until(lambda: _labels_has(b, ph, "residency", "us"), 2.0) < 2.0
+
+        async def models_restricted() -> bool:
+            return (await b.authenticate(h, "r")).allowed_models == ("qwen*",)
+
+        await a.update_key(k.id, {"models": ["qwen*"]})
+        assert await until(models_restricted, 2.0) < 2.0
+
+        # DELETE of a key is revocation; then its project can go, and b forgets the project's labels (what a
+        # JWT naming that project would be given)
+        await a.revoke_key(k.id)
+        assert await until_rejected(b, secret, limit_s=2.0) < 2.0
+        assert (await b._hierarchy_labels("acme", "search", "ranker", None))["retention"] == "zero"
+        assert await a.delete_project("acme", "search", "ranker")
+
+        async def project_gone() -> bool:
+            return "retention" not in await b._hierarchy_labels("acme", "search", "ranker", None)
+
+        assert await until(project_gone, 2.0) < 2.0
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def _labels_has(svc: IdentityService, headers: dict[str, str], k: str, v: str) -> bool:
+    return (await svc.authenticate(headers, "r")).labels.get(k) == v
+
+
 async def test_postgres_ttl_bounds_staleness_without_notify(tmp_path: Path, pg_schema: str) -> None:
     a, b = await two(tmp_path, "postgres", pg_schema, ttl=0.5)
     try:

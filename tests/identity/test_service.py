@@ -191,3 +191,46 @@ async def test_validation_and_conflicts(service: IdentityService) -> None:
     assert e.status == 400
     e = await err(service.create_key("acme", labels={"a": 1}))  # type: ignore[dict-item]
     assert e.status == 400
+
+
+async def test_migration_3_keeps_keys_and_lets_parents_go(config_factory: Any,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store created at schema v2 (api_keys with foreign keys) migrates to v3 with every key intact; after
+    it, a tenant/partner whose keys are all revoked can be deleted while the key rows stay as the audit trail."""
+    import gateway.identity.store as store_mod
+
+    monkeypatch.setattr(store_mod, "MIGRATIONS", store_mod.MIGRATIONS[:2])
+    old = IdentityService(config_factory())
+    await old.start()
+    try:
+        assert old.store is not None and await old.store.migrate() == 2
+        await old.create_tenant("acme", labels={"residency": "eea"})
+        await old.create_partner("opper", "acme")
+        dead, _ = await old.create_key("acme", partner="opper", labels={"owner": "x"}, models=["qwen*"])
+        await old.revoke_key(dead.id)
+        e = await err(old.delete_partner("opper"))  # v2: the foreign key refuses; answered as 409, not 500
+        assert (e.status, e.code) == (409, "resource_in_use")
+        live, secret = await old.create_key("acme", expires_at=time.time() + 3600)
+        before = await old.list_keys()
+    finally:
+        await old.close()
+    monkeypatch.undo()
+
+    new = IdentityService(config_factory())
+    await new.start()
+    try:
+        assert new.store is not None and await new.store.migrate() == SCHEMA_VERSION >= 3
+        assert await new.list_keys() == before
+        assert (await new.authenticate(bearer(secret), "c")).key_id == live.id
+        assert await new.delete_partner("opper")  # its only key is revoked: a v2 foreign key would refuse this
+        assert await new.get_partner("opper") is None
+        assert (await err(new.delete_tenant("acme"))).status == 409  # the live key
+        await new.revoke_key(live.id)
+        assert await new.delete_tenant("acme")
+        assert await new.get_tenant("acme") is None
+        after = await new.list_keys()
+        assert [k.id for k in after] == [k.id for k in before] and all(k.revoked_at for k in after)
+        assert (await err(new.authenticate(bearer(secret), "c"))).code == "revoked_api_key"
+        assert (await err(new.create_key("acme"))).status == 404
+    finally:
+        await new.close()
