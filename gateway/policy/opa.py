@@ -57,6 +57,18 @@ def _countries(v: Any) -> frozenset[str]:
     return frozenset(out)
 
 
+def _valid_field(key: str, v: Any) -> Any:
+    """OPA's value for a Decision field in the type the request path relies on, or None when it is not."""
+    if key == "priority":
+        v = "batch" if v == "sheddable" else v
+        return v if v in ("realtime", "standard", "batch") else None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v <= 0:
+        return None
+    if key == "ttft_slo_ms":
+        return float(v)
+    return int(v) if float(v).is_integer() else None  # max_tokens, max_context: whole token counts
+
+
 def merge_result(local: Decision | None, result: Any, defined: bool) -> Decision:
     """Combine the local decision with OPA's answer: deny wins, jurisdictions intersect, OPA sets values."""
     base = local or Decision()
@@ -88,7 +100,11 @@ def merge_result(local: Decision | None, result: Any, defined: bool) -> Decision
     for k, dk in (("priority", "priority"), ("ttft_slo_ms", "ttft_slo_ms"), ("max_tokens", "max_tokens_cap"),
                   ("max_context", "max_context")):
         if result.get(k) is not None:
-            fields[dk] = result[k]
+            v = _valid_field(k, result[k])
+            if v is None:  # a malformed answer fails closed, with the reason (never a 500 later on)
+                return Decision(allow=False, deny_rule="opa", matched_rules=rules,
+                                reason=f"OPA result field '{k}' is invalid: {result[k]!r:.80}")
+            fields[dk] = v
     if countries is not None and not countries:
         return Decision(allow=False, deny_rule="opa", matched_rules=rules,
                         reason="contradictory residency between local policy and OPA: no country left")

@@ -13,7 +13,7 @@ import pytest
 from gateway.policy.compiler import compile_text
 from gateway.policy.config import OPAConfig
 from gateway.policy.model import RequestAttrs
-from gateway.policy.opa import OPAPolicy, build_input
+from gateway.policy.opa import OPAPolicy, build_input, merge_result
 from gateway.types import Principal
 from tests.policy.opa_server import RegoDataServer
 
@@ -165,3 +165,19 @@ async def test_stage_turns_opa_outage_into_503():
         await PolicyStage(lambda: pol).run(c)
     assert ei.value.status == 503 and ei.value.code == "policy_unavailable"
     await pol.close()
+
+
+@pytest.mark.parametrize("field,value,ok", [
+    ("max_context", 4096, 4096), ("max_context", 4096.0, 4096), ("max_context", "4096", None),
+    ("max_context", 4096.5, None), ("max_context", 0, None), ("max_context", True, None),
+    ("max_tokens", -1, None), ("ttft_slo_ms", 1500, 1500.0), ("ttft_slo_ms", "fast", None),
+    ("priority", "sheddable", "batch"), ("priority", "urgent", None), ("priority", 1, None)])
+def test_a_malformed_opa_value_fails_closed_with_the_reason(field, value, ok):
+    """A Rego policy answering e.g. max_context: "4096" must not reach the request path as a string (it
+    would raise there and become a 500): the decision is a deny naming the field."""
+    d = merge_result(None, {"allow": True, field: value}, True)
+    attr = {"max_tokens": "max_tokens_cap"}.get(field, field)
+    if ok is None:
+        assert not d.allow and d.deny_rule == "opa" and f"'{field}'" in d.reason
+    else:
+        assert d.allow and getattr(d, attr) == ok
