@@ -70,7 +70,10 @@ class PolicyStage:
                                code="policy_unavailable", extra={"rule": d.deny_rule})
         client_max_tokens = ctx.max_tokens is not None
         cap = d.max_tokens_cap
-        if cap is not None and (ctx.max_tokens is None or ctx.max_tokens > cap):
+        # /v1/completions without max_tokens gets the engine default (16), which a larger cap must not raise
+        default_fits = (ctx.max_tokens is None and ctx.endpoint == "completions" and cap is not None
+                        and cap >= _COMPLETIONS_DEFAULT_MAX_TOKENS)
+        if cap is not None and not default_fits and (ctx.max_tokens is None or ctx.max_tokens > cap):
             ctx.evidence["max_tokens_capped"] = {"requested": ctx.max_tokens, "cap": cap}
             ctx.max_tokens = cap
             ctx.body_overrides[_max_tokens_key(ctx)] = cap

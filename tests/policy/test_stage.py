@@ -55,6 +55,21 @@ async def test_caps_max_tokens_including_absent():
     assert c.max_tokens == 10 and "max_tokens" not in c.body_overrides
 
 
+async def test_a_cap_does_not_raise_the_completions_default_of_16():
+    """/v1/completions without max_tokens generates 16 tokens (OpenAI's and vLLM's default): a cap of 256
+    must not turn that into 256; a cap below 16 still applies."""
+    st = PolicyStage(lambda: compile_text(POL))
+    c = ctx(P(team="t1"))
+    c.endpoint = "completions"
+    await st.run(c)
+    assert c.max_tokens is None and "max_tokens" not in c.body_overrides
+    small = PolicyStage(lambda: compile_text(POL.replace("max_tokens: 256", "max_tokens: 8")))
+    c = ctx(P(team="t1"))
+    c.endpoint = "completions"
+    await small.run(c)
+    assert c.max_tokens == 8 and c.body_overrides["max_tokens"] == 8
+
+
 async def test_deny_is_a_403_naming_the_rule():
     st = PolicyStage(lambda: compile_text(POL))
     with pytest.raises(GatewayError) as ei:
