@@ -70,6 +70,7 @@ class StreamStart:
     iterator: AsyncIterator[bytes]
     started_at: float
     done: bool = False
+    health: Health | None = None  # a break or stall after the first token counts against the backend too
 
 
 @dataclass(slots=True)
@@ -249,7 +250,7 @@ class Dispatcher:
                 if not first:
                     raise UpstreamBroken("upstream closed the stream before any event")
                 self.health.success(b.name)
-                return StreamStart(resp, cand, first, splitter, it, t0)
+                return StreamStart(resp, cand, first, splitter, it, t0, health=self.health)
         except TimeoutError:
             if resp is not None:
                 await resp.aclose()
@@ -348,14 +349,17 @@ async def stream_body(ctx: RequestContext, start: StreamStart,
         if not st.done:
             ctx.error = "upstream_stream_broken"
             ctx.status = 502
+            _mid_stream_failure(start, "stream closed before [DONE]")
             yield GatewayError(502, "Upstream closed the stream before it finished.", code="upstream_error").sse_event()
     except TimeoutError:
         ctx.error = "upstream_timeout"
         ctx.status = 504
+        _mid_stream_failure(start, "stream idle or total timeout")
         yield GatewayError(504, "Upstream stopped sending (idle or total timeout).", code="upstream_timeout").sse_event()
     except (UpstreamBroken, OSError):
         ctx.error = "upstream_stream_broken"
         ctx.status = 502
+        _mid_stream_failure(start, "connection broke mid-stream")
         yield GatewayError(502, "Upstream connection broke mid-stream.", code="upstream_error").sse_event()
     finally:
         if ctx.usage is None:
@@ -365,6 +369,13 @@ async def stream_body(ctx: RequestContext, start: StreamStart,
             await aclose()
         await start.response.aclose()
         await on_end()
+
+
+def _mid_stream_failure(start: StreamStart, reason: str) -> None:
+    """Passive outlier detection: an engine that dies or stalls mid-stream is as unhealthy as one that fails
+    before its first token (the client cannot be retried, but the next requests should avoid it)."""
+    if start.health is not None:
+        start.health.failure(start.candidate.backend.name, reason)
 
 
 def _process_all(ctx: RequestContext, st: _StreamState, events: list[bytes]) -> bytes:
