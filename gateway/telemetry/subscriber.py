@@ -42,6 +42,7 @@ class KVEventSubscriber:
         self._tasks: list[asyncio.Task[Any]] = []
         self._sub: zmq.asyncio.Socket | None = None
         self.last_seq: int | None = None
+        self.last_batch_ts: float | None = None  # engine clock of the newest applied batch (restart detection)
         self.stale = False
         self.stale_reason: str | None = None
         self.stale_since: float | None = None
@@ -127,16 +128,28 @@ class KVEventSubscriber:
             self.counters["gaps"] += 1
             await self._recover(last + 1, seq)
             self._apply(seq, payload)
-        elif seq == 0 or last - seq > self.max_pending:
-            # the sequence went backwards: a new publisher (engine restart) started counting from 0
+        elif seq == 0 or last - seq > self.max_pending or self._newer_than_applied(payload):
+            # the sequence went backwards: a new publisher (engine restart) started counting from 0. Its seq 0
+            # may have been lost on reconnect (ZMQ drops what is sent before the subscription is re-made), so a
+            # backwards seq whose batch is *newer* than the last applied one is a restart too; a replayed
+            # batch's live copy is older and stays a duplicate.
             self.counters["restarts"] += 1
             self.index.reset(self.engine)
+            self.last_batch_ts = None  # the new engine's clock is the baseline from here
             self._clear_stale()
             if seq > 0:
                 await self._recover(0, seq, initial=True)
             self._apply(seq, payload)
         else:
             self.counters["duplicates"] += 1  # already applied (live copy of a replayed batch)
+
+    def _newer_than_applied(self, payload: bytes) -> bool:
+        if self.last_batch_ts is None:
+            return False
+        try:
+            return decode_batch(payload).ts > self.last_batch_ts
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return False
 
     def _apply(self, seq: int, payload: bytes) -> None:
         try:
@@ -152,6 +165,7 @@ class KVEventSubscriber:
         self.counters["block_events"] += self.index.apply(self.engine, batch)
         self.counters["batches"] += 1
         self.last_seq = seq
+        self.last_batch_ts = max(self.last_batch_ts or 0.0, batch.ts)
         self.last_event_at = time.time()
         self.applied.set()
 

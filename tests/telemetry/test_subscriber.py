@@ -124,6 +124,40 @@ async def test_restart_resets_engine():
         await sub.close()
 
 
+async def test_restart_is_detected_when_the_new_engines_seq_0_is_lost():
+    """ZMQ drops what a new publisher sends before the subscription is re-made: the restarted engine's first
+    batches (seq 0, 1) never arrive, so seq 2 looks like an old duplicate of the previous engine's seq 2. Its
+    batch is newer than anything applied, so it is a restart: the view is reset and rebuilt from replay."""
+    idx = KVIndex()
+    p1 = KVEventPublisher(topic="kv")
+    p1.start()
+    port, rport = p1.port, p1.replay_port
+    restarted = False
+    sub = await connect(p1, idx, drop_filter=lambda seq: restarted and seq < 2)
+    try:
+        for i in range(6):
+            s = p1.publish([chain(i)[0]])
+        await settle(sub, s)
+        assert idx.lookup(["e"], chain(3)[1] + [1])["e"].tokens == 16
+        await p1.close()
+        await asyncio.sleep(0.2)
+        restarted = True
+        p2 = KVEventPublisher(topic="kv", port=port, replay_port=rport)
+        p2.start()
+        await asyncio.sleep(0.5)
+        for i in (10, 11, 12):  # seq 0 and 1 are "lost", seq 2 arrives
+            p2.publish([chain(i)[0]])
+        await asyncio.wait_for(_until(lambda: sub.counters["restarts"] == 1), 5)
+        await asyncio.wait_for(_until(lambda: sub.last_seq == 2), 5)
+        assert idx.lookup(["e"], chain(3)[1] + [1])["e"].tokens == 0  # the old engine's blocks are gone
+        for i in (10, 11, 12):  # and the new engine's, the lost ones included (replayed), are known
+            assert idx.lookup(["e"], chain(i)[1] + [1])["e"].tokens == 16
+        assert sub.counters["duplicates"] == 0
+        await p2.close()
+    finally:
+        await sub.close()
+
+
 async def _until(cond):
     while not cond():
         await asyncio.sleep(0.02)
