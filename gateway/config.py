@@ -383,9 +383,13 @@ def load_config(path: str | Path, env: dict[str, str] | None = None) -> Config:
 
 
 def read_secret(env_name: str | None, file: str | None, base_dir: Path) -> str | None:
-    """A credential from an env var or a file (stripped); never logged."""
+    """A credential from an env var or a file (stripped); never logged (registered for log redaction)."""
+    from gateway.observability.logs import register_secret
+
+    value = None
     if env_name:
-        return os.environ.get(env_name)
-    if file:
-        return (base_dir / file).read_text(encoding="utf-8").strip()
-    return None
+        value = os.environ.get(env_name)
+    elif file:
+        value = (base_dir / file).read_text(encoding="utf-8").strip()
+    register_secret(value)
+    return value

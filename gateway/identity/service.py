@@ -26,6 +26,7 @@ from gateway.identity.jwt_verify import JWTVerifier, token_error
 from gateway.identity.model import ApiKey, Conflict, InUse, NotEditable, NotFound, Partner, Project, Team, Tenant
 from gateway.identity.ratelimit import FailureLimiter
 from gateway.identity.store import IdentityStore
+from gateway.observability.logs import register_secret
 from gateway.types import Principal
 
 log = logging.getLogger("gateway.identity")
@@ -192,6 +193,7 @@ class IdentityService:
             value = os.environ.get(sk.key_env) if sk.key_env else sk.key
             if not value:
                 continue
+            register_secret(value)
             ident = f"static:{sk.name or i}"
             static[hashlib.sha256(value.encode()).digest()] = Principal(
                 id=ident, kind="static_key", tenant=sk.tenant, team=sk.team, project=sk.project, key_id=ident,
@@ -199,6 +201,7 @@ class IdentityService:
         self._static = static
         adm = config.raw.admin
         admin_value = os.environ.get(adm.key_env) if adm.key_env else adm.key
+        register_secret(admin_value)
         self._admin_digest = hashlib.sha256(admin_value.encode()).digest() if admin_value else None
         self._jwt.replace_issuers(list(ic.jwt))
         self._jwt_cache.clear()

@@ -14,8 +14,36 @@ import orjson
 _SECRET = re.compile(r"(gw_[A-Za-z0-9]+_[A-Za-z0-9_\-]{8,}|Bearer\s+[A-Za-z0-9._\-~+/=]{8,}|eyJ[A-Za-z0-9_\-]+\.[A-Za-z0-9_\-]+\.[A-Za-z0-9_\-]*)")
 
 
+# Secrets the config names (static client keys, the admin key, upstream credentials): their literal values
+# are masked too, whatever their shape (a static key like "acme-prod-7f3a..." matches no pattern above).
+_KNOWN: set[str] = set()
+_KNOWN_RE: re.Pattern[str] | None = None
+_MIN_KNOWN = 8  # shorter values would mask ordinary words; config validation asks for longer keys anyway
+
+
+def register_secret(value: str | None) -> None:
+    """Mask this exact value in every log line from now on (called where credentials are read)."""
+    global _KNOWN_RE
+    if not value or len(value) < _MIN_KNOWN or value in _KNOWN:
+        return
+    _KNOWN.add(value)
+    _KNOWN_RE = re.compile("|".join(re.escape(v) for v in sorted(_KNOWN, key=len, reverse=True)))
+
+
 def redact(text: str) -> str:
-    return _SECRET.sub("[REDACTED]", text)
+    text = _SECRET.sub("[REDACTED]", text)
+    return _KNOWN_RE.sub("[REDACTED]", text) if _KNOWN_RE is not None else text
+
+
+def redact_value(v: Any) -> Any:
+    """`redact` applied to every string inside a JSON-like value (log `fields` may nest)."""
+    if isinstance(v, str):
+        return redact(v)
+    if isinstance(v, dict):
+        return {k: redact_value(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [redact_value(x) for x in v]
+    return v
 
 
 # The request being served by the current task (set by ObserveStage.run: one ContextVar.set per request).
@@ -84,7 +112,7 @@ class JsonFormatter(logging.Formatter):
         fields = getattr(record, "fields", None)
         if isinstance(fields, dict):
             for k, v in fields.items():
-                out.setdefault(k, redact(v) if isinstance(v, str) else v)
+                out.setdefault(k, redact_value(v))
         if record.exc_text:
             out["exc"] = redact(record.exc_text)
         elif record.exc_info:
