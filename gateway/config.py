@@ -90,6 +90,10 @@ class BackendConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     replay: str | None = None
     metrics: str | None = None
     priority_scheduling: bool = False
+    # upstream model names that are LoRA adapters (vLLM --lora-modules NAME=PATH): their KV blocks are keyed by
+    # the adapter name, so the KV-index lookup for a request to one uses that name (else it would match base
+    # blocks the adapter cannot reuse)
+    lora_adapters: list[str] = msgspec.field(default_factory=list)
     context_window: int | None = None
     capabilities: list[str] = msgspec.field(default_factory=lambda: ["chat", "completions"])
     weight: float = 1.0

@@ -113,6 +113,12 @@ def tenant_cache_salt(tenant: str, secret: str) -> str:
     return "t" + xxhash.xxh3_128_hexdigest(secret.encode() + b"\x00" + tenant.encode())
 
 
+def lora_name(cand: Candidate) -> str | None:
+    """The LoRA adapter a candidate serves the request with (the KV index's lora key), or None for the base."""
+    up = cand.backend.upstream_model(cand.model)
+    return up if up in cand.backend.lora_adapters else None
+
+
 def engine_cache_salt(ctx: RequestContext, secret_env: str | None) -> str | None:
     """The cache_salt the engine receives, or None (no salt: the shared prefix cache).
 
@@ -246,14 +252,18 @@ class PredictiveRouteStage:
         n_tokens = max(1, ctx.prompt_tokens_est)
         cached: dict[str, int] = {}
         source = "estimate"
-        tel = [c.backend.name for c in cands if self._telemetry_for(c)]
+        tel = [c for c in cands if self._telemetry_for(c)]
         if tel:
             try:
-                lora = None
-                toks, source = await self.telemetry.tokens_for(tel[0], None, ctx.body, retain=not ctx.zero_retention)
+                toks, source = await self.telemetry.tokens_for(tel[0].backend.name, None, ctx.body,
+                                                               retain=not ctx.zero_retention)
                 n_tokens = max(1, len(toks))
-                found = self.telemetry.lookup(tel, toks, salt=salt, lora=lora)
-                cached = {k: int(v.tokens) for k, v in found.items()}
+                by_lora: dict[str | None, list[str]] = {}
+                for c in tel:  # engines serving the model as a LoRA adapter key their blocks by its name
+                    by_lora.setdefault(lora_name(c), []).append(c.backend.name)
+                for lora, names in by_lora.items():
+                    found = self.telemetry.lookup(names, toks, salt=salt, lora=lora)
+                    cached.update({k: int(v.tokens) for k, v in found.items()})
             except Exception:  # telemetry trouble must never fail a request: fall back to the approx tree
                 source = "estimate"
         for c in cands:

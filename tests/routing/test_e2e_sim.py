@@ -25,11 +25,13 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("route")
-    fleet = FleetProcess(["--engines", "3", "--profile", "h200-8b,l40s-8b", "--base-port", "0"], tmp / "fleet.json")
+    fleet = FleetProcess(["--engines", "3", "--profile", "h200-8b,l40s-8b", "--base-port", "0",
+                          "--lora-modules", "sim-lora"], tmp / "fleet.json")
     man = fleet.start()
     try:
         port = free_port()
-        backends = [{"name": e["name"], "kind": "sim", "url": e["url"], "models": ["sim-model"],
+        backends = [{"name": e["name"], "kind": "sim", "url": e["url"], "models": ["sim-model", "sim-lora"],
+                     "lora_adapters": ["sim-lora"],
                      "kv_events": e["kv_events"], "replay": e["replay"], "metrics": e["metrics"],
                      "location": {"country": "DE"}} for e in man["engines"]]
         cfg = tmp / "gateway.yaml"
@@ -94,6 +96,25 @@ def test_repeated_long_prompt_goes_to_the_engine_that_holds_it(stack):
     assert cands[holder]["predicted_ttft_ms"] < min(c["predicted_ttft_ms"] for n, c in cands.items() if n != holder)
     assert rec["ttft_ms"]["predicted"] is not None and rec["ttft_ms"]["actual"] is not None
     assert rec["evidence"]["actual_ttft_ms"] is not None
+
+
+def test_lora_requests_are_predicted_with_the_adapters_own_blocks(stack):
+    """A LoRA adapter's KV blocks are keyed by its name: a request to the adapter is predicted from the
+    adapter's blocks only (exact against the engine), and the base model does not reuse them, nor they its."""
+    base = stack["base"]
+    prompt = "Adapter handbook. " + " ".join(f"rule{i} holds" for i in range(1200))
+    st, h, _ = _stream(base, {**_body(prompt + " warm"), "model": "sim-lora"}, {"x-request-id": "lora-warm"})
+    assert st == 200
+    holder = h["x-gateway-backend"]
+    time.sleep(0.3)  # KV events reach the index
+    st, h, usage = _stream(base, {**_body(prompt + " again"), "model": "sim-lora"}, {"x-request-id": "lora-rep"})
+    assert st == 200 and h["x-gateway-backend"] == holder
+    rec = _decision(base, "lora-rep")
+    assert rec["cached_tokens"]["predicted"] == rec["cached_tokens"]["actual"] > 1500
+    # the same prompt on the base model: nothing of the adapter's cache applies, and none is predicted
+    st, h, usage = _stream(base, _body(prompt + " base"), {"x-request-id": "lora-base"})
+    rec = _decision(base, "lora-base")
+    assert rec["cached_tokens"]["predicted"] == rec["cached_tokens"]["actual"] == 0
 
 
 async def test_overload_is_refused_early_with_headers(stack):
