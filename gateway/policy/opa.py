@@ -26,6 +26,12 @@ from gateway.types import Decision, Principal
 
 _SECRET_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie", "x-api-key", "api-key",
                              "openai-api-key"})
+# Per-request transport and tracing headers: different on every request, meaningless to a policy, and part of
+# the decision cache's key (the whole input) - with them in, the cache never hit on real traffic.
+_VOLATILE_HEADERS = frozenset({"content-length", "connection", "keep-alive", "accept-encoding", "te", "host",
+                               "x-request-id", "traceparent", "tracestate", "baggage", "x-amzn-trace-id",
+                               "x-b3-traceid", "x-b3-spanid", "x-b3-parentspanid", "x-b3-sampled", "b3",
+                               "x-stainless-retry-count", "x-stainless-read-timeout", "x-stainless-timeout"})
 _DAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
 
 
@@ -40,7 +46,8 @@ def build_input(principal: Principal, request: RequestAttrs, local: Decision | N
         "principal": p,
         "request": {
             "model": request.model,
-            "headers": {k: v for k, v in request.headers.items() if k not in _SECRET_HEADERS},
+            "headers": {k: v for k, v in request.headers.items()
+                        if k not in _SECRET_HEADERS and k not in _VOLATILE_HEADERS},
             "max_tokens": request.max_tokens,
             "stream": request.stream,
             "time": {"unix": minute, "weekday": _DAYS[t.weekday()], "hour": t.hour},

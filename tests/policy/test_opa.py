@@ -70,6 +70,14 @@ async def test_decision_cache(server):
         assert server.requests == 1 and pol.stats["cache_hits"] == 4
         await pol.adecide(P(partner="opper"), RequestAttrs(model="q2", now=1000.0))  # different input
         assert server.requests == 2
+        # what real clients send differs per request only in transport/tracing headers: still one query
+        for i in range(3):
+            h = {"x-request-id": f"r{i}", "traceparent": f"00-{i:032x}-{i:016x}-01", "content-length": str(90 + i),
+                 "x-stainless-retry-count": str(i), "x-team-region": "eu"}
+            assert (await pol.adecide(P(partner="opper"), RequestAttrs(model="q3", now=1000.0, headers=h))).allow
+        assert server.requests == 3 and pol.stats["cache_hits"] == 6
+        await pol.adecide(P(partner="opper"), RequestAttrs(model="q3", now=1000.0, headers={"x-team-region": "us"}))
+        assert server.requests == 4  # a header a policy may read is part of the input
     finally:
         await pol.close()
     clock = [0.0]
@@ -78,7 +86,7 @@ async def test_decision_cache(server):
         await pol.adecide(P(), RequestAttrs(model="q", now=1000.0))
         clock[0] = 2.0  # the entry expired
         await pol.adecide(P(), RequestAttrs(model="q", now=1000.0))
-        assert server.requests == 4
+        assert server.requests == 6
     finally:
         await pol.close()
 
