@@ -152,6 +152,7 @@ def test_single_replica_has_no_pdb_and_uses_embedded_state(helm: str) -> None:
     (["--set", "engines.ports.kvEvents=8000"], "must differ"),
     (["--set", "gateway.config.backends[0].name=x"], "backends"),
     (["--set", "replicaCount=two"], "replicaCount"),
+    (["-f", str(CHART / "ci" / "multi-replica-values.yaml"), "--set", "persistence.enabled=true"], "ReadWriteOnce"),
 ])
 def test_bad_values_are_refused(helm: str, args: list[str], msg: str) -> None:
     out = render(helm, *args, check=False)
