@@ -1,0 +1,75 @@
+"""PredictiveRouteStage's spill to partners (issue 9): a partner route is used only when policy allows a
+spill, only after no own engine is predicted to meet the TTFT target, and only inside the decision's
+residency class; a model only partners serve is their ordinary route."""
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from gateway.config import parse_config
+from gateway.errors import GatewayError
+from gateway.pipeline import RequestContext
+from gateway.proxy.health import Health
+from gateway.routing.stage import PredictiveRouteStage
+from gateway.types import Decision, Principal
+
+
+def _cfg():
+    b = lambda name, country, op, models=("m",): {  # noqa: E731
+        "name": name, "kind": "openai", "url": f"http://127.0.0.1:9/{name}/v1", "models": list(models),
+        "location": {"country": country}, "retention": "zero", "operator": op}
+    return parse_config(yaml.safe_dump({"backends": [
+        b("own-de", "DE", "self"), b("partner-se", "SE", "partner"), b("partner-us", "US", "partner"),
+        b("only-partner", "FI", "partner", ("p-model",))]}))
+
+
+def _ctx(*, spill: bool, prompt_tokens: int, model: str = "m", eea: bool = True) -> RequestContext:
+    c = RequestContext(request_id=f"r-{spill}-{prompt_tokens}", endpoint="chat", headers={},
+                       body={"model": model, "messages": [{"role": "user", "content": "x"}]})
+    c.model, c.model_chain, c.prompt_tokens_est = model, (model,), prompt_tokens
+    c.principal = Principal(id="k", kind="api_key", tenant="acme")
+    countries = frozenset({"DE", "SE", "FI"}) if eea else None
+    c.decision = Decision(allow=True, spill_to_partner=spill, ttft_slo_ms=1000.0, allowed_countries=countries,
+                          residency_rule="eea" if eea else None)
+    return c
+
+
+@pytest.fixture
+def stage():
+    cfg = _cfg()
+    return PredictiveRouteStage(lambda: cfg, Health(cfg))
+
+
+async def test_in_time_requests_stay_on_own_engines_even_when_spill_is_allowed(stage):
+    c = _ctx(spill=True, prompt_tokens=100)
+    await stage.run(c)
+    assert [x.backend.name for x in c.route.candidates] == ["own-de", "partner-se"]
+    assert c.evidence["route"]["admission"] == "admit"
+
+
+async def test_over_target_spills_to_a_partner_in_the_same_residency_class(stage):
+    c = _ctx(spill=True, prompt_tokens=200_000)  # the prior predicts ~25 s on the own engine
+    await stage.run(c)
+    names = [x.backend.name for x in c.route.candidates]
+    assert names == ["partner-se", "own-de"] and c.evidence["route"]["admission"] == "spill"
+    assert "partner-us" not in names  # outside the EEA: never a spill target
+    assert any(d["backend"] == "partner-us" and d["filter"] == "residency" for d in c.evidence["dropped"])
+    assert stage.stats["spilled"] == 1
+
+
+async def test_without_spill_permission_partners_are_dropped_and_the_request_is_refused_early(stage):
+    c = _ctx(spill=False, prompt_tokens=200_000)
+    with pytest.raises(GatewayError) as ei:
+        await stage.run(c)
+    assert ei.value.status == 429 and ei.value.code == "ttft_slo_unattainable"
+    assert any(d["backend"] == "partner-se" and d["filter"] == "spill" for d in c.evidence["dropped"])
+    c = _ctx(spill=False, prompt_tokens=100)
+    await stage.run(c)
+    assert [x.backend.name for x in c.route.candidates] == ["own-de"]
+
+
+async def test_a_model_only_partners_serve_is_their_ordinary_route(stage):
+    c = _ctx(spill=False, prompt_tokens=100, model="p-model")
+    await stage.run(c)
+    assert [x.backend.name for x in c.route.candidates] == ["only-partner"]
+    assert c.evidence["route"]["admission"] == "admit"
