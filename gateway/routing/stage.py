@@ -436,6 +436,11 @@ class PredictiveRouteStage:
                                  "token_source": source, "cache_isolation": salt is not None,
                                  "decided_us": round((time.perf_counter() - t_start) * 1e6, 1),
                                  "since_arrival_ms": round((time.perf_counter() - ctx.received_at) * 1000, 3)}
+        tel = self.telemetry
+        if tel is not None:  # predictions made on a KV view being rebuilt after lost events say so
+            stale = [c.backend.name for c in cands if self._telemetry_for(c) and tel.is_stale(c.backend.name)]
+            if stale:
+                ctx.evidence["route"]["stale_kv_views"] = stale
 
     async def finish(self, ctx: RequestContext) -> None:
         fl = self._by_rid.pop(ctx.request_id, None)

@@ -73,3 +73,32 @@ async def test_a_model_only_partners_serve_is_their_ordinary_route(stage):
     await stage.run(c)
     assert [x.backend.name for x in c.route.candidates] == ["only-partner"]
     assert c.evidence["route"]["admission"] == "admit"
+
+
+async def test_a_prediction_made_on_a_stale_kv_view_says_so_in_the_evidence():
+    """Against the simulator fleet with the real telemetry service: when an engine's KV view is being rebuilt
+    after lost events (the subscriber's stale state), the request's route evidence names that engine."""
+    from backends.sim.fleet import start_fleet
+    from gateway.telemetry.service import TelemetryService
+
+    async with start_fleet(2, profiles=["tiny"]) as fleet:
+        engines = fleet.manifest()["engines"]
+        cfg = parse_config(yaml.safe_dump({"backends": [
+            {"name": e["name"], "kind": "sim", "url": e["url"], "models": ["sim-model"], "kv_events": e["kv_events"],
+             "replay": e["replay"], "metrics": e["metrics"]} for e in engines]}))
+        tel = TelemetryService(cfg)
+        await tel.start()
+        try:
+            st = PredictiveRouteStage(lambda: cfg, Health(cfg), telemetry=tel)
+            c = _ctx(spill=False, prompt_tokens=10, model="sim-model", eea=False)
+            await st.run(c)
+            assert "stale_kv_views" not in c.evidence["route"]
+            await st.finish(c)
+            stale = engines[1]["name"]
+            tel.subscribers[stale].stale = True
+            c = _ctx(spill=False, prompt_tokens=10, model="sim-model", eea=False)
+            await st.run(c)
+            assert c.evidence["route"]["stale_kv_views"] == [stale]
+            await st.finish(c)
+        finally:
+            await tel.close()
