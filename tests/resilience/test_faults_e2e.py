@@ -131,10 +131,12 @@ def test_when_every_allowed_engine_fails_the_client_gets_a_clear_error_never_a_q
     assert r.status_code == 200, r.text
 
 
-def stream_lines(stack, body: dict, key: str = GW_KEY, on_first=None) -> str:
+def stream_lines(stack, body: dict, key: str = GW_KEY, on_first=None, rid: str | None = None) -> str:
     out = []
-    with httpx.stream("POST", stack["base"] + "/v1/chat/completions", timeout=30,
-                      headers={"authorization": f"Bearer {key}", "content-type": "application/json"},
+    h = {"authorization": f"Bearer {key}", "content-type": "application/json"}
+    if rid:
+        h["x-request-id"] = rid
+    with httpx.stream("POST", stack["base"] + "/v1/chat/completions", timeout=30, headers=h,
                       content=orjson.dumps(body)) as r:
         assert r.status_code == 200, r.read()
         for chunk in r.iter_text():
@@ -154,10 +156,22 @@ def test_engine_killed_mid_stream_ends_with_error_event_and_done_then_recovers(s
         for i in range(3):
             set_faults(m, i, crash=True, restart_after_s=1.0)
 
-    text = stream_lines(stack, {**CHAT, "model": "sim-model", "max_tokens": 400, "stream": True}, on_first=kill_all)
+    rid = f"killed-{time.monotonic_ns()}"
+    text = stream_lines(stack, {**CHAT, "model": "sim-model", "max_tokens": 400, "stream": True}, on_first=kill_all,
+                        rid=rid)
     assert '"content"' in text  # part of the answer arrived
     assert '"error"' in text and '"upstream_' in text  # then a clear error event
     assert text.rstrip().endswith("data: [DONE]")
+    # evidence and spend survive the fault: one audit record saying what happened, one ledger row charging
+    # what was delivered before the engine died (not zero, not the whole max_tokens)
+    rec = wait_audit(stack["tmp"], {rid})[rid]
+    assert rec["status"] in (502, 504) and rec["error"] in ("upstream_stream_broken", "upstream_timeout")
+    assert rec["backend"] is not None and rec["cost"]["completion_tokens"] > 0
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline and rid not in {r[0] for r in ledger_rows(stack["tmp"])}:
+        time.sleep(0.05)
+    rows = [r for r in ledger_rows(stack["tmp"]) if r[0] == rid]
+    assert len(rows) == 1 and 0 < rows[0][1] < 400 + 200 and rows[0][3] in (502, 504), rows
     # the engines come back by themselves and the gateway uses them again without intervention
     deadline = time.monotonic() + 10
     while True:
