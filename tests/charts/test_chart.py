@@ -129,6 +129,8 @@ def test_replicas_with_shared_state_render(helm: str, args: list[str]) -> None:
     assert cfg.raw.budgets.store == "redis"
     assert cfg.raw.identity.store == "postgres" and cfg.raw.identity.postgres_dsn_env == "GATEWAY_POSTGRES_DSN"
     assert cfg.raw.budgets.ledger == "postgres" and cfg.raw.budgets.ledger_dsn == "${GATEWAY_POSTGRES_DSN}"
+    # every replica writes audit records to the shared table: /admin/decisions/{id} works whichever one served
+    assert cfg.raw.policy.audit_postgres_dsn == "${GATEWAY_POSTGRES_DSN}"
     assert "GATEWAY_POSTGRES_DSN" in gateway_env_names(objs)
     assert one(objs, "PodDisruptionBudget")["spec"]["minAvailable"] == 1
 

@@ -36,6 +36,9 @@ Every key here exists in gateway/config.py (forbid_unknown_fields); tests/charts
 {{- $_ := set $budgets "ledger_dsn" "${GATEWAY_POSTGRES_DSN}" -}}
 {{- end -}}
 {{- $policy := dict "audit_path" (printf "%s/audit.jsonl" $data) -}}
+{{- if include "gateway.postgresEnabled" . -}}
+{{- $_ := set $policy "audit_postgres_dsn" "${GATEWAY_POSTGRES_DSN}" -}}
+{{- end -}}
 {{- if $v.policies -}}{{- $_ := set $policy "files" (list "policies/*.yaml") -}}{{- end -}}
 {{- if $v.engines.list -}}{{- $_ := set $cfg "telemetry" (dict "kv_topic" $v.engines.kvTopic) -}}{{- end -}}
 {{- $_ := set $cfg "identity" $identity -}}
