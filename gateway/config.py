@@ -18,6 +18,7 @@ import yaml
 from gateway.budget.config import BudgetsConfig
 from gateway.identity.config import IdentityConfig
 from gateway.policy.config import PolicyConfig
+from gateway.policy.eea import country_error
 from gateway.routing.config import RoutingConfig
 from gateway.telemetry.config import TelemetryConfig
 
@@ -325,6 +326,9 @@ def parse_config(text: str, source: str = "<config>", base_dir: Path | None = No
                 v = getattr(b.location, attr)
                 if v is not None and not _COUNTRY.fullmatch(v):
                     raise _fail(source, marks, f"{k}.location.{attr}", f"must be an ISO 3166 alpha-2 code like DE, got {v!r}")
+                why = country_error(v) if v is not None else None
+                if why is not None:
+                    raise _fail(source, marks, f"{k}.location.{attr}", why)
         if b.retention != "zero" and b.retention != "none" and not re.fullmatch(r"\d+d", b.retention):
             raise _fail(source, marks, f"{k}.retention", f"must be 'zero', 'none' or '<N>d', got {b.retention!r}")
         if b.api_key_env and b.api_key_env not in env:

@@ -48,6 +48,8 @@ def test_contract_file_is_accepted_and_frozen():
     (lambda t: t.replace("    retention: zero", "    retention: forever"), "gw.yaml:9: backends[0].retention"),
     (lambda t: t.replace("url: http://127.0.0.1:18000/v1", "url: ftp://x"), "gw.yaml:5: backends[0].url"),
     (lambda t: t.replace("{country: DE}", "{country: Germany}"), "backends[0].location.country: must be an ISO"),
+    (lambda t: t.replace("{country: DE}", "{country: XX}"), "location.country: 'XX' is not an assigned ISO 3166"),
+    (lambda t: t.replace("{country: DE}", "{country: UK}"), "'UK' is not an assigned ISO 3166-1 alpha-2 country code (use GB)"),
     (lambda t: t.replace("models: [mock-model]", "models: []"), "gw.yaml:7: backends[0].models"),
     (lambda t: t.replace("    kind: openai", "    kind: magic"), "gw.yaml:4: backends[0].kind"),
     (lambda t: t.replace("    kind: openai", "    kind: openai\n    colour: red"), "gw.yaml:5: backends[0].colour: unknown key"),

@@ -17,7 +17,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 import jsonschema
 
 from gateway.config import ConfigError, load_yaml_with_lines
-from gateway.policy.eea import JURISDICTIONS
+from gateway.policy.eea import JURISDICTIONS, country_error
 from gateway.policy.model import Condition, RequestAttrs, Rule
 from gateway.types import BudgetSpec, Principal
 
@@ -315,9 +315,11 @@ def _compile_rule(raw: dict[str, Any], order: int, path: str, src: _Src, errors:
             elif item == "EL":  # the EU's abbreviation for Greece
                 codes.add("GR")
                 labels.append("GR")
-            elif _COUNTRY.match(item):
+            elif _COUNTRY.match(item) and country_error(item) is None:
                 codes.add(item)
                 labels.append(item)
+            elif _COUNTRY.match(item):
+                errors.append(src.err(f"{path}.require.jurisdiction", str(country_error(item))))
             else:
                 errors.append(src.err(f"{path}.require.jurisdiction",
                                       f"{item!r} is neither a jurisdiction ({', '.join(JURISDICTIONS)}) "

@@ -63,6 +63,12 @@ def test_duplicate_ids_across_files(tmp_path):
 def test_bad_country_and_contradictory_residency_rejected():
     assert "p.yaml:4: rules[0].require.jurisdiction" in errors_of(
         "rules:\n  - id: a\n    require:\n      jurisdiction: [XX1]\n")[0]
+    # well-formed but not assigned: a policy that would silently match no backend is refused
+    for code, hint in (("XX", ""), ("UK", " (use GB)")):
+        errs = errors_of(f"rules:\n  - id: a\n    require:\n      jurisdiction: [DE, {code}]\n")
+        assert len(errs) == 1 and f"'{code}' is not an assigned ISO 3166-1 alpha-2 country code{hint}" in errs[0], errs
+    pol = compile_text("rules:\n  - id: a\n    require:\n      jurisdiction: [DE, EL, GB, CH]\n", source="p.yaml")
+    assert pol.rules[0].countries == frozenset({"DE", "GR", "GB", "CH"})
     errs = errors_of("rules:\n  - id: a\n    match: {team: x}\n    require: {jurisdiction: [US]}\n"
                      "  - id: b\n    match: {team: x}\n    require: {jurisdiction: EEA}\n")
     assert "p.yaml:5: rules[b]" in errs[0] and "no backend can satisfy both" in errs[0]
