@@ -78,6 +78,8 @@ async def test_zero_retention_content_leaves_no_trace(tmp_path: Path, fleet) -> 
     assert len(redacted) == 6 and all(x["msg"] == "[redacted: zero retention]" and "body" not in x for x in redacted)
     assert all(rid in audit and rid in ui for rid in rids)
     assert KEY not in logs and ZR_KEY not in logs and ADMIN_KEY not in logs  # secrets never logged
+    for secret in (KEY, ZR_KEY, ADMIN_KEY, "Bearer "):  # nor traced (issue 4: logs, traces or errors)
+        assert secret not in traces and secret not in metrics and secret not in audit, secret
 
     # positive control: with capture on, an ordinary request's content is in its span (and in the careless log)
     [plain] = [s for s in exp.get_finished_spans() if s.attributes.get("gateway.request_id") == plain_rid
