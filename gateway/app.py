@@ -27,7 +27,7 @@ from gateway.errors import GatewayError, retry_headers
 from gateway.metrics import Metrics
 from gateway.observability.logs import current_request
 from gateway.pipeline import Pipeline, RequestContext, RequestHeaders, Stage
-from gateway.proxy.forward import Dispatcher, JsonResult, stream_body, usage_from
+from gateway.proxy.forward import Dispatcher, JsonResult, response_facts, stream_body, usage_from
 from gateway.proxy.health import Health, probe_loop
 from gateway.proxy.upstream import Upstreams
 from gateway.routing.plan import Candidate
@@ -394,7 +394,9 @@ class CompletionEndpoint:
                 ctx.status = result.status
                 if result.status == 200:
                     try:
-                        ctx.usage = usage_from(orjson.loads(result.body))
+                        obj = orjson.loads(result.body)
+                        ctx.usage = usage_from(obj)
+                        response_facts(ctx, obj)
                     except orjson.JSONDecodeError:
                         ctx.status, ctx.error = 502, "upstream_bad_json"
                         err = GatewayError(502, "Upstream answered with invalid JSON.", code="upstream_error")

@@ -96,6 +96,8 @@ class RequestContext:
     # streaming budget cutoff: completion tokens this request may still produce, None = unlimited
     completion_token_allowance: int | None = None
     client_request_id: str | None = None  # the client's own x-request-id (echoed, recorded, never a key)
+    response_id: str | None = None  # the upstream's completion id (chatcmpl-..., cmpl-...)
+    finish_reasons: tuple[str, ...] = ()  # per choice, in order, as the upstream reported them
 
     @property
     def zero_retention(self) -> bool:

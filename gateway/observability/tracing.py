@@ -117,6 +117,10 @@ def response_attributes(ctx: RequestContext, backend: Any) -> dict[str, Any]:
         a["gateway.backend"] = backend.name
         if ctx.backend_model:
             a["gen_ai.response.model"] = backend.upstream_model(ctx.backend_model)
+    if ctx.response_id:
+        a["gen_ai.response.id"] = ctx.response_id
+    if ctx.finish_reasons:
+        a["gen_ai.response.finish_reasons"] = list(ctx.finish_reasons)
         loc = getattr(backend, "location", None)
         if loc is not None:
             a["gateway.backend.country"] = loc.country

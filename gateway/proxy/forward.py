@@ -112,6 +112,22 @@ def upstream_body(ctx: RequestContext, cand: Candidate) -> bytes:
     return orjson.dumps(body)
 
 
+def response_facts(ctx: RequestContext, obj: Any) -> None:
+    """The completion id and the finish reasons of a response body or of a stream chunk (for traces and the
+    audit record; finish reasons are what tells a length cut from a natural stop)."""
+    if not isinstance(obj, dict):
+        return
+    rid = obj.get("id")
+    if isinstance(rid, str) and ctx.response_id is None:
+        ctx.response_id = rid[:128]
+    choices = obj.get("choices")
+    if isinstance(choices, list):
+        reasons = [c.get("finish_reason") for c in choices if isinstance(c, dict)]
+        found = tuple(r for r in reasons if isinstance(r, str))
+        if found:
+            ctx.finish_reasons = ctx.finish_reasons + found
+
+
 def usage_from(obj: dict[str, Any]) -> Usage | None:
     u = obj.get("usage")
     if not isinstance(u, dict):
@@ -396,6 +412,9 @@ def _process(ctx: RequestContext, st: _StreamState, ev: bytes) -> bytes | None:
     if data == sse.DONE:
         st.done = True
         return ev + b"\n\n"
+    if ((b'"finish_reason"' in data and b'"finish_reason":null' not in data)
+            or (ctx.response_id is None and b'"id"' in data)):
+        response_facts(ctx, sse.parse_chunk(data))  # the first chunk (id) and the last of each choice only
     if sse.has_usage(data):
         chunk = sse.parse_chunk(data)
         if chunk is not None:

@@ -57,6 +57,10 @@ async def test_request_span_follows_genai_conventions(tmp_path: Path, fleet) -> 
         assert a["gen_ai.request.temperature"] == 0.5 and a["gen_ai.request.top_p"] == 0.9
         assert a["gen_ai.request.max_tokens"] == 6
         assert a["gen_ai.response.model"] == "sim-model"
+        chunks = [orjson.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        assert a["gen_ai.response.id"] == chunks[0]["id"]
+        assert list(a["gen_ai.response.finish_reasons"]) == [
+            c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
         assert a["gen_ai.usage.input_tokens"] == usage["prompt_tokens"] > 0
         assert a["gen_ai.usage.output_tokens"] == usage["completion_tokens"] > 0
         assert a["gen_ai.usage.cache_read.input_tokens"] == usage["prompt_tokens_details"]["cached_tokens"]
@@ -94,6 +98,9 @@ async def test_operation_names_for_each_endpoint(tmp_path: Path, fleet) -> None:
         assert r1.status_code == 200 and r2.status_code == 200, (r1.text, r2.text)
         names = sorted(s.name for s in exp.get_finished_spans() if s.kind == SpanKind.SERVER)
         assert names == ["embeddings sim-model", "text_completion sim-model"]
+        comp = [s for s in exp.get_finished_spans() if s.name == "text_completion sim-model"][0]
+        assert comp.attributes["gen_ai.response.id"] == r1.json()["id"]  # non-streamed: from the body
+        assert list(comp.attributes["gen_ai.response.finish_reasons"]) == [r1.json()["choices"][0]["finish_reason"]]
         emb = [s for s in exp.get_finished_spans() if s.name == "embeddings sim-model"][0]
         assert emb.attributes["gen_ai.operation.name"] == "embeddings"
         assert emb.attributes["gen_ai.usage.input_tokens"] == r2.json()["usage"]["prompt_tokens"]
