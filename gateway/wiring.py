@@ -101,10 +101,22 @@ class PolicyHolder:
     def check_config(self, config: Config) -> None:
         self._pending = self._compile(config)
 
-    def swap_config(self, config: Config) -> None:
+    async def swap_config(self, config: Config) -> None:
         pending = getattr(self, "_pending", None)
         self.current = pending if pending is not None else self._compile(config)
         self._pending = None
+        want = config.raw.policy.opa
+        have = self.opa.config if self.opa is not None else None
+        if want != have:  # OPA added, removed or re-pointed by the reload: swap the client too
+            from gateway.policy.opa import OPAPolicy
+
+            old = self.opa
+            new = OPAPolicy(want, local=lambda: self.current) if want is not None else None
+            if new is not None:
+                await new.start()
+            self.opa = new
+            if old is not None:
+                await old.close()
 
     async def start(self) -> None:
         if self.opa is not None:

@@ -189,3 +189,34 @@ def test_a_malformed_opa_value_fails_closed_with_the_reason(field, value, ok):
         assert not d.allow and d.deny_rule == "opa" and f"'{field}'" in d.reason
     else:
         assert d.allow and getattr(d, attr) == ok
+
+
+async def test_a_reload_that_adds_changes_or_removes_opa_swaps_the_client(server):
+    """policy.opa is part of the reloadable config: the holder asks the new OPA (or none) after a reload."""
+    import yaml
+
+    from gateway.config import parse_config
+    from gateway.wiring import PolicyHolder
+
+    def cfg(opa_url):
+        raw = {"backends": [{"name": "b", "url": "http://127.0.0.1:9/v1", "models": ["q"]}],
+               "policy": {"files": []}}
+        if opa_url:
+            raw["policy"]["opa"] = {"url": opa_url, "timeout_ms": 500}
+        return parse_config(yaml.safe_dump(raw))
+
+    holder = PolicyHolder(cfg(None))
+    await holder.start()
+    try:
+        assert not isinstance(holder.provider(), OPAPolicy)
+        await holder.swap_config(cfg(server.url))
+        pol = holder.provider()
+        assert isinstance(pol, OPAPolicy) and pol.config.url == server.url
+        d = await pol.adecide(P(tenant=""), RequestAttrs(model="q"))  # the Rego policy: no tenant -> undefined
+        assert not d.allow and server.requests == 1
+        await holder.swap_config(cfg(server.url))  # unchanged: the same client (and its cache) stays
+        assert holder.provider() is pol
+        await holder.swap_config(cfg(None))
+        assert not isinstance(holder.provider(), OPAPolicy) and pol._client is None
+    finally:
+        await holder.close()
