@@ -6,14 +6,14 @@ not the engine's tokens (evidence says which source was used).
 """
 from __future__ import annotations
 
-import json
 from collections import OrderedDict
-from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
 import xxhash
+
+from gateway.telemetry.local_tokenizer import LocalTokenizer
 
 APPROX_CHARS_PER_TOKEN = 4
 
@@ -33,39 +33,6 @@ def approx_tokens(text: str) -> list[int]:
     """Pseudo token ids: one per 4-char chunk, hashed (stable across processes)."""
     n = APPROX_CHARS_PER_TOKEN
     return [xxhash.xxh32_intdigest(text[i:i + n].encode("utf-8")) for i in range(0, len(text), n)]
-
-
-class LocalTokenizer:
-    """tokenizer.json (HF `tokenizers`) + the model's chat template (jinja2), rendered like vLLM does."""
-
-    def __init__(self, path: str) -> None:
-        from tokenizers import Tokenizer  # optional dependency
-
-        p = Path(path)
-        self._tok = Tokenizer.from_file(str(p / "tokenizer.json" if p.is_dir() else p))
-        d = p if p.is_dir() else p.parent
-        self._template = None
-        cfg = d / "tokenizer_config.json"
-        if cfg.exists():
-            tmpl = json.loads(cfg.read_text()).get("chat_template")
-            if tmpl:
-                import jinja2.sandbox
-
-                self._template = jinja2.sandbox.ImmutableSandboxedEnvironment(
-                    trim_blocks=True, lstrip_blocks=True).from_string(tmpl)
-
-    def encode_body(self, body: dict[str, Any]) -> list[int]:
-        if "messages" in body:
-            if self._template is None:
-                raise ValueError("no chat template")
-            text = self._template.render(messages=body["messages"], add_generation_prompt=True)
-            return self._tok.encode(text, add_special_tokens=False).ids
-        prompt = body.get("prompt", "")
-        if isinstance(prompt, list):
-            if prompt and isinstance(prompt[0], int):
-                return list(prompt)
-            prompt = "".join(map(str, prompt))
-        return self._tok.encode(prompt, add_special_tokens=True).ids
 
 
 class TokenSource:

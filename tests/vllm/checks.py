@@ -227,6 +227,44 @@ def check_agreement(stack: VllmStack, n: int = 16) -> dict[str, Any]:
             "token_agreement": round(agreement, 4)}
 
 
+_LOCAL_TOKENIZE = """
+import json, sys
+from gateway.telemetry.local_tokenizer import LocalTokenizer
+tok = LocalTokenizer(sys.argv[1])
+print(json.dumps([tok.encode_body(b) for b in json.loads(sys.stdin.read())]))
+"""
+
+
+def check_local_tokenizer(stack: VllmStack, model_dir: str) -> dict[str, Any]:
+    """`telemetry.tokenizer: <model dir>` tokenizes chat and completion requests exactly as the engine does
+    (its /tokenize): the KV-index keys built from them are the engine's. Runs LocalTokenizer under .venv-vllm,
+    which has the optional `tokenizers` and `jinja2` packages."""
+    import json
+    import os
+    import subprocess
+
+    from tests.vllm.stack import ROOT, VENV_PY
+
+    bodies = [
+        {"messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "héllo wörld 42"}]},
+        {"messages": [{"role": "user", "content": "one"}, {"role": "assistant", "content": "two"},
+                      {"role": "user", "content": "three, with  double  spaces\nand a newline"}]},
+        {"prompt": "a plain completion prompt ü"},
+    ]
+    r = subprocess.run([str(VENV_PY), "-c", _LOCAL_TOKENIZE, model_dir], input=json.dumps(bodies), cwd=ROOT,
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    local = json.loads(r.stdout)
+    e = stack.engines[0]
+    engine = []
+    for b in bodies:
+        resp = httpx.post(e.root + "/tokenize", json={"model": stack.model, **b}, timeout=30)
+        resp.raise_for_status()
+        engine.append(list(resp.json()["tokens"]))
+    assert local == engine, {"local": local, "engine": engine}
+    return {"bodies": len(bodies), "tokens": [len(t) for t in engine]}
+
+
 def check_routing_repeat(stack: VllmStack, repeats: int = 5, n_tokens: int = 1500) -> dict[str, Any]:
     """A long prompt cached on one engine is routed there by the gateway, and its TTFT is below a cold one's.
 

@@ -59,6 +59,12 @@ def test_client_cache_salt_through_gateway(vllm_stack):
     _rows["salt_gateway"] = checks.check_cache_salt_gateway(vllm_stack)
 
 
+def test_local_tokenizer_matches_the_engine(vllm_stack):
+    from tests.vllm.stack import MODEL_DIR
+
+    _rows["local_tokenizer"] = checks.check_local_tokenizer(vllm_stack, str(MODEL_DIR))
+
+
 def test_report(vllm_stack):
     """Prints what was measured (pytest -s shows it); fails only if the stack was never exercised."""
     print("\nreal vLLM e2e:", vllm_stack.timings)
