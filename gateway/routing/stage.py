@@ -321,6 +321,8 @@ class PredictiveRouteStage:
         rc = cfg.raw.routing
         aff_key = None
         sess = session_id(ctx.headers, rc.affinity_headers)
+        if sess is None and ctx.principal is not None and ctx.principal.end_user:
+            sess = ("end_user", ctx.principal.end_user)  # a partner's end user: their turns share a prefix too
         if sess is not None:  # recorded (an id, never content) and used for affinity
             ctx.evidence["session"] = {"header": sess[0], "id": sess[1]}
             aff_key = f"{ctx.principal.tenant if ctx.principal else ''}|{sess[0]}|{sess[1]}"

@@ -154,6 +154,13 @@ def test_end_user_and_trace_ids_recorded_in_audit_record(stack):
     r = chat(stack, "long trace id", headers={"x-opper-trace-id": "t" * 300})
     assert r.status_code == 200, r.text
     assert decision(stack, r.headers["x-request-id"])["session"] is None
+    # without a trace/session header, the partner's end-user id is the affinity key
+    user = f"eu-user-{uuid.uuid4().hex[:6]}"
+    r = chat(stack, "first turn of a user", headers={END_USER_HEADER: user})
+    first = decision(stack, r.headers["x-request-id"])
+    assert first["session"] == {"header": "end_user", "id": user} and first["route"].get("affinity_engine") is None
+    r = chat(stack, "second turn of the user", headers={END_USER_HEADER: user})
+    assert decision(stack, r.headers["x-request-id"])["route"]["affinity_engine"] == first["backend"]
 
 
 def hold_stream(stack, model: str) -> tuple[threading.Event, threading.Thread]:
