@@ -44,6 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slow-factor", type=float, default=1.0)
     p.add_argument("--error-rate", type=float, default=0.0, help="probability of HTTP 500 per request")
     p.add_argument("--hang", action="store_true", help="start hung (clear with POST /sim/faults {\"hang\": false})")
+    p.add_argument("--crash-after-s", type=float, default=None,
+                   help="every engine crashes this long after start (sockets closed, cache and seq lost)")
+    p.add_argument("--restart-after-s", type=float, default=3.0,
+                   help="a crashed engine comes back after this long (default 3; negative: stays down)")
     p.add_argument("--log-level", default="warning")
 
 
@@ -77,6 +81,10 @@ async def run(args: argparse.Namespace) -> int:
         for e in fleet.manifest()["engines"]:
             print(f"{e['name']}: {e['url']} kv_events={e['kv_events']} replay={e['replay']} "
                   f"profile={e['profile']} location={e['location']}", file=sys.stderr, flush=True)
+        if args.crash_after_s is not None:  # the same fault as POST /sim/faults {"crash": true, ...}
+            back = None if args.restart_after_s < 0 else args.restart_after_s
+            for srv in fleet.servers:
+                loop.call_later(args.crash_after_s, lambda s=srv: loop.create_task(s.crash(back)))
         await stop.wait()
     return 0
 

@@ -257,6 +257,45 @@ def test_cli_subprocess_fleet_writes_manifest(tmp_path):
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 
+def test_cli_crash_and_restart_flags(tmp_path):
+    """--crash-after-s / --restart-after-s: the engine goes away (connection refused), comes back with an
+    empty cache, and its KV-event stream starts again from seq 0 (what a real engine restart looks like)."""
+    from gateway.telemetry.index import KVIndex
+    from gateway.telemetry.subscriber import KVEventSubscriber
+
+    mf = tmp_path / "fleet.json"
+    with FleetProcess(["--engines", "1", "--profile", "tiny", "--base-port", "0", "--crash-after-s", "1.0",
+                       "--restart-after-s", "1.0"], mf) as manifest:
+        e = manifest["engines"][0]
+        health = e["url"].removesuffix("/v1") + "/health"
+        body = {"prompt": "a long enough prompt to fill a few blocks " * 8, "max_tokens": 1}
+        for _ in range(3):  # three batches before the crash: seq 0..2
+            r = httpx.post(e["url"] + "/completions", json={**body, "prompt": body["prompt"] + str(_)}, timeout=10)
+        assert r.status_code == 200
+        r = httpx.post(e["url"] + "/completions", json=body, timeout=10)
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # warm before the crash
+
+        def is_up() -> bool:
+            try:
+                return httpx.get(health, timeout=0.5).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and is_up():
+            time.sleep(0.05)
+        assert not is_up(), "the engine never went down"
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not is_up():
+            time.sleep(0.05)
+        assert is_up(), "the engine never came back"
+        r = httpx.post(e["url"] + "/completions", json=body, timeout=10)
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        sub = KVEventSubscriber("e", e["kv_events"], e["replay"], "kv", KVIndex(), replay_timeout_s=2.0)
+        got = asyncio.run(sub.replay(0))
+        assert got and got[0][0] == 0 and len(got) <= 2, [s for s, _ in got or []]  # the new engine's batches only
+
+
 async def test_manifest_feeds_a_gateway_config():
     import yaml
 
