@@ -147,6 +147,16 @@ async def test_kv_events_gap_replay_faults_and_restart():
                 dealer.close(0)
                 assert [s for s, _ in got] == [0, 1]
                 assert isinstance(got[0][1].events[0], BlockStored)
+                # event delay: the batch is published late (a slow event path), in order, nothing lost
+                r = await c.post(root + "/sim/faults", json={"event_delay_ms": 400})
+                assert r.json()["event_delay_ms"] == 400
+                t0 = time.monotonic()
+                await c.post(srv.url + "/completions", json={"prompt": "gamma " * 40, "max_tokens": 1})
+                answered = time.monotonic() - t0
+                topic, seq, payload = await asyncio.wait_for(sub.recv_multipart(), 5)
+                arrived = time.monotonic() - t0
+                assert parse_seq(seq) == 2 and arrived >= 0.38 and arrived - answered > 0.2, (answered, arrived)
+                await c.post(root + "/sim/faults", json={"event_delay_ms": 0})
                 # HTTP 500s on demand
                 await c.post(root + "/sim/faults", json={"error_rate": 1.0})
                 r = await c.post(srv.url + "/completions", json={"prompt": "x", "max_tokens": 1})
