@@ -120,3 +120,30 @@ async def test_sim_frames_have_vllms_shape_and_replay_layout():
         sub.close(0)
         dealer.close(0)
         await eng.stop()
+
+
+async def test_sim_removed_and_cleared_events_have_vllms_shape():
+    """BlockRemoved (evictions) and AllBlocksCleared (reset_prefix_cache) as the sim publishes them carry the
+    same fields in the same order as the golden capture from a real vLLM 0.32 engine."""
+    golden: dict[str, list[str]] = {}
+    for row in (GOLDEN / "pub.jsonl").read_text().splitlines():
+        for e in msgspec.msgpack.decode(bytes.fromhex(json.loads(row)["frames"][-1]))[1]:
+            golden.setdefault(e["type"], list(e))
+    assert {"BlockRemoved", "AllBlocksCleared"} <= set(golden)
+    eng = SimEngine(get_profile("tiny").with_overrides(num_gpu_blocks=8), name="w1")  # 8 blocks: evictions
+    await eng.start()
+    try:
+        for i in range(4):  # 4 x 3 distinct blocks through an 8-block cache
+            r = eng.submit([1000 * (i + 1) + t for t in range(48)], 1)
+            await asyncio.wait_for(r.listener.done, 5)
+        assert eng.reset_prefix_cache()
+        r = eng.submit(list(range(7, 23)), 1)  # the clear goes out with the next step's batch
+        await asyncio.wait_for(r.listener.done, 5)
+        seen: dict[str, list[str]] = {}
+        for _, payload in eng.publisher._buffer:
+            for e in msgspec.msgpack.decode(payload)[1]:
+                seen.setdefault(e["type"], list(e))
+        for kind in ("BlockRemoved", "AllBlocksCleared"):
+            assert seen.get(kind) == golden[kind], (kind, seen.get(kind), golden[kind])
+    finally:
+        await eng.stop()
