@@ -86,6 +86,24 @@ async def test_requests_per_minute_exact_at_window_edge(store, prefix):
     assert res == [True] * 5 + [False]
 
 
+async def test_tokens_per_minute_exact_at_window_edge(store, prefix):
+    """TPM 1000: 600 + 400 settled in second 0 and second 30 fill the minute; at 59.999 s nothing fits; at 60 s
+    bucket 0's 600 leave the window, so exactly 600 fit (and not 601); at 90 s the 400 leave too."""
+    lim = {"key": {"minute": (1000, None, None)}}
+    base = 1_750_000_020.0
+    for rid, at, tokens in (("a", base, 600), ("b", base + 30.0, 400)):
+        assert (await store.reserve(rargs(prefix, at, lim, rid=rid, prompt=0, maxc=tokens))).ok
+        await store.settle(sargs(prefix, at, lim, rid, tokens))
+    assert not (await store.reserve(rargs(prefix, base + 59.999, lim, prompt=0, maxc=1))).ok
+    assert not (await store.reserve(rargs(prefix, base + 60.0, lim, prompt=0, maxc=601))).ok
+    r = await store.reserve(rargs(prefix, base + 60.0, lim, rid="c", prompt=0, maxc=600))
+    assert r.ok and r.completion == 600
+    await store.settle(sargs(prefix, base + 60.0, lim, "c", 600))
+    assert not (await store.reserve(rargs(prefix, base + 89.999, lim, prompt=0, maxc=1))).ok
+    r = await store.reserve(rargs(prefix, base + 90.0, lim, prompt=0, maxc=400))
+    assert r.ok and r.completion == 400
+
+
 async def test_elastic_completion_fills_remaining_budget(store, prefix):
     lim = {"tenant": {"month": (1000, None, None)}}
     r = await store.reserve(rargs(prefix, T0, lim, prompt=100, maxc=4096, minc=1))
