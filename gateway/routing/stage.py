@@ -62,13 +62,31 @@ def candidates(config: Config, ctx: RequestContext, health: Health) -> RoutePlan
     return RoutePlan(candidates=kept, dropped=dropped)
 
 
+def _residency_rules(d: Decision | None, dropped: list[dict]) -> list[str]:
+    """The policy rules behind residency drops: the residency rule for location reasons, the retention rule
+    for retention reasons (each named once, in that order)."""
+    if d is None:
+        return []
+    reasons = [x["reason"] for x in dropped if x["filter"] == "residency"]
+    out = []
+    if d.residency_rule and any(r.startswith("residency") for r in reasons):
+        out.append(d.residency_rule)
+    if d.retention_rule and any(r.startswith("retention") for r in reasons) and d.retention_rule not in out:
+        out.append(d.retention_rule)
+    return out
+
+
 def _no_candidates(ctx: RequestContext, plan: RoutePlan) -> GatewayError:
     d = ctx.decision
+    rules = _residency_rules(d, plan.dropped)
+    named = " and ".join(f"'{r}'" for r in rules) or "the policy"
     if plan.dropped and d is not None and all(x["filter"] == "residency" for x in plan.dropped):
-        rule = d.residency_rule or d.retention_rule
         return GatewayError(403, f"No backend for '{ctx.model}' satisfies the residency/retention required by "
-                            f"rule '{rule}'.", code="residency_unsatisfiable")
-    return GatewayError(503, f"No backend is available for model '{ctx.model}'.", code="no_backend_available",
+                            f"rule {named}.", code="residency_unsatisfiable")
+    excluded = sum(1 for x in plan.dropped if x["filter"] == "residency")
+    why = (f" ({excluded} other backend(s) are excluded by the residency/retention of rule {named}; the rest are "
+           "unavailable right now)") if excluded else ""
+    return GatewayError(503, f"No backend is available for model '{ctx.model}'.{why}", code="no_backend_available",
                         headers=retry_headers(1.0))
 
 

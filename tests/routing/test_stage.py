@@ -102,3 +102,21 @@ async def test_a_prediction_made_on_a_stale_kv_view_says_so_in_the_evidence():
             await st.finish(c)
         finally:
             await tel.close()
+
+
+async def test_refusals_name_the_rule_that_excluded_each_backend(stage):
+    """403 when residency/retention excluded every backend names the rule behind each kind of exclusion; a
+    503 where some were excluded and the rest are down says so (it named no rule before)."""
+    c = _ctx(spill=False, prompt_tokens=10)
+    c.decision = Decision(allow=True, allowed_countries=frozenset({"JP"}), residency_rule="japan-only",
+                          retention="zero", retention_rule="zr")
+    with pytest.raises(GatewayError) as ei:
+        await stage.run(c)
+    assert ei.value.status == 403 and "'japan-only'" in ei.value.message and "'zr'" not in ei.value.message
+    c = _ctx(spill=False, prompt_tokens=10)  # EEA: own-de and partner-se allowed but down, partner-us excluded
+    for name in ("own-de", "partner-se"):
+        for _ in range(5):
+            stage._health.failure(name, "down")
+    with pytest.raises(GatewayError) as ei:
+        await stage.run(c)
+    assert ei.value.status == 503 and "excluded by the residency/retention of rule 'eea'" in ei.value.message
