@@ -381,6 +381,18 @@ def test_network_policy_opens_engine_ports_to_gateway_only(helm: str) -> None:
     assert any({p["port"] for p in r.get("ports", [])} == {8000, 5557, 5558} for r in egress)
 
 
+def test_network_policy_lets_the_service_monitors_scrape(helm: str) -> None:
+    """ServiceMonitors on with a restrictive ingressFrom: the namespace in metricsFrom may reach the HTTP port
+    (/metrics) of the gateway and of every engine, and nothing more."""
+    objs = docs(render(helm, "-f", str(CHART / "ci" / "engines-values.yaml")).stdout)
+    assert [o for o in objs if o["kind"] == "ServiceMonitor"]
+    monitoring = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    for name in ("gw-gateway", "gw-gateway-engines"):
+        rules = one(objs, "NetworkPolicy", name)["spec"]["ingress"]
+        scrape = [r for r in rules if monitoring in r.get("from", [])]
+        assert scrape and all([p["port"] for p in r["ports"]] == ["http"] for r in scrape), (name, rules)
+
+
 def test_helm_binary_runs(helm: str) -> None:
     assert shutil.which(helm) or Path(helm).exists()
     out = subprocess.run([helm, "version", "--short"], capture_output=True, text=True, timeout=30)
