@@ -60,8 +60,8 @@ class Timeouts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class PoolLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_connections: int = 512
-    max_keepalive: int = 128
-    keepalive_expiry_s: float = 30.0
+    max_keepalive: int = 128  # idle connections kept (httpx only; aiohttp keeps up to max_connections idle)
+    keepalive_expiry_s: float = 30.0  # an idle upstream connection is closed after this long (both clients)
 
 
 class HealthCheck(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
