@@ -265,6 +265,35 @@ def check_local_tokenizer(stack: VllmStack, model_dir: str) -> dict[str, Any]:
     return {"bodies": len(bodies), "tokens": [len(t) for t in engine]}
 
 
+def check_priority_forwarding(stack: VllmStack) -> dict[str, Any]:
+    """Requests routed through the gateway to an engine started with --scheduling-policy priority carry the
+    policy's priority (standard -> 5; `upstream_body` adds it only for `priority_scheduling` backends) and are
+    served; so are those routed to the plain engine. A prompt cached directly on each engine steers the
+    gateway there. Direct calls record what each engine does with an explicit priority (vLLM 0.32 accepts it
+    even without the priority scheduler, and then ignores it)."""
+    prio = [e for e in stack.engines if e.priority]
+    plain = [e for e in stack.engines if not e.priority]
+    assert prio and plain, "the stack needs one engine of each kind"
+    out: dict[str, Any] = {}
+    for e in (prio[0], plain[0]):
+        r = httpx.post(e.url + "/chat/completions", timeout=120, json={
+            "model": stack.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "priority": 5})
+        out[f"direct_priority_{e.name}"] = r.status_code
+    assert out[f"direct_priority_{prio[0].name}"] == 200, out
+    for e in (prio[0], plain[0]):
+        settle(stack)
+        msgs = [{"role": "user", "content": sized_text(e, stack.model, f"prio-{e.name}-{time.time_ns()}", 600)}]
+        r = httpx.post(e.url + "/chat/completions", timeout=120,
+                       json={"model": stack.model, "messages": msgs, "max_tokens": 1, "temperature": 0})
+        r.raise_for_status()
+        settle(stack)
+        got = chat(stack, msgs)  # raises on a non-200
+        served = evidence(stack, got["rid"])["backend"]
+        assert served == e.name, (e.name, served)
+        out[f"gateway_{e.name}"] = served
+    return out
+
+
 def check_routing_repeat(stack: VllmStack, repeats: int = 5, n_tokens: int = 1500) -> dict[str, Any]:
     """A long prompt cached on one engine is routed there by the gateway, and its TTFT is below a cold one's.
 

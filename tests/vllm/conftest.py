@@ -61,7 +61,7 @@ def vllm_stack(vllm_env):
     t0 = time.monotonic()
     setup_s = float((work / "setup_s").read_text())
     try:
-        stack = start_stack(work, MODEL_DIR, engines=2, block_size=32, num_blocks=96)
+        stack = start_stack(work, MODEL_DIR, engines=2, block_size=32, num_blocks=96, priority_engines=(1,))
     except (SetupError, TimeoutError, RuntimeError, OSError) as e:
         _unavailable(f"vLLM engines or gateway did not start: {e}")
     stack.timings["setup_env_s"] = setup_s

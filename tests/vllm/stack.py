@@ -112,6 +112,7 @@ class Engine:
     proc: subprocess.Popen[bytes]
     log: Path
     startup_s: float = 0.0
+    priority: bool = False  # started with --scheduling-policy priority (and configured so in the gateway)
 
     @property
     def root(self) -> str:
@@ -179,7 +180,8 @@ def gateway_config(stack: VllmStack, gw_port: int, extra: dict[str, Any] | None 
     """Both engines as kind: vllm backends (url, kv_events, replay, metrics), no policies, memory budgets."""
     backends = []
     for e in stack.engines:
-        b = launcher.backend_config(e.name, e.port, e.kv_port, e.replay_port, stack.model, country="SE")
+        b = launcher.backend_config(e.name, e.port, e.kv_port, e.replay_port, stack.model, country="SE",
+                                    priority_scheduling=e.priority)
         b["health"] = {"interval_s": 1.0}
         b["timeouts"] = {"first_token_s": 120, "total_s": 300}
         backends.append(b)
@@ -200,8 +202,11 @@ def gateway_config(stack: VllmStack, gw_port: int, extra: dict[str, Any] | None 
 
 def start_stack(workdir: Path, model_dir: Path = MODEL_DIR, *, engines: int = 2, device: str = "cpu",
                 block_size: int | None = 32, num_blocks: int | None = 96, python: str | None = None,
-                ready_timeout: float = 600.0, extra_args: tuple[str, ...] = ()) -> VllmStack:
-    """Start `engines` vLLM servers in parallel, wait until all answer /health, then start the gateway."""
+                ready_timeout: float = 600.0, extra_args: tuple[str, ...] = (),
+                priority_engines: tuple[int, ...] = ()) -> VllmStack:
+    """Start `engines` vLLM servers in parallel, wait until all answer /health, then start the gateway.
+    Engines whose index is in `priority_engines` run vLLM's priority scheduler (the gateway then forwards the
+    policy's priority to them, and only to them)."""
     workdir.mkdir(parents=True, exist_ok=True)
     served = launcher.served_name_for(model_dir)
     stack = VllmStack(model=served, engines=[], workdir=workdir, block_size=block_size, num_blocks=num_blocks)
@@ -210,13 +215,15 @@ def start_stack(workdir: Path, model_dir: Path = MODEL_DIR, *, engines: int = 2,
 
     def launch_engine(i: int, attempt: int) -> Engine:
         port, kv, rp = engine_ports(3)
+        prio = i in priority_engines
         cmd = launcher.build_command(model_dir, port, kv, rp, python=python, served_model_name=served,
                                      block_size=block_size, num_gpu_blocks_override=num_blocks,
-                                     device=device, extra_args=extra_args)
+                                     priority_scheduling=prio, device=device, extra_args=extra_args)
         bind = str(i % cores) if device == "cpu" and engines > 1 else None
         env = launcher.build_env(omp_threads_bind=bind, device=device)
         log = workdir / f"engine-{i}{'' if attempt == 0 else f'-retry{attempt}'}.log"
-        return Engine(f"vllm-{chr(ord('a') + i)}", port, kv, rp, launcher.launch(cmd, env, log_path=log), log)
+        return Engine(f"vllm-{chr(ord('a') + i)}", port, kv, rp, launcher.launch(cmd, env, log_path=log), log,
+                      priority=prio)
 
     try:
         for i in range(engines):

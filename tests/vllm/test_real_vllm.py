@@ -59,6 +59,10 @@ def test_client_cache_salt_through_gateway(vllm_stack):
     _rows["salt_gateway"] = checks.check_cache_salt_gateway(vllm_stack)
 
 
+def test_priority_reaches_only_priority_scheduling_engines(vllm_stack):
+    _rows["priority"] = checks.check_priority_forwarding(vllm_stack)
+
+
 def test_local_tokenizer_matches_the_engine(vllm_stack):
     from tests.vllm.stack import MODEL_DIR
 
