@@ -493,6 +493,8 @@ def build_app(gw: Gateway) -> Starlette:
         for name, st in gw.health.snapshot().items():
             gw.metrics.backend_up.labels(name).set(1.0 if st["state"] == "closed" else 0.0)
         gw.metrics.event_loop_tasks.set(len(asyncio.all_tasks()))
+        if gw.telemetry is not None and hasattr(gw.telemetry, "refresh_block_counts"):
+            await gw.telemetry.refresh_block_counts()  # the KV index counts, off the event loop
         return Response(gw.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def models(request: Request) -> Response:

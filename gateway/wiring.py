@@ -146,6 +146,7 @@ def _wire_telemetry(gw: Gateway) -> None:
     gw.telemetry = svc
 
     async def fleet(request: Request) -> Response:
+        await svc.refresh_block_counts()
         return JSONResponse({"engines": svc.fleet_snapshot(), "health": gw.health.snapshot()})
 
     gw.extra_routes.append(Route("/admin/fleet", admin_endpoint(gw, fleet), methods=["GET"]))

@@ -77,6 +77,8 @@ async def dashboard_data(gw: Any, recent_ids: Callable[[], list[str]], limit: in
     cfg = gw.config
     health = gw.health.snapshot()
     tel = getattr(gw, "telemetry", None)
+    if tel is not None and hasattr(tel, "refresh_block_counts"):
+        await tel.refresh_block_counts()  # the KV index counts, off the event loop
     fleet = tel.fleet_snapshot() if tel is not None and hasattr(tel, "fleet_snapshot") else {}
     router = getattr(gw, "router", None)
     routing = router.snapshot() if router is not None and hasattr(router, "snapshot") else {}

@@ -555,15 +555,33 @@ class KVIndex:
 
     # ----------------------------------------------------------------------------------- stats
     def engine_blocks(self, engine: str) -> dict[str, int]:
-        """Blocks held by one engine, by tier."""
+        """Blocks held by one engine, by tier (a full-table count: see block_count_snapshot for the off-loop way)."""
         e = self._engines.get(engine)
         if e is None:
             return {}
-        b = np.uint64(1 << e.slot)
-        g = self._g
-        if self._tier_vals is None:
-            return {"GPU": int(np.count_nonzero(g.vals[0] & b))}
-        return {TIERS[i]: int(np.count_nonzero(g.vals[t] & b)) for i, t in enumerate(self._tier_vals)}
+        return self.count_blocks(([(engine, e.slot)], list(self._g.vals), self._tier_vals))[engine]
+
+    def block_count_snapshot(self) -> tuple[list[tuple[str, int]], list[np.ndarray], list[int] | None]:
+        """What `count_blocks` reads, taken on the event loop in O(engines): the engines' slots and the current
+        mask arrays. Counting then runs in a worker thread (numpy releases the GIL): at millions of slots a
+        count is tens of ms per engine and tier, which would otherwise stall every request on the loop for each
+        /metrics scrape. Arrays grown meanwhile are new objects; in-place bit flips meanwhile make the counts
+        at most a few events old."""
+        return [(name, e.slot) for name, e in self._engines.items()], list(self._g.vals), self._tier_vals
+
+    @staticmethod
+    def count_blocks(snap: tuple[list[tuple[str, int]], list[np.ndarray], list[int] | None]
+                     ) -> dict[str, dict[str, int]]:
+        """Blocks held per engine and tier, from a block_count_snapshot (safe to run in a thread)."""
+        engines, vals, tier_vals = snap
+        out: dict[str, dict[str, int]] = {}
+        for name, slot in engines:
+            b = np.uint64(1 << slot)
+            if tier_vals is None:
+                out[name] = {"GPU": int(np.count_nonzero(vals[0] & b))}
+            else:
+                out[name] = {TIERS[i]: int(np.count_nonzero(vals[t] & b)) for i, t in enumerate(tier_vals)}
+        return out
 
     def memory_bytes(self) -> int:
         return self._g.nbytes() + sum(e.table.nbytes() for e in self._engines.values())

@@ -25,6 +25,7 @@ from gateway.telemetry.subscriber import KVEventSubscriber
 from gateway.telemetry.tokens import TokenSource
 
 _METRICS: dict[str, Counter] = {}
+BLOCK_COUNTS_MAX_AGE_S = 2.0  # fleet_snapshot uses an off-loop count this fresh, else counts inline
 
 
 def _metrics() -> dict[str, Counter]:
@@ -96,6 +97,7 @@ class TelemetryService:
         self._agree: dict[str, Agreement] = {}
         self._backends: dict[str, BackendConfig] = {}
         self._started = False
+        self._block_counts: tuple[float, dict[str, dict[str, int]]] | None = None  # (monotonic, counts)
 
     # ------------------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -238,6 +240,18 @@ class TelemetryService:
         d.pop("window_token_agreement")
         return d
 
+    async def refresh_block_counts(self) -> None:
+        """Count the index's blocks per engine and tier in a worker thread (the HTTP handlers that show them
+        call this first), so fleet_snapshot() does not scan the table on the event loop."""
+        counts = await asyncio.to_thread(KVIndex.count_blocks, self.index.block_count_snapshot())
+        self._block_counts = (time.monotonic(), counts)
+
+    def _blocks(self, name: str) -> dict[str, int]:
+        bc = self._block_counts
+        if bc is not None and time.monotonic() - bc[0] < BLOCK_COUNTS_MAX_AGE_S:
+            return bc[1].get(name, {})
+        return self.index.engine_blocks(name)  # no recent off-loop count: count here
+
     def fleet_snapshot(self) -> dict[str, Any]:
         """For /admin/fleet: per engine cached blocks by tier, load, staleness, agreement."""
         engines: dict[str, Any] = {}
@@ -247,7 +261,7 @@ class TelemetryService:
             f = self._inflight.get(name, InFlight())
             engines[name] = {
                 "block_size": self.index.block_size(name),
-                "cached_blocks": self.index.engine_blocks(name),
+                "cached_blocks": self._blocks(name),
                 "kv_events": sub.snapshot() if sub else None,
                 "stale": bool(sub and sub.stale),
                 "load": load.to_dict() if load else None,

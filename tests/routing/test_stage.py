@@ -3,6 +3,9 @@ spill, only after no own engine is predicted to meet the TTFT target, and only i
 residency class; a model only partners serve is their ordinary route."""
 from __future__ import annotations
 
+import asyncio
+
+import httpx
 import pytest
 import yaml
 
@@ -100,6 +103,17 @@ async def test_a_prediction_made_on_a_stale_kv_view_says_so_in_the_evidence():
             await st.run(c)
             assert c.evidence["route"]["stale_kv_views"] == [stale]
             await st.finish(c)
+            # the block counts /admin/fleet and /metrics show are counted off the loop, and equal the index's
+            async with httpx.AsyncClient(timeout=10) as client:  # some blocks on an engine, straight to it
+                r = await client.post(engines[0]["url"] + "/completions", json={"prompt": "blocks " * 64,
+                                                                                "max_tokens": 1})
+                assert r.status_code == 200
+            await asyncio.sleep(0.3)  # its KV events arrive
+            await tel.refresh_block_counts()
+            snap = tel.fleet_snapshot()["engines"]
+            assert {n: e["cached_blocks"] for n, e in snap.items()} == {
+                e["name"]: tel.index.engine_blocks(e["name"]) for e in engines}
+            assert sum(sum(e["cached_blocks"].values()) for e in snap.values()) > 0
         finally:
             await tel.close()
 

@@ -69,6 +69,13 @@ def test_tiers_and_duplicate_copies():
     idx.apply("a", batch(BlockRemoved([1], "GPU")))
     assert idx.lookup(["a"], TOKS)["a"].by_tier == {"CPU": 32, "GPU": 16}
     assert idx.engine_blocks("a") == {"GPU": 1, "CPU": 2, "DISK": 0, "SHARED": 0}
+    # the off-loop path (snapshot on the loop, count in a thread) gives the same counts for every engine
+    idx.apply("c", batch(stored([5, 6], None, TOKS[:32])))
+    snap = idx.block_count_snapshot()
+    counts = KVIndex.count_blocks(snap)
+    assert counts == {n: idx.engine_blocks(n) for n in ("a", "c")} and counts["c"]["GPU"] == 2
+    idx.apply("c", batch(BlockRemoved([6], "GPU")))  # after the snapshot: the next snapshot sees it
+    assert KVIndex.count_blocks(idx.block_count_snapshot())["c"]["GPU"] == 1
     # two physical copies of one hash: the first removal keeps it
     idx.apply("b", batch(stored([7], None, TOKS[:16])))
     idx.apply("b", batch(stored([7], None, TOKS[:16])))
