@@ -99,22 +99,28 @@ async def test_unrecoverable_gap_marks_stale_and_resets(pub):
         await sub.close()
 
 
+async def _restart(p1: KVEventPublisher) -> KVEventPublisher:
+    """The engine process restarts: a new publisher on the same ports, counting from seq 0; returns once the
+    subscriber has had time to reconnect."""
+    await p1.close()
+    await asyncio.sleep(0.2)
+    p2 = KVEventPublisher(topic="kv", port=p1.port, replay_port=p1.replay_port)
+    p2.start()
+    await asyncio.sleep(0.5)
+    return p2
+
+
 async def test_restart_resets_engine():
     idx = KVIndex()
     p1 = KVEventPublisher(topic="kv")
     p1.start()
-    port, rport = p1.port, p1.replay_port
     sub = await connect(p1, idx)
     try:
         for i in range(5):
             s = p1.publish([chain(i)[0]])
         await settle(sub, s)
         assert idx.lookup(["e"], chain(3)[1] + [1])["e"].tokens == 16
-        await p1.close()
-        await asyncio.sleep(0.2)
-        p2 = KVEventPublisher(topic="kv", port=port, replay_port=rport)  # new process: seq from 0
-        p2.start()
-        await asyncio.sleep(0.5)
+        p2 = await _restart(p1)
         s = p2.publish([chain(7)[0]])
         await asyncio.wait_for(_until(lambda: sub.counters["restarts"] == 1), 5)
         assert idx.lookup(["e"], chain(3)[1] + [1])["e"].tokens == 0
@@ -131,7 +137,6 @@ async def test_restart_is_detected_when_the_new_engines_seq_0_is_lost():
     idx = KVIndex()
     p1 = KVEventPublisher(topic="kv")
     p1.start()
-    port, rport = p1.port, p1.replay_port
     restarted = False
     sub = await connect(p1, idx, drop_filter=lambda seq: restarted and seq < 2)
     try:
@@ -139,12 +144,8 @@ async def test_restart_is_detected_when_the_new_engines_seq_0_is_lost():
             s = p1.publish([chain(i)[0]])
         await settle(sub, s)
         assert idx.lookup(["e"], chain(3)[1] + [1])["e"].tokens == 16
-        await p1.close()
-        await asyncio.sleep(0.2)
         restarted = True
-        p2 = KVEventPublisher(topic="kv", port=port, replay_port=rport)
-        p2.start()
-        await asyncio.sleep(0.5)
+        p2 = await _restart(p1)
         for i in (10, 11, 12):  # seq 0 and 1 are "lost", seq 2 arrives
             p2.publish([chain(i)[0]])
         await asyncio.wait_for(_until(lambda: sub.counters["restarts"] == 1), 5)

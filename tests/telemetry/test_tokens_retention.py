@@ -4,13 +4,11 @@ TokenSource itself and through the gateway's request path (the routing stage pas
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, AsyncIterator
-
-import pytest
+from typing import Any
 
 from backends.sim.fleet import start_fleet
 from gateway.telemetry.tokens import TokenSource
-from tests.observability.conftest import KEY, ZR_KEY, open_stack
+from tests.observability.conftest import KEY, ZR_KEY, fleet, open_stack  # noqa: F401 - fleet is a fixture
 
 
 def body(text: str, model: str = "m") -> dict[str, Any]:
@@ -41,12 +39,6 @@ async def test_retain_false_via_the_engine_tokenizer():
             assert src == "engine" and len(ts._cache) == 1
         finally:
             await ts.close()
-
-
-@pytest.fixture
-async def fleet() -> AsyncIterator[Any]:
-    async with start_fleet(2, profiles=["tiny"]) as f:
-        yield f
 
 
 async def test_zero_retention_request_leaves_no_token_cache_entry(tmp_path: Path, fleet) -> None:
