@@ -39,6 +39,14 @@ def _setting_rule(policy: Any, d: Decision, key: str) -> str:
     return (find(d, key) if find is not None else None) or "(unknown)"
 
 
+def _implied_max_tokens(ctx: RequestContext) -> int | None:
+    """The completion length the engine will use: the request's max_tokens, else the engine default of 16 for
+    /v1/completions, else None (chat: until the context or a stop ends it)."""
+    if ctx.max_tokens is not None:
+        return ctx.max_tokens
+    return _COMPLETIONS_DEFAULT_MAX_TOKENS if ctx.endpoint == "completions" else None
+
+
 class PolicyStage:
     """Stage "decide": sets ctx.decision and ctx.evidence["decision"]; caps max_tokens; 403 on deny; 400 when
     the request does not fit the decision's max_context."""
@@ -70,10 +78,8 @@ class PolicyStage:
                                code="policy_unavailable", extra={"rule": d.deny_rule})
         client_max_tokens = ctx.max_tokens is not None
         cap = d.max_tokens_cap
-        # /v1/completions without max_tokens gets the engine default (16), which a larger cap must not raise
-        default_fits = (ctx.max_tokens is None and ctx.endpoint == "completions" and cap is not None
-                        and cap >= _COMPLETIONS_DEFAULT_MAX_TOKENS)
-        if cap is not None and not default_fits and (ctx.max_tokens is None or ctx.max_tokens > cap):
+        implied = _implied_max_tokens(ctx)  # completions' default of 16 is within any cap of 16 or more
+        if cap is not None and (implied is None or implied > cap):
             ctx.evidence["max_tokens_capped"] = {"requested": ctx.max_tokens, "cap": cap}
             ctx.max_tokens = cap
             ctx.body_overrides[_max_tokens_key(ctx)] = cap
@@ -113,8 +119,7 @@ class PolicyStage:
         else:  # the gateway picks the completion length: lower it to what fits
             completion = 0
             if room >= 1:
-                implied = ctx.max_tokens if ctx.max_tokens is not None else (
-                    _COMPLETIONS_DEFAULT_MAX_TOKENS if ctx.endpoint == "completions" else None)
+                implied = _implied_max_tokens(ctx)
                 if implied is None or implied > room:
                     ctx.evidence["max_context"] = {
                         "rule": _setting_rule(policy, d, "max_context"), "max_context": limit,
