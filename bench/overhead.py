@@ -83,7 +83,7 @@ def pct(xs: list[float], p: float) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=2000)
-    ap.add_argument("--transports", default="aiohttp,httpx")
+    ap.add_argument("--transports", default="native,aiohttp,httpx")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     up_port = free_port()

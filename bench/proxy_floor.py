@@ -9,7 +9,8 @@ requests per core. Four servers, each against the same fast upstream (bench/fast
 - bare ASGI proxy + aiohttp / + httpx: uvicorn (uvloop, httptools) running a raw ASGI callable that reads the
   JSON body, posts it upstream through one pooled client and relays the answer; no gateway logic. The floor
   of the stack before any gateway work.
-- gateway + aiohttp / + httpx: the real gateway, full pipeline (key auth, policy, budgets, routing, evidence).
+- gateway + native / + aiohttp / + httpx: the real gateway, full pipeline (key auth, policy, budgets, routing,
+  evidence), with each upstream client (`server.upstream_client`).
 
 Rounds alternate between the servers so drift on a shared VM hits all alike. Needs >= 2 CPUs.
 Run: .venv/bin/python bench/proxy_floor.py [--rounds 3] [--seconds 6] [--connections 32]
@@ -110,6 +111,7 @@ def main() -> None:
     body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 16})
     req = build_request("/v1/chat/completions", body, {"authorization": f"Bearer {KEY}"})
     servers = [("bare ASGI proxy + aiohttp", "bare", "aiohttp"), ("bare ASGI proxy + httpx", "bare", "httpx"),
+               ("gateway (full pipeline) + native", "gw", "native"),
                ("gateway (full pipeline) + aiohttp", "gw", "aiohttp"), ("gateway (full pipeline) + httpx", "gw", "httpx")]
     res: dict[str, list[float]] = {s[0]: [] for s in servers}
     try:

@@ -38,7 +38,7 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     workers: int = 1
     graceful_shutdown_s: float = 20.0
     access_log: bool = False
-    upstream_client: Literal["aiohttp", "httpx"] = "aiohttp"  # see gateway/proxy/transport.py for why
+    upstream_client: Literal["native", "aiohttp", "httpx"] = "native"  # see gateway/proxy/h1client.py and transport.py for why
 
 
 class Location(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -1,9 +1,10 @@
-"""Upstream HTTP transports behind one small interface: aiohttp (default) or httpx.
+"""Upstream HTTP transports behind one small interface: native (default, gateway/proxy/h1client.py), aiohttp
+or httpx (`server.upstream_client`).
 
 Profiling the proxy showed httpx/httpcore's pool and anyio stream layers taking ~60% of the gateway's CPU
-per request; aiohttp's client (C parser, plain asyncio transports) does the same work for far less (see
-docs/benchmarks.md, "Proxy overhead"). Both are kept: httpx remains selectable with
-`server.upstream_client: httpx` and is tested by the same suite.
+per request; aiohttp's client (C parser, plain asyncio transports) does the same work for far less, and the
+native client (asyncio protocols + httptools, only what the gateway needs) for less again (see
+docs/benchmarks.md). All three are kept, selectable, and run by the same end-to-end suite.
 """
 from __future__ import annotations
 
@@ -181,4 +182,8 @@ class HttpxTransport:
 
 
 def make_transport(kind: str, b: BackendConfig) -> Transport:
+    if kind == "native":
+        from gateway.proxy.h1client import H1Transport
+
+        return H1Transport(b)
     return HttpxTransport(b) if kind == "httpx" else AiohttpTransport(b)

@@ -21,7 +21,7 @@ UP_KEY = "upstream-secret-abcdef"
 pytestmark = pytest.mark.e2e
 
 
-@pytest.fixture(scope="module", params=["aiohttp", "httpx"])
+@pytest.fixture(scope="module", params=["native", "aiohttp", "httpx"])
 def stack(request, tmp_path_factory):
     """The same suite runs over both upstream transports."""
     tmp = tmp_path_factory.mktemp("core")
