@@ -57,6 +57,8 @@ def test_contract_file_is_accepted_and_frozen():
     (lambda t: t.replace("    tenant: demo", "    tenant: demo\n    tenant: other"), "duplicate key"),
     (lambda t: t + "aliases:\n  - {name: fast, targets: [missing]}\n", "aliases[0].targets[0]: no backend serves"),
     (lambda t: t + "budgets: {store: etcd}\n", "budgets.store"),
+    (lambda t: t.replace("port: 18090}", "port: 18090, gc_threshold: [0, 10, 10]}"), "gw.yaml:1: server.gc_threshold: thresholds must be positive"),
+    (lambda t: t.replace("port: 18090}", "port: 18090, gc_threshold: [700]}"), "server.gc_threshold"),
     (lambda t: "server: [1, 2", "invalid YAML"),
     (lambda t: "- a\n- b\n", "must be a mapping"),
 ])
@@ -97,3 +99,25 @@ def test_config_check_cli(tmp_path, monkeypatch, capsys):
     bad.write_text(BASE.replace("port: 18090", "port: x"))
     assert main(["config", "check", str(bad)]) == 1
     assert "bad.yaml:1: server.port" in capsys.readouterr().err
+
+
+def test_gc_tuning_freezes_startup_objects_and_sets_the_configured_thresholds():
+    """`gateway serve` calls tune_gc once started (gateway/cli.py): Python's default young-generation threshold
+    made collections ~15% of the gateway's CPU at saturation (docs/benchmarks.md)."""
+    import gc
+
+    from gateway.cli import tune_gc
+
+    cfg = parse_config(BASE, "gw.yaml", env=ENV)
+    assert cfg.server.gc_threshold == (20000, 10, 10)
+    assert parse_config(BASE.replace("port: 18090}", "port: 18090, gc_threshold: null}"), env=ENV).server.gc_threshold is None
+    before = gc.get_threshold()
+    try:
+        tune_gc(cfg.server.gc_threshold)
+        assert gc.get_threshold() == (20000, 10, 10) and gc.get_freeze_count() > 0
+        gc.unfreeze()
+        tune_gc(None)  # null: thresholds untouched, startup objects still frozen
+        assert gc.get_threshold() == (20000, 10, 10) and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
