@@ -308,8 +308,11 @@ class CompletionEndpoint:
                     raise GatewayError(413, f"Request body is larger than the limit of {limit} bytes.",
                                        code="request_too_large")
             try:
-                async with asyncio.timeout(gw.config.server.body_timeout_s):  # slow-loris uploads
+                if scope.get("gateway.body_complete"):  # already buffered by the server protocol: no wait
                     raw = await read_body(receive, limit)
+                else:
+                    async with asyncio.timeout(gw.config.server.body_timeout_s):  # slow-loris uploads
+                        raw = await read_body(receive, limit)
             except TimeoutError:
                 err = GatewayError(408, "Request body not received in time.", code="request_timeout")
                 gw.metrics.rejections.labels("parse", "request_timeout").inc()

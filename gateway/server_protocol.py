@@ -110,6 +110,11 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self.scope["gateway.conn"] = self  # type: ignore[typeddict-unknown-key]
         super().on_headers_complete()
 
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        # the whole body is buffered: the handler reads it without arming its body timeout (a timer per request)
+        self.scope["gateway.body_complete"] = True  # type: ignore[typeddict-unknown-key]
+
     # ---- refusals
     def send_400_response(self, msg: str) -> None:
         self._cancel_header_timer()

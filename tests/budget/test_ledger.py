@@ -109,3 +109,35 @@ async def test_second_live_process_takes_its_own_spool(tmp_path):
     await b.close()  # b must not have stolen a's rows
     assert len(a.queue) == 1
     await a.close(timeout_s=0.2)
+
+
+async def test_rows_of_one_loop_iteration_are_spooled_by_one_write_before_the_loop_waits(tmp_path, monkeypatch):
+    """enqueue() runs on the request path: the spool lines of rows settled in one event-loop iteration go out
+    in one os.write at its end (not one write per request), and none is lost if the process dies after it."""
+    spool = tmp_path / "spool.jsonl"
+    led = Ledger(_DownSink(), spool, flush_s=10)
+    await led.start()
+    writes: list[int] = []
+    real_write = os.write
+
+    def counting_write(fd, data):
+        if fd == led._fd:
+            writes.append(data.count(b"\n"))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", counting_write)
+    for i in range(5):
+        led.enqueue(row(f"s{i}"))
+    assert spool.read_bytes() == b""  # still this iteration
+    await asyncio.sleep(0)
+    assert writes == [5] and len(spool.read_bytes().splitlines()) == 5
+    led.enqueue(row("s5"))
+    await asyncio.sleep(0)
+    assert writes == [5, 1]
+    led._task.cancel()  # crash: the next start replays all six
+    os.close(led._fd)
+    led._fd = None
+    led2 = Ledger(SqliteSink(tmp_path / "l.db"), spool, flush_s=0.05)
+    await led2.start()
+    assert len(led2.queue) == 6
+    await led2.close()

@@ -1,6 +1,7 @@
 """Evidence recorder: one record per request, JSON lines + Postgres, and no content for zero retention."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import uuid
@@ -105,6 +106,24 @@ async def test_jsonl_get_after_restart_and_bounded_queue(tmp_path):
     small = EvidenceRecorder(tmp_path / "b.jsonl", max_queue=2)  # writer not started: the queue fills
     results = [small.record(await finished_ctx(f"q-{i}", None)) for i in range(4)]
     assert results == [True, True, False, False] and small.dropped == 2
+
+
+async def test_records_arriving_together_are_written_in_one_append(tmp_path, monkeypatch):
+    """Under load the writer waits `linger_s` after a batch's first record and appends the batch at once:
+    one thread hand-off per batch, not per request. Lookups see a record at once, before it is written."""
+    rec = EvidenceRecorder(tmp_path / "a.jsonl", linger_s=0.05)
+    appends: list[int] = []
+    real = rec._append
+    monkeypatch.setattr(rec, "_append", lambda data: (appends.append(data.count(b"\n")), real(data)))
+    await rec.start()
+    for i in range(3):
+        assert rec.record(await finished_ctx(f"b-{i}", None))
+        assert (await rec.get(f"b-{i}"))["request_id"] == f"b-{i}"
+        await asyncio.sleep(0.005)
+    await asyncio.sleep(0.2)
+    assert appends == [3]
+    await rec.close()
+    assert len((tmp_path / "a.jsonl").read_text().splitlines()) == 3
 
 
 async def test_admin_endpoint(tmp_path):
