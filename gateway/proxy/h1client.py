@@ -241,6 +241,8 @@ class _Conn(asyncio.Protocol):
         return not self.lost and self.transport is not None and not self.transport.is_closing()
 
     async def request(self, data: bytes) -> _Response:
+        if not self.usable():  # closed by the upstream since it was handed out: nothing was sent
+            raise UpstreamBroken("upstream closed the connection")
         resp = _Response(self)
         self.resp = resp
         self.until_close = False
@@ -278,30 +280,32 @@ class H1Transport:
 
     # -- pool
     async def _acquire(self) -> _Conn:
-        now = time.monotonic()
-        while self._idle:
-            c = self._idle.pop()
-            if c.usable() and now - c.idle_since < self._expiry:
-                return c
-            c.close()
-        if self._count >= self._max:
+        while True:
+            now = time.monotonic()
+            while self._idle:
+                c = self._idle.pop()
+                if c.usable() and now - c.idle_since < self._expiry:
+                    return c
+                c.close()
+            if self._count < self._max:
+                self._count += 1
+                return await self._connect()
             fut: asyncio.Future[_Conn | None] = asyncio.get_running_loop().create_future()
             self._waiters.append(fut)
             try:
                 async with asyncio.timeout(self._connect_s):
                     got = await fut
             except BaseException:
-                if fut.done() and not fut.cancelled():  # handed a connection (or a slot) we will not use
-                    self._give_back(fut.result())
+                if fut.done() and not fut.cancelled() and fut.exception() is None:
+                    self._give_back(fut.result())  # handed a connection (or a slot) we will not use
                 else:
                     fut.cancel()
                 raise
-            if got is not None:
+            if got is None:  # a connection closed and its slot was handed to us (already counted)
+                return await self._connect()
+            if got.usable():
                 return got
-            # a connection closed and its slot was handed to us: open a new one (the slot is counted)
-        else:
-            self._count += 1
-        return await self._connect()
+            # handed a connection that the upstream closed before we could use it: try again
 
     async def _connect(self) -> _Conn:
         """Open a connection in an already counted slot; on failure the slot is freed."""
@@ -410,5 +414,6 @@ class H1Transport:
         for c in idle:
             c.close()
         for w in self._waiters:
-            w.cancel()
+            if not w.done():
+                w.set_exception(UpstreamConnectError("upstream client closed"))
         self._waiters.clear()

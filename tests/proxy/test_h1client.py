@@ -365,3 +365,20 @@ async def test_tls_handshake_that_never_completes_times_out_and_frees_the_slot()
         await asyncio.sleep(0.05)
         assert t._count == 0
         await t.aclose()
+
+
+async def test_a_connection_closed_while_pooled_is_never_written_to() -> None:
+    async with Server(lambda req: _ok()) as s:
+        t = H1Transport(backend(s.port, max_connections=1))
+        r = await t.post("x", b"{}", {})
+        await r.aread()
+        await r.aclose()
+        conn = t._idle[-1]
+        conn.transport.close()  # closed, and its connection_lost not delivered yet: the slot is still taken
+        r = await t.post("x", b"{}", {})  # waits for the slot, then opens a new connection
+        assert await r.aread() == b'{"ok":true}'
+        await r.aclose()
+        assert s.connections == 2 and t._count == 1
+        with pytest.raises(UpstreamBroken):  # a closed connection refuses at once instead of waiting forever
+            await asyncio.wait_for(conn.request(b"GET / HTTP/1.1\r\n\r\n"), 1.0)
+        await t.aclose()
