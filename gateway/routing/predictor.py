@@ -90,8 +90,11 @@ class EngineLearner:
     pf_time: float = 0.0  # decayed sums for the drain's prefill cost per token (see observe)
     pf_tokens: float = 0.0
     _q_cache: tuple[int, float] | None = None
-    win_x: deque[list[float]] = field(default_factory=deque)  # the batch refit's window: feature vectors
-    win_y: deque[float] = field(default_factory=deque)  # ... and their observed TTFTs
+    # the batch refit's window, a ring of the last refit_window observations (order does not matter to a
+    # least-squares fit, so rows are overwritten in place: no per-refit copy of a Python deque into numpy)
+    win_x: np.ndarray | None = None  # feature vectors, one row per observation
+    win_y: np.ndarray | None = None  # ... and their observed TTFTs
+    win_len: int = 0  # rows filled
     batch_theta: list[float] | None = None
 
     def __post_init__(self) -> None:
@@ -101,8 +104,9 @@ class EngineLearner:
         if not self.P:
             self.P = [[p.prior_var[i] if i == j else 0.0 for j in range(_N)] for i in range(_N)]
         self.residuals = deque(self.residuals, maxlen=p.window)
-        self.win_x = deque(self.win_x, maxlen=max(1, p.refit_window))
-        self.win_y = deque(self.win_y, maxlen=max(1, p.refit_window))
+        if self.win_x is None or self.win_y is None:
+            self.win_x = np.zeros((max(1, p.refit_window), _N))
+            self.win_y = np.ones(max(1, p.refit_window))
 
     # ---------------------------------------------------------------- prediction
     def predict(self, f: Features) -> float:
@@ -168,9 +172,11 @@ class EngineLearner:
         self.P = [[(P[i][j] - k[i] * px[j]) / div for j in range(_N)] for i in range(_N)]
         self.last_update = self.clock()
         if p.refit_window > 0:
-            self.win_x.append(f.vector())
-            self.win_y.append(ttft_s)
-            if len(self.win_y) >= p.refit_min and self.samples % p.refit_every == 0:
+            i = (self.samples - 1) % p.refit_window
+            self.win_x[i] = f.vector()  # type: ignore[index]
+            self.win_y[i] = ttft_s  # type: ignore[index]
+            self.win_len = min(self.win_len + 1, p.refit_window)
+            if self.win_len >= p.refit_min and self.samples % p.refit_every == 0:
                 self.batch_theta = self._refit()
         return ttft_s / pred - 1.0
 
@@ -179,8 +185,9 @@ class EngineLearner:
         recursive fit it has no memory of the path it took, so a burst of skewed samples cannot leave the
         parameters stranded after the burst has left the window."""
         p = self.params
-        y = np.fromiter(self.win_y, float)
-        X = np.array(self.win_x) / y[:, None]  # equations (x / y).theta = 1
+        n = self.win_len
+        y = self.win_y[:n]  # type: ignore[index]
+        X = self.win_x[:n] / y[:, None]  # type: ignore[index]  # equations (x / y).theta = 1
         lo = np.array(p.lower)
         w = np.ones_like(y)
         th = np.array(self.theta)
@@ -237,14 +244,21 @@ class EngineLearner:
 
 def _bounded_lstsq(A: np.ndarray, b: np.ndarray, lo: np.ndarray) -> np.ndarray:
     """min |A.theta - b| with theta >= lo: pin each coefficient that the free solution puts below its bound
-    at the bound and re-solve the rest (an active set; at most one pass per coefficient)."""
+    at the bound and re-solve the rest (an active set; at most one pass per coefficient).
+
+    Solved on the normal equations (a 4x4 system: A's columns are few and the relative-error scaling keeps
+    them well conditioned), by SVD so a feature that never varies (a rank-deficient A) still gets the
+    minimum-norm answer; each pass costs a 4x4 solve, not a pass over A's rows."""
+    G = A.T @ A
+    g = A.T @ b
     free = np.ones(len(lo), bool)
     th = lo.copy()
     for _ in range(len(lo)):
-        rhs = b - A[:, ~free] @ lo[~free]
-        sol, *_ = np.linalg.lstsq(A[:, free], rhs, rcond=None)
+        fixed = ~free
+        rhs = g[free] - G[np.ix_(free, fixed)] @ lo[fixed]
+        sol, *_ = np.linalg.lstsq(G[np.ix_(free, free)], rhs, rcond=None)
         th[free] = sol
-        th[~free] = lo[~free]
+        th[fixed] = lo[fixed]
         bad = free & (th < lo)
         if not bad.any():
             return th

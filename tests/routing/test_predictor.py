@@ -130,4 +130,4 @@ def test_batch_refit_can_be_switched_off():
     rng = random.Random(8)
     lr = EngineLearner(PredictorParams(refit_window=0))
     _feed(lr, rng, 100, (0.010, 1 / 16000, 0.0002))
-    assert lr.batch_theta is None and not lr.win_y
+    assert lr.batch_theta is None and lr.win_len == 0
