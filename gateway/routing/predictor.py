@@ -255,8 +255,9 @@ def _bounded_lstsq(A: np.ndarray, b: np.ndarray, lo: np.ndarray) -> np.ndarray:
     th = lo.copy()
     for _ in range(len(lo)):
         fixed = ~free
-        rhs = g[free] - G[np.ix_(free, fixed)] @ lo[fixed]
-        sol, *_ = np.linalg.lstsq(G[np.ix_(free, free)], rhs, rcond=None)
+        Gf = G[free]
+        rhs = g[free] - Gf[:, fixed] @ lo[fixed]
+        sol, *_ = np.linalg.lstsq(Gf[:, free], rhs, rcond=None)
         th[free] = sol
         th[fixed] = lo[fixed]
         bad = free & (th < lo)
