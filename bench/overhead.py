@@ -57,12 +57,13 @@ async def run(url: str, n: int, conc: int, stream: bool) -> tuple[list[float], f
         return lat, time.perf_counter() - t0
 
 
-def gateway_config(tmp: Path, name: str, port: int, up_port: int, client: str) -> Path:
+def gateway_config(tmp: Path, name: str, port: int, up_port: int, client: str | None) -> Path:
     """The benchmarks' gateway: one fast upstream, a static key (BENCH_KEY), the full default pipeline
-    (policy + evidence, SQLite identity and budgets, metrics)."""
+    (policy + evidence, SQLite identity and budgets, metrics); client None keeps the default upstream client."""
     cfg = tmp / f"{name}.yaml"
+    uc = f", upstream_client: {client}" if client else ""
     cfg.write_text(f"""
-server: {{host: 127.0.0.1, port: {port}, upstream_client: {client}}}
+server: {{host: 127.0.0.1, port: {port}{uc}}}
 backends:
   - {{name: up, url: "http://127.0.0.1:{up_port}/v1", models: [m], location: {{country: DE}}, retention: zero,
       health: {{enabled: false}}}}

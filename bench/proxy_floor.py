@@ -13,7 +13,10 @@ requests per core. Four servers, each against the same fast upstream (bench/fast
   evidence), with each upstream client (`server.upstream_client`).
 
 Rounds alternate between the servers so drift on a shared VM hits all alike. Needs >= 2 CPUs.
-Run: .venv/bin/python bench/proxy_floor.py [--rounds 3] [--seconds 6] [--connections 32]
+`--baseline DIR[:CLIENT]` adds the gateway of another checkout (e.g. `git worktree add /tmp/base <commit>`) to
+the same alternation, to compare two trees side by side; `--stream` drives streaming chat instead.
+Run: .venv/bin/python bench/proxy_floor.py [--rounds 3] [--seconds 6] [--connections 32] [--stream]
+     [--bare-clients aiohttp,httpx] [--gateway-clients native,aiohttp,httpx] [--baseline DIR[:CLIENT]]
 """
 from __future__ import annotations
 
@@ -94,6 +97,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=6.0)
     ap.add_argument("--connections", type=int, default=32)
+    ap.add_argument("--stream", action="store_true", help="streaming chat (SSE) instead of JSON")
+    ap.add_argument("--bare-clients", default="aiohttp,httpx")
+    ap.add_argument("--gateway-clients", default="native,aiohttp,httpx")
+    ap.add_argument("--baseline", action="append", default=[], metavar="DIR[:CLIENT]",
+                    help="also run the gateway of this checkout (its default upstream client unless given)")
     ap.add_argument("--serve-bare", nargs=3, metavar=("PORT", "UPSTREAM", "CLIENT"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.serve_bare:
@@ -108,16 +116,22 @@ def main() -> None:
     up_port = free_port()
     up = subprocess.Popen([sys.executable, str(ROOT / "bench/fast_upstream.py"), str(up_port)],
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 16})
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 16,
+                         **({"stream": True} if a.stream else {})})
     req = build_request("/v1/chat/completions", body, {"authorization": f"Bearer {KEY}"})
-    servers = [("bare ASGI proxy + aiohttp", "bare", "aiohttp"), ("bare ASGI proxy + httpx", "bare", "httpx"),
-               ("gateway (full pipeline) + native", "gw", "native"),
-               ("gateway (full pipeline) + aiohttp", "gw", "aiohttp"), ("gateway (full pipeline) + httpx", "gw", "httpx")]
+    servers = [(f"bare ASGI proxy + {c}", "bare", c, ROOT) for c in a.bare_clients.split(",") if c]
+    servers += [(f"gateway (full pipeline) + {c}", "gw", c, ROOT) for c in a.gateway_clients.split(",") if c]
+    for spec in a.baseline:
+        tree, _, client = spec.partition(":")
+        servers.append((f"gateway @ {tree}" + (f" + {client}" if client else ""), "gw", client or None,
+                        Path(tree).resolve()))
+    if not servers:
+        sys.exit("nothing to run")
     res: dict[str, list[float]] = {s[0]: [] for s in servers}
     try:
         wait_http(f"http://127.0.0.1:{up_port}/health", proc=up)
         for _ in range(a.rounds):
-            for name, kind, client in servers:
+            for name, kind, client, tree in servers:
                 port = free_port()
                 if kind == "bare":
                     cmd = [sys.executable, __file__, "--serve-bare", str(port),
@@ -127,8 +141,8 @@ def main() -> None:
                     cfg = gateway_config(tmp, f"gw-{client}-{port}", port, up_port, client)
                     cmd = [sys.executable, "-m", "gateway", "serve", "--config", str(cfg)]
                     ready = f"http://127.0.0.1:{port}/readyz"
-                p = subprocess.Popen(["taskset", "-c", server_cpu, *cmd], cwd=ROOT,
-                                     env={**os.environ, "BENCH_KEY": KEY, "PYTHONPATH": str(ROOT)},
+                p = subprocess.Popen(["taskset", "-c", server_cpu, *cmd], cwd=tree,
+                                     env={**os.environ, "BENCH_KEY": KEY, "PYTHONPATH": str(tree)},
                                      stdout=subprocess.DEVNULL, stderr=open(tmp / f"{port}.log", "wb"))
                 try:
                     wait_http(ready, proc=p)
@@ -147,8 +161,9 @@ def main() -> None:
         up.wait(5)
     base = statistics.median(res[servers[0][0]])
     print(f"server pinned to CPU {server_cpu}; load generator and upstream on CPU {cpus[0]}; "
-          f"{a.connections} keep-alive connections, {a.seconds:g} s per round, non-streaming chat\n")
-    print("| server | req/s per core, each round | median | vs bare + aiohttp |")
+          f"{a.connections} keep-alive connections, {a.seconds:g} s per round, "
+          f"{'streaming' if a.stream else 'non-streaming'} chat\n")
+    print(f"| server | req/s per core, each round | median | vs {servers[0][0]} |")
     print("|---|---|---|---|")
     for name, xs in res.items():
         m = statistics.median(xs)
