@@ -79,6 +79,16 @@ class _DownSink:
         return None
 
 
+async def _crash_and_restart(led: Ledger, spool, db_path) -> Ledger:
+    """The process dies (no close(), no flush; the OS releases the spool lock) and a new one starts on the spool."""
+    led._task.cancel()
+    os.close(led._fd)
+    led._fd = None
+    led2 = Ledger(SqliteSink(db_path), spool, flush_s=0.05)
+    await led2.start()
+    return led2
+
+
 async def test_crash_with_queued_rows_is_recovered_from_spool(tmp_path):
     spool = tmp_path / "spool.jsonl"
     led = Ledger(_DownSink(), spool, flush_s=0.05)
@@ -86,12 +96,7 @@ async def test_crash_with_queued_rows_is_recovered_from_spool(tmp_path):
     for i in range(7):
         led.enqueue(row(f"c{i}"))
     await asyncio.sleep(0.1)
-    # crash: no close(), no flush; the OS releases the spool lock when the process dies
-    led._task.cancel()
-    os.close(led._fd)
-    led._fd = None
-    led2 = Ledger(SqliteSink(tmp_path / "l.db"), spool, flush_s=0.05)
-    await led2.start()
+    led2 = await _crash_and_restart(led, spool, tmp_path / "l.db")
     assert len(led2.queue) == 7
     await led2.close()
     db = sqlite3.connect(tmp_path / "l.db")
@@ -134,10 +139,6 @@ async def test_rows_of_one_loop_iteration_are_spooled_by_one_write_before_the_lo
     led.enqueue(row("s5"))
     await asyncio.sleep(0)
     assert writes == [5, 1]
-    led._task.cancel()  # crash: the next start replays all six
-    os.close(led._fd)
-    led._fd = None
-    led2 = Ledger(SqliteSink(tmp_path / "l.db"), spool, flush_s=0.05)
-    await led2.start()
+    led2 = await _crash_and_restart(led, spool, tmp_path / "l.db")  # the next start replays all six
     assert len(led2.queue) == 6
     await led2.close()
