@@ -186,7 +186,9 @@ class _Conn(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         resp = self.resp
-        if resp is None:
+        if resp is None or self.headers_ready is None:  # a second response to one request: never reuse
+            self.keep_alive = False
+            self.raw_headers = []
             return
         status = self.parser.get_status_code()
         if 100 <= status < 200:  # an interim response (we never send Expect): wait for the final one
@@ -207,7 +209,7 @@ class _Conn(asyncio.Protocol):
             fut.set_result(None)
 
     def on_body(self, body: bytes) -> None:
-        if self.resp is not None:
+        if self.resp is not None and self.headers_ready is None and not self.resp._done:
             self.resp._feed(body)
 
     def on_message_complete(self) -> None:

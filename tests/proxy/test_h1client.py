@@ -382,3 +382,17 @@ async def test_a_connection_closed_while_pooled_is_never_written_to() -> None:
         with pytest.raises(UpstreamBroken):  # a closed connection refuses at once instead of waiting forever
             await asyncio.wait_for(conn.request(b"GET / HTTP/1.1\r\n\r\n"), 1.0)
         await t.aclose()
+
+
+async def test_a_second_response_in_the_same_read_is_ignored_and_the_connection_dropped() -> None:
+    async with Server(lambda req: _ok(b"first") + _ok(b"second")) as s:
+        t = H1Transport(backend(s.port))
+        r = await t.post("x", b"{}", {})
+        assert r.status == 200 and await r.aread() == b"first"
+        await r.aclose()
+        assert not t._idle  # out of sync: not kept for the next request
+        r = await t.post("x", b"{}", {})
+        assert await r.aread() == b"first"
+        await r.aclose()
+        assert s.connections == 2
+        await t.aclose()
