@@ -141,6 +141,22 @@ class EngineLearner:
         self.samples += 1
         self.ape_sum += abs(ttft_s - pred) / ttft_s
         self.residuals.append(ttft_s / pred - 1.0)
+        if self.batch_theta is None:  # the recursive fit predicts until the batch refit takes over
+            self._observe_recursive(f, ttft_s)
+        self.last_update = self.clock()
+        if p.refit_window > 0:
+            i = (self.samples - 1) % p.refit_window
+            self.win_x[i] = f.vector()  # type: ignore[index]
+            self.win_y[i] = ttft_s  # type: ignore[index]
+            self.win_len = min(self.win_len + 1, p.refit_window)
+            if self.win_len >= p.refit_min and self.samples % p.refit_every == 0:
+                self.batch_theta = self._refit()
+        return ttft_s / pred - 1.0
+
+    def _observe_recursive(self, f: Features, ttft_s: float) -> None:
+        """One step of the recursive fit. Once the batch refit predicts, nothing reads this fit (the refit
+        starts from scratch on its window), so it is no longer updated: ~35 µs saved per observed TTFT."""
+        p = self.params
         # Weighted least squares with weight 1/y^2 (minimises squared *relative* error): the equation
         # x.theta = y divided by y becomes (x / y).theta = 1, whose residual r = (y - x.theta) / y.
         x = [xi / ttft_s for xi in f.vector()]
@@ -170,15 +186,6 @@ class EngineLearner:
         trace = sum(P[i][i] for i in range(_N))
         div = lam if trace < p.max_trace else 1.0
         self.P = [[(P[i][j] - k[i] * px[j]) / div for j in range(_N)] for i in range(_N)]
-        self.last_update = self.clock()
-        if p.refit_window > 0:
-            i = (self.samples - 1) % p.refit_window
-            self.win_x[i] = f.vector()  # type: ignore[index]
-            self.win_y[i] = ttft_s  # type: ignore[index]
-            self.win_len = min(self.win_len + 1, p.refit_window)
-            if self.win_len >= p.refit_min and self.samples % p.refit_every == 0:
-                self.batch_theta = self._refit()
-        return ttft_s / pred - 1.0
 
     def _refit(self) -> list[float]:
         """Bounded, Huber-weighted least squares of relative error on the window (IRLS): unlike the
@@ -233,7 +240,7 @@ class EngineLearner:
         return self.ape_sum / self.samples if self.samples else None
 
     def snapshot(self) -> dict[str, float | int | None]:
-        t = self.theta
+        t = self.batch_theta if self.batch_theta is not None else self.theta  # the parameters predictions use
         return {"overhead_ms": round(t[0] * 1000, 3),
                 "prefill_tokens_per_s": round(1000.0 / t[1], 1) if t[1] > 0 else None,
                 "ms_per_10_decodes": round(t[2] * 1000, 3), "interaction_ms": round(t[3] * 1000, 4),
