@@ -153,12 +153,15 @@ class _Conn(asyncio.Protocol):
         self.idle_since = 0.0
         self.until_close = False  # a body delimited by the connection's end (no length, not chunked)
         self.counted = False  # holds one of the pool's slots (set once the connection is established)
+        self.sent = 0  # requests written on this connection
+        self.got_bytes = False  # any byte of the current request's response arrived
 
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        self.got_bytes = True
         if self.resp is None or self.resp._done:  # bytes after the response's end: out of sync, drop it
             self.keep_alive = False
             self.close()
@@ -243,6 +246,8 @@ class _Conn(asyncio.Protocol):
         return not self.lost and self.transport is not None and not self.transport.is_closing()
 
     async def request(self, data: bytes) -> _Response:
+        self.sent += 1
+        self.got_bytes = False
         if not self.usable():  # closed by the upstream since it was handed out: nothing was sent
             raise UpstreamBroken("upstream closed the connection")
         resp = _Response(self)
@@ -379,16 +384,27 @@ class H1Transport:
         data = _head(method, target, self._ep.host_header, headers, None if body is None else len(body))
         if body:
             data += body
-        try:
-            conn = await self._acquire()
-        except (TimeoutError, OSError) as e:
-            raise UpstreamConnectError(type(e).__name__) from None
-        try:
-            return await conn.request(data)
-        except BaseException:
-            conn.resp = None
-            conn.close()  # cancelled or broken mid-request: the connection's state is unknown
-            raise
+        for attempt in (1, 2):
+            try:
+                conn = await self._acquire()
+            except (TimeoutError, OSError) as e:
+                raise UpstreamConnectError(type(e).__name__) from None
+            try:
+                return await conn.request(data)
+            except UpstreamBroken:
+                conn.resp = None
+                conn.close()
+                # A kept-alive connection the upstream closed just as it was reused (its idle timeout, e.g.
+                # uvicorn's 5 s, met our request on the wire): no byte of an answer came, so the request is
+                # sent once more on another connection, as the dispatcher would send it to another backend.
+                if attempt == 1 and conn.sent > 1 and not conn.got_bytes:
+                    continue
+                raise
+            except BaseException:
+                conn.resp = None
+                conn.close()  # cancelled or broken mid-request: the connection's state is unknown
+                raise
+        raise AssertionError("unreachable")
 
     async def post(self, path: str, body: bytes, headers: dict[str, str]) -> _Response:
         return await self._send("POST", self._ep.prefix + path, headers, body)

@@ -396,3 +396,38 @@ async def test_a_second_response_in_the_same_read_is_ignored_and_the_connection_
         await r.aclose()
         assert s.connections == 2
         await t.aclose()
+
+
+async def test_a_reused_connection_closed_before_any_answer_is_retried_once_on_a_new_one() -> None:
+    per_conn: dict[int, int] = {}
+
+    def reply(req: bytes):
+        async def answer(w: asyncio.StreamWriter, req: bytes) -> str | None:
+            k = id(w)
+            per_conn[k] = per_conn.get(k, 0) + 1
+            if per_conn[k] == 2:  # the upstream's keep-alive timeout met our second request on the wire
+                return "close"
+            w.write(_ok())
+            return None
+        return answer
+
+    async with Server(reply) as s:
+        t = H1Transport(backend(s.port))
+        for _ in range(2):
+            r = await t.post("x", b"{}", {})
+            assert await r.aread() == b'{"ok":true}'
+            await r.aclose()
+        assert s.connections == 2 and len(s.requests) == 3  # sent twice, answered once
+        await t.aclose()
+
+
+async def test_a_fresh_connection_closed_before_any_answer_is_not_retried() -> None:
+    async def close(w: asyncio.StreamWriter, req: bytes) -> str:
+        return "close"
+
+    async with Server(lambda req: close) as s:
+        t = H1Transport(backend(s.port))
+        with pytest.raises(UpstreamBroken):
+            await t.post("x", b"{}", {})
+        assert len(s.requests) == 1
+        await t.aclose()
