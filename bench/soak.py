@@ -5,7 +5,7 @@ unknown model), clients that disconnect mid-stream, and engine faults (one engin
 500-storms and hangs). Every 10 s it samples the gateway's RSS, open fds, sockets, asyncio tasks and
 in-flight requests; at the end it prints the samples' least-squares RSS slope (MiB/min, first minute of
 warm-up excluded) and the end-of-run fd / socket / task / in-flight counts after traffic stops.
-Run: .venv/bin/python bench/soak.py [--minutes 10] [--workers 24]
+Run: .venv/bin/python bench/soak.py [--minutes 10] [--workers 24] [--server '{"gc_threshold": null}']
 """
 from __future__ import annotations
 
@@ -120,9 +120,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--workers", type=int, default=24)
+    ap.add_argument("--server", default="{}", help="JSON merged into the gateway config's server section")
     a = ap.parse_args()
     st = start_stack(Path(tempfile.mkdtemp(prefix="bench-soak-")), engines=3, locations="DE,SE,FI",
-                     fleet_args=["--max-num-seqs", "64"],
+                     fleet_args=["--max-num-seqs", "64"], server=orjson.loads(a.server),
                      identity={"auth_fail_limit_per_minute": 1_000_000})
     try:
         wait_ready(st.base)

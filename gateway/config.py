@@ -39,8 +39,9 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     graceful_shutdown_s: float = 20.0
     access_log: bool = False
     upstream_client: Literal["native", "aiohttp", "httpx"] = "native"  # see gateway/proxy/h1client.py and transport.py for why
-    # With Python's default GC thresholds, collections were ~15% of the gateway's CPU at saturation
-    gc_threshold: tuple[int, int, int] | None = (20000, 10, 10)  # set once started, after gc.freeze(); null: (700, 10, 10)
+    # Startup objects are always frozen out of the cyclic GC once serving (gc.freeze); raising the thresholds
+    # too (e.g. [20000, 10, 10]) saves ~5% more CPU but let RSS creep in the soak (docs/benchmarks.md)
+    gc_threshold: tuple[int, int, int] | None = None  # gc.set_threshold once serving; null keeps Python's (700, 10, 10)
 
 
 class Location(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
