@@ -207,8 +207,8 @@ class EvidenceRecorder:
         self._recent_client: OrderedDict[str, dict[str, Any]] = OrderedDict()  # client x-request-id -> newest
         self._recent_max = recent
         self._batch = batch
-        # after the first record of a batch, wait this long for more: one file append (a thread hand-off) per
-        # batch instead of one per record under load (the hand-offs were ~7% of the gateway's CPU at saturation)
+        # after the first record of a batch, wait this long for more: under load one file append (a thread
+        # hand-off and a file open) per batch instead of one per record
         self._linger_s = linger_s
         self._task: asyncio.Task[None] | None = None
         self.dropped = 0
