@@ -431,3 +431,17 @@ async def test_a_fresh_connection_closed_before_any_answer_is_not_retried() -> N
             await t.post("x", b"{}", {})
         assert len(s.requests) == 1
         await t.aclose()
+
+
+async def test_get_returns_the_status_and_times_out_as_broken() -> None:
+    async def slow(w: asyncio.StreamWriter, req: bytes) -> None:
+        await asyncio.sleep(1.0)
+        w.write(_ok())
+
+    async with Server(lambda req: _ok() if req.startswith(b"GET /health ") else slow) as s:
+        t = H1Transport(backend(s.port))
+        assert await t.get(f"http://127.0.0.1:{s.port}/health", 1.0) == 200
+        assert s.requests[0].startswith(b"GET /health HTTP/1.1\r\n") and b"content-length" not in s.requests[0]
+        with pytest.raises(UpstreamBroken):
+            await t.get(f"http://127.0.0.1:{s.port}/slow", 0.1)
+        await t.aclose()
