@@ -62,6 +62,36 @@ def candidates(config: Config, ctx: RequestContext, health: Health) -> RoutePlan
     return RoutePlan(candidates=kept, dropped=dropped)
 
 
+def has_own_engine(config: Config, model_chain: tuple[str, ...] | list[str]) -> bool:
+    """Does any of our own (non-partner) backends serve a model of the chain, whatever its health or residency?
+    Only a model with none is partner-only (partners are then its route, not a spill)."""
+    for model in model_chain:
+        for name in config.models.get(model, ()):
+            if config.backend(name).operator != "partner":
+                return True
+    return False
+
+
+def split_partners(config: Config, ctx: RequestContext, plan: RoutePlan) -> tuple[list[Candidate], list[Candidate]]:
+    """(own candidates, partner spill candidates). A model no own backend serves has its partners as the
+    route (own). Otherwise partners are spill candidates only under `decision.spill_to_partner`, else dropped
+    (filter "spill") - also when every own engine is excluded or down: then the request is refused (403/503)."""
+    own = [c for c in plan.candidates if c.backend.operator != "partner"]
+    partners = [c for c in plan.candidates if c.backend.operator == "partner"]
+    if not own and not has_own_engine(config, ctx.model_chain):
+        return partners, []
+    d = ctx.decision
+    if partners and not (d is not None and d.spill_to_partner):
+        for c in partners:
+            plan.dropped.append({"backend": c.backend.name, "model": c.model,
+                                 "reason": "spill to partner not allowed by policy", "filter": "spill"})
+        partners = []
+    if not own and not partners:
+        plan.candidates = []
+        raise _no_candidates(ctx, plan)
+    return own, partners
+
+
 def _residency_rules(d: Decision | None, dropped: list[dict]) -> list[str]:
     """The policy rules behind residency drops: the residency rule for location reasons, the retention rule
     for retention reasons (each named once, in that order)."""
@@ -80,14 +110,18 @@ def _no_candidates(ctx: RequestContext, plan: RoutePlan) -> GatewayError:
     d = ctx.decision
     rules = _residency_rules(d, plan.dropped)
     named = " and ".join(f"'{r}'" for r in rules) or "the policy"
-    if plan.dropped and d is not None and all(x["filter"] == "residency" for x in plan.dropped):
+    # partners dropped because policy allows no spill are neither unavailable nor excluded by residency
+    drops = [x for x in plan.dropped if x["filter"] != "spill"]
+    spill = (" Partner routes serve this model only where policy sets spill_to_partner."
+             if len(drops) < len(plan.dropped) else "")
+    if drops and d is not None and all(x["filter"] == "residency" for x in drops):
         return GatewayError(403, f"No backend for '{ctx.model}' satisfies the residency/retention required by "
-                            f"rule {named}.", code="residency_unsatisfiable")
-    excluded = sum(1 for x in plan.dropped if x["filter"] == "residency")
+                            f"rule {named}.{spill}", code="residency_unsatisfiable")
+    excluded = sum(1 for x in drops if x["filter"] == "residency")
     why = (f" ({excluded} other backend(s) are excluded by the residency/retention of rule {named}; the rest are "
            "unavailable right now)") if excluded else ""
-    return GatewayError(503, f"No backend is available for model '{ctx.model}'.{why}", code="no_backend_available",
-                        headers=retry_headers(1.0))
+    return GatewayError(503, f"No backend is available for model '{ctx.model}'.{why}{spill}",
+                        code="no_backend_available", headers=retry_headers(1.0))
 
 
 class RouteStage:
@@ -104,17 +138,20 @@ class RouteStage:
         if not ctx.model_chain:
             raise GatewayError(404, f"The model '{ctx.model}' does not exist or you do not have access to it.",
                                code="model_not_found", param="model")
-        plan = candidates(self._config(), ctx, self._health)
+        cfg = self._config()
+        plan = candidates(cfg, ctx, self._health)
         ctx.evidence["dropped"] = plan.dropped
         if not plan.candidates:
             raise _no_candidates(ctx, plan)
+        own, partners = split_partners(cfg, ctx, plan)  # partners after own: a fallback only where allowed
+        plan.candidates = own + partners
         # rotate within each model group so load spreads; fallback models stay after primary ones
         n = next(self._rr)
-        first_model = plan.candidates[0].model
-        primary = [c for c in plan.candidates if c.model == first_model]
-        rest = [c for c in plan.candidates if c.model != first_model]
+        first_model = own[0].model
+        primary = [c for c in own if c.model == first_model]
+        rest = [c for c in own if c.model != first_model]
         k = n % len(primary)
-        plan.candidates = primary[k:] + primary[:k] + rest
+        plan.candidates = primary[k:] + primary[:k] + rest + partners
         ctx.route = plan
         ctx.evidence["candidates"] = [c.to_evidence() for c in plan.candidates]
 
@@ -349,16 +386,7 @@ class PredictiveRouteStage:
         if not plan.candidates:
             raise _no_candidates(ctx, plan)
         d = ctx.decision
-        own = [c for c in plan.candidates if c.backend.operator != "partner"]
-        partners = [c for c in plan.candidates if c.backend.operator == "partner"]
-        if not own:  # a model only partners serve: they are the route, not a spill
-            own, partners = partners, []
-        can_spill = bool(d is not None and d.spill_to_partner and partners)
-        if partners and not can_spill:
-            for c in partners:
-                plan.dropped.append({"backend": c.backend.name, "model": c.model,
-                                     "reason": "spill to partner not allowed by policy", "filter": "spill"})
-            partners = []
+        own, partners = split_partners(cfg, ctx, plan)
 
         salt = engine_cache_salt(ctx, rc.cache_salt_secret_env)
         if salt is not None:

@@ -134,3 +134,37 @@ async def test_refusals_name_the_rule_that_excluded_each_backend(stage):
     with pytest.raises(GatewayError) as ei:
         await stage.run(c)
     assert ei.value.status == 503 and "excluded by the residency/retention of rule 'eea'" in ei.value.message
+
+
+async def test_the_round_robin_stage_keeps_partners_to_spill_only_too():
+    """The minimal assemblies' RouteStage applies the same partner rule: no spill permission, no partner, also
+    when the own engine is down; a partner-only model is the partners' route."""
+    from gateway.routing.stage import RouteStage
+
+    cfg = _cfg()
+    st = RouteStage(lambda: cfg, Health(cfg))
+    c = _ctx(spill=False, prompt_tokens=10)
+    await st.run(c)
+    assert [x.backend.name for x in c.route.candidates] == ["own-de"]
+    c = _ctx(spill=True, prompt_tokens=10)
+    await st.run(c)
+    assert [x.backend.name for x in c.route.candidates] == ["own-de", "partner-se"]
+    for _ in range(5):
+        st._health.failure("own-de", "down")
+    with pytest.raises(GatewayError) as ei:
+        await st.run(_ctx(spill=False, prompt_tokens=10))
+    assert ei.value.status == 503
+    c = _ctx(spill=False, prompt_tokens=10, model="p-model")
+    await st.run(c)
+    assert [x.backend.name for x in c.route.candidates] == ["only-partner"]
+
+
+async def test_own_engines_down_or_excluded_never_open_partners_without_spill(stage):
+    c = _ctx(spill=False, prompt_tokens=10)
+    c.decision = Decision(allow=True, retention="zero", retention_rule="zr")
+    for _ in range(5):
+        stage._health.failure("own-de", "down")
+    with pytest.raises(GatewayError) as ei:
+        await stage.run(c)
+    assert ei.value.status == 503 and "spill_to_partner" in ei.value.message
+    assert {d["backend"] for d in c.evidence["dropped"] if d["filter"] == "spill"} == {"partner-se", "partner-us"}
