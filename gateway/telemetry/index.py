@@ -18,6 +18,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import xxhash
 
+from gateway.telemetry.chunk_budget import ChunkBudgetLearner
 from gateway.telemetry.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 M64 = (1 << 64) - 1
@@ -201,6 +202,7 @@ class _Engine:
     orphans: int = 0  # stored blocks whose parent hash was unknown (after a loss)
     skipped: int = 0  # events not indexed (other KV groups, malformed)
     clears: int = 0
+    chunks: ChunkBudgetLearner = field(default_factory=ChunkBudgetLearner)  # survives resets: an engine fact
 
 
 class KVIndex:
@@ -280,14 +282,25 @@ class KVIndex:
         """Apply one batch in order; returns the number of block events applied."""
         e = self._engine(engine)
         n = 0
+        chunks: list[tuple[int | None, int, int, int]] = []  # one engine step's stored chunks (budget learner)
         for ev in batch.events:
             if isinstance(ev, BlockStored):
                 n += self._stored(e, ev)
+                hs = ev.block_hashes
+                if len(hs) >= 2 and ev.group_idx in (None, 0):
+                    p = ev.parent_block_hash
+                    chunks.append((None if p is None else _norm_hash(p), _norm_hash(hs[-1]), len(hs), ev.block_size))
             elif isinstance(ev, BlockRemoved):
                 n += self._removed(e, ev)
             elif isinstance(ev, AllBlocksCleared):
                 self.reset(engine)
+        e.chunks.observe(chunks)
         return n
+
+    def chunk_budget(self, engine: str) -> int | None:
+        """The engine's chunked-prefill budget per step as learned from its KV events (None: not yet seen)."""
+        e = self._engines.get(engine)
+        return e.chunks.budget if e else None
 
     def _stored(self, e: _Engine, ev: BlockStored) -> int:
         if ev.group_idx not in (None, 0):
@@ -597,7 +610,9 @@ class KVIndex:
             "bytes_per_entry": round(mem / entries, 1) if entries else None,
             "engines": {name: {"slot": e.slot, "block_size": e.block_size, "entries": e.table.n,
                                "stored": e.stored, "removed": e.removed, "orphans": e.orphans,
-                               "skipped": e.skipped, "resets": e.clears} for name, e in self._engines.items()},
+                               "skipped": e.skipped, "resets": e.clears, "chunk_budget": e.chunks.budget,
+                               "budget_limited_steps": e.chunks.limited_steps}
+                        for name, e in self._engines.items()},
         }
 
 
