@@ -105,6 +105,36 @@ class Parsed:
         self.prompt_chars = prompt_chars
 
 
+# Content-part fields that carry text (OpenAI: text parts, assistant refusals): a string when present.
+_PART_TEXT = ("text", "refusal")
+
+
+def _part_chars(part: Any, param: str) -> int:
+    """Characters of text in one chat content part. The known shapes are checked (a `text` or `refusal` that
+    is not a string, an `image_url` that is neither a URL string nor an object with one): 400 naming the
+    field, never a crash further down (a non-string `text` used to reach the upstream re-encode as a 500).
+    Other part types (input_audio, file, video_url, ...) pass through to the engine unchanged."""
+    if not isinstance(part, dict):
+        raise _type_error(param, "an object", part)
+    kind = part.get("type")
+    if kind is not None and not isinstance(kind, str):
+        raise _type_error(f"{param}.type", "a string", kind)
+    n = 0
+    for key in _PART_TEXT:
+        if key in part or kind == key:
+            v = part.get(key)
+            if not isinstance(v, str):
+                raise _type_error(f"{param}.{key}", "a string", v)
+            n += len(v)
+    if kind == "image_url" or "image_url" in part:
+        img = part.get("image_url")
+        url = img.get("url") if isinstance(img, dict) else img
+        if not isinstance(url, str):
+            raise _type_error(f"{param}.image_url" + (".url" if isinstance(img, dict) else ""),
+                              "a string URL" if not isinstance(img, dict) else "a string", url)
+    return n
+
+
 def _content_chars(content: Any, param: str) -> int:
     if content is None:
         return 0
@@ -113,11 +143,7 @@ def _content_chars(content: Any, param: str) -> int:
     if isinstance(content, list):
         n = 0
         for j, part in enumerate(content):
-            if not isinstance(part, dict):
-                raise _type_error(f"{param}[{j}]", "an object", part)
-            t = part.get("text")
-            if isinstance(t, str):
-                n += len(t)
+            n += _part_chars(part, f"{param}[{j}]")
         return n
     raise _type_error(param, "a string or an array of content parts", content)
 

@@ -46,3 +46,37 @@ def test_param_named(fn, body, param):
 def test_token_prompts_accepted():
     assert parse_completions({"model": "m", "prompt": [1, 2, 3]}).prompt_chars == 12
     assert parse_embeddings({"model": "m", "input": [[1, 2], [3]]}).prompt_chars == 12
+
+
+def _chat_parts(*parts):
+    return {"model": "m", "messages": [{"role": "user", "content": list(parts)}]}
+
+
+@pytest.mark.parametrize("part,param", [
+    ({"type": "text", "text": 5}, "messages[0].content[1].text"),
+    ({"type": "text", "text": None}, "messages[0].content[1].text"),
+    ({"type": "text", "text": ["a", "b"]}, "messages[0].content[1].text"),
+    ({"type": "text"}, "messages[0].content[1].text"),
+    ({"type": "text", "text": {"x": 1}}, "messages[0].content[1].text"),
+    ({"type": 7, "text": "x"}, "messages[0].content[1].type"),
+    ({"type": "refusal", "refusal": 1}, "messages[0].content[1].refusal"),
+    ({"type": "image_url", "image_url": {"url": 5}}, "messages[0].content[1].image_url.url"),
+    ({"type": "image_url", "image_url": None}, "messages[0].content[1].image_url"),
+    ({"type": "image_url"}, "messages[0].content[1].image_url"),
+    ("just a string", "messages[0].content[1]"),
+])
+def test_content_part_with_a_non_string_text_is_a_400_naming_the_field(part, param):
+    """Issue 18: a text part whose `text` was 5, null or a list reached the gateway's internals as a 500."""
+    with pytest.raises(GatewayError) as e:
+        parse_chat(_chat_parts({"type": "text", "text": "ok"}, part))
+    assert e.value.status == 400 and e.value.param == param, (e.value.param, e.value.message)
+
+
+def test_well_formed_content_parts_still_pass():
+    p = parse_chat(_chat_parts({"type": "text", "text": "abcd"},
+                               {"type": "image_url", "image_url": {"url": "https://x/y.png", "detail": "low"}},
+                               {"type": "image_url", "image_url": "data:image/png;base64,AAAA"},
+                               {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+                               {"type": "file", "file": {"file_id": "f1"}},
+                               {"type": "video_url", "video_url": {"url": "https://x/v.mp4"}}))
+    assert p.prompt_chars >= 4
