@@ -103,6 +103,13 @@ class RequestContext:
     def zero_retention(self) -> bool:
         return self.decision is not None and self.decision.retention == "zero"
 
+    @property
+    def content_retainable(self) -> bool:
+        """True only when the principal is known and a policy decision says retention is not zero. Unknown
+        retention (refused before the decision: bad or revoked key, a model the key may not use, a parse
+        error) counts as zero: such a request's content is never captured in audit, logs or spans."""
+        return self.principal is not None and self.decision is not None and self.decision.retention != "zero"
+
 
 class Stage(Protocol):
     """One step of the request path. `run` decides or refuses; `finish` cleans up after the response."""

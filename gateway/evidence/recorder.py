@@ -110,7 +110,8 @@ def _plain(v: Any) -> Any:
 
 def build_record(ctx: RequestContext, *, capture_content: bool = False,
                  backend_lookup: Callable[[str], Any] | None = None) -> dict[str, Any]:
-    """The audit record for one finished request. Pure; never includes content for zero-retention requests."""
+    """The audit record for one finished request. Pure; never includes content for zero-retention requests,
+    nor for requests whose retention is unknown (refused before the policy decision)."""
     d = ctx.decision
     ev = ctx.evidence
     usage = ctx.usage
@@ -162,7 +163,9 @@ def build_record(ctx: RequestContext, *, capture_content: bool = False,
         "stage_timings_us": {k: round(v, 1) for k, v in ctx.stage_timings_us.items()},
         "evidence": {k: _plain(v) for k, v in ev.items() if k not in _LIFTED},
     }
-    want_content = capture_content and not zero
+    # unknown retention (no decision, no principal: refused early) is treated as zero: never captured, scrubbed
+    keep = ctx.content_retainable
+    want_content = capture_content and keep
     content: dict[str, Any] | None = None
     if want_content:
         body = ctx.body or {}
@@ -171,7 +174,7 @@ def build_record(ctx: RequestContext, *, capture_content: bool = False,
             if k in ev:
                 content["completion"] = ev[k]
     secrets: list[str] = []
-    if zero:
+    if not keep:
         _content_strings(ctx.body or {}, secrets)
         for k in ("completion", "completion_text"):
             if isinstance(ev.get(k), str):

@@ -64,8 +64,9 @@ def _content_strings(value: Any, out: list[str]) -> None:
 
 
 def zero_retention_content(ctx: Any) -> list[str]:
-    """The text a zero-retention request carried (messages/prompt/input); [] for other requests."""
-    if ctx is None or not getattr(ctx, "zero_retention", False):
+    """The text a request whose content may not be kept carried (messages/prompt/input): zero retention, or
+    retention not known yet (no decision: refused or still before the policy stage); [] for other requests."""
+    if ctx is None or getattr(ctx, "content_retainable", True):
         return []
     body = getattr(ctx, "body", None) or {}
     out: list[str] = []

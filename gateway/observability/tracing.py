@@ -11,8 +11,9 @@ installed and the request path does not change. When on, two things touch a requ
   timestamps from ctx (received_wall, stage_timings_us, ttft_s, total_s) and adds one child span per pipeline
   stage (auth, policy, budget, route). Building at finish time keeps the hot path to one dict insert.
 
-Content (`gen_ai.input.messages`) is recorded only when `capture_content` is on AND the request is not
-zero-retention; zero-retention requests also drop `gen_ai.request.stop_sequences`.
+Content (`gen_ai.input.messages`) is recorded only when `capture_content` is on AND a policy decision for a
+known principal says retention is not zero; zero-retention requests, and requests refused before the decision
+(unknown retention counts as zero), also drop `gen_ai.request.stop_sequences`.
 """
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ def request_attributes(ctx: RequestContext) -> dict[str, Any]:
     if ctx.endpoint == "embeddings" and isinstance(body.get("encoding_format"), str):
         a["gen_ai.request.encoding_formats"] = [body["encoding_format"]]
     stop = body.get("stop")
-    if not ctx.zero_retention and stop:
+    if ctx.content_retainable and stop:
         stops = [stop] if isinstance(stop, str) else [s for s in stop if isinstance(s, str)] if isinstance(stop, list) else []
         if stops:
             a["gen_ai.request.stop_sequences"] = stops
@@ -148,8 +149,9 @@ def response_attributes(ctx: RequestContext, backend: Any) -> dict[str, Any]:
 
 
 def content_attributes(ctx: RequestContext, capture: bool) -> dict[str, Any]:
-    """Opt-in message content; empty unless capture is on and the request is not zero-retention."""
-    if not capture or ctx.zero_retention:
+    """Opt-in message content; empty unless capture is on and a decision for a known principal says retention
+    is not zero (unknown retention, a request refused before the decision, counts as zero)."""
+    if not capture or not ctx.content_retainable:
         return {}
     body = ctx.body or {}
     out: dict[str, Any] = {}
