@@ -48,6 +48,23 @@ class BudgetStage:
         if out.allowance is not None:
             ctx.completion_token_allowance = (out.allowance if ctx.completion_token_allowance is None
                                               else min(out.allowance, ctx.completion_token_allowance))
+            self._send_allowance(ctx)
+
+    @staticmethod
+    def _send_allowance(ctx: RequestContext) -> None:
+        """The allowance goes upstream as the request's max_tokens when it is the binding limit: a JSON
+        response cannot be cut part-way, so without it an engine generated past the budget (49 tokens left,
+        102 generated). Streams are still cut at the allowance as well (docs/budgets.md)."""
+        allowance = ctx.completion_token_allowance
+        if allowance is None or ctx.endpoint == "embeddings":
+            return
+        if ctx.max_tokens is not None and ctx.max_tokens <= allowance:
+            return
+        ctx.evidence["budget_max_tokens"] = {"requested": ctx.max_tokens, "set_max_tokens": allowance,
+                                             "reason": "remaining completion budget"}
+        ctx.max_tokens = allowance  # the proxy writes it as max_tokens or max_completion_tokens (as the client did)
+        ctx.body_overrides.pop("max_tokens", None)  # a lower value from here wins over an earlier cap
+        ctx.body_overrides.pop("max_completion_tokens", None)
 
     async def finish(self, ctx: RequestContext) -> None:
         """Settle (if reserved) and record the cost of every dispatched request in the ledger."""

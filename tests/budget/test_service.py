@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import orjson
 import pytest
 
 from gateway.budget.service import BudgetService
@@ -119,6 +120,31 @@ async def test_uncapped_stream_gets_allowance_at_remaining_budget(svc_factory):
     # capped requests above the remaining budget are refused, never cut
     with pytest.raises(GatewayError):
         await stage.run(ctx("d", b, prompt=10, max_tokens=200))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("field", [None, "max_completion_tokens"])
+async def test_binding_allowance_is_sent_upstream_as_max_tokens(svc_factory, stream, field):
+    """Issue 18: a JSON request without max_tokens and 49 tokens left generated 102: the allowance was only
+    enforced by cutting streams. It is the request's max_tokens (or max_completion_tokens) upstream now."""
+    from gateway.config import BackendConfig
+    from gateway.proxy.forward import upstream_body
+    from gateway.routing.plan import Candidate
+
+    stage = BudgetStage(await svc_factory(default_max_tokens=4096))
+    c = ctx("a", [BudgetSpec(window="day", scope="tenant", tokens=149)], prompt=100, max_tokens=None, stream=stream)
+    c.body = {"model": "m1", "messages": [{"role": "user", "content": "x"}]}
+    if field:
+        c.body[field] = None  # the client names the field (null = no limit); the allowance goes into it
+    await stage.run(c)
+    assert c.completion_token_allowance == 49 and c.max_tokens == 49
+    assert c.evidence["budget_max_tokens"] == {"requested": None, "set_max_tokens": 49,
+                                               "reason": "remaining completion budget"}
+    cand = Candidate(backend=BackendConfig(name="b1", url="http://b1/v1", models=["m1"]), model="m1")
+    sent = orjson.loads(upstream_body(c, cand))
+    assert sent[field or "max_tokens"] == 49
+    if field:
+        assert "max_tokens" not in sent
 
 
 async def test_no_budgets_is_a_noop_and_unscoped_specs_are_ignored(svc_factory):
