@@ -509,17 +509,17 @@ def build_app(gw: Gateway) -> Starlette:
             return JSONResponse(e.body(), status_code=e.status, headers=error_headers(e, rid))
         return JSONResponse({"object": "list", "data": model_catalog(gw.config)}, headers={"x-request-id": rid})
 
-    async def admin_reload(request: Request) -> Response:
-        rid = request_id(request.headers)
+    from gateway.admin_guard import PLATFORM_ADMIN, gateway_guard
+
+    async def admin_reload(request: Request, principal: Principal | None) -> Response:
+        # authenticated and authorized (platform admins only) by the admin guard, whose refusals (429
+        # included) carry x-request-id and Retry-After
         try:
-            await gw.admin_auth(request.headers)
             new = await gw.reload()
-        except GatewayError as e:
-            return JSONResponse(e.body(), status_code=e.status, headers={"x-request-id": rid})
         except ConfigError as e:
-            err = GatewayError(400, f"Config refused, the previous one keeps serving: {e}", code="invalid_config")
-            return JSONResponse(err.body(), status_code=400, headers={"x-request-id": rid})
-        return JSONResponse({"status": "reloaded", "generation": new.generation}, headers={"x-request-id": rid})
+            raise GatewayError(400, f"Config refused, the previous one keeps serving: {e}",
+                               code="invalid_config") from None
+        return JSONResponse({"status": "reloaded", "generation": new.generation})
 
     async def not_found(request: Request, exc: Exception) -> Response:
         status = getattr(exc, "status_code", 404)
@@ -542,7 +542,7 @@ def build_app(gw: Gateway) -> Starlette:
         Route("/readyz", readyz, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
-        Route("/admin/reload", admin_reload, methods=["POST"]),
+        gateway_guard(gw).route("/admin/reload", admin_reload, ["POST"], (PLATFORM_ADMIN,)),
         *gw.extra_routes,
     ]
 

@@ -5,15 +5,14 @@ observe -> authenticate -> decide -> reserve -> route (predict, admit) -> dispat
 """
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
-from gateway.app import Gateway, request_id
+from gateway.admin_guard import PLATFORM_ADMIN, TENANT_ADMIN, gateway_guard
+from gateway.app import Gateway
 from gateway.config import Config, ConfigError
-from gateway.errors import GatewayError
 
 
 def wire(gw: Gateway) -> None:
@@ -41,20 +40,6 @@ def _insert_after(gw: Gateway, after: str, stage: Any) -> None:
     gw.pipeline.stages = gw.stages
 
 
-def admin_endpoint(gw: Gateway, handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
-    """Wrap an admin handler behind the admin credential (401/403 OpenAI-shaped)."""
-
-    async def endpoint(request: Request) -> Response:
-        try:
-            await gw.admin_auth(request.headers)
-        except GatewayError as e:
-            return JSONResponse(e.body(), status_code=e.status,
-                                headers={"x-request-id": request_id(request.headers), **e.headers})
-        return await handler(request)
-
-    return endpoint
-
-
 def _wire_identity(gw: Gateway) -> None:
     """API keys, JWT/OIDC, partners and the admin CRUD plane (SQLite by default, Postgres for replicas)."""
     from gateway.identity.admin import admin_routes
@@ -67,11 +52,11 @@ def _wire_identity(gw: Gateway) -> None:
     gw.auth = AuthStage(svc)
     _replace_stage(gw, "authenticate", gw.auth)
 
-    async def admin_auth(headers: Any) -> Any:
-        return await svc.authenticate_admin(headers)
+    async def admin_auth(headers: Any, client_addr: str = "") -> Any:
+        return await svc.authenticate_admin(headers, client_addr)
 
     gw.admin_auth = admin_auth
-    gw.extra_routes.extend(admin_routes(svc))
+    gw.extra_routes.extend(admin_routes(svc, gateway_guard(gw)))
 
 
 class PolicyHolder:
@@ -145,11 +130,17 @@ def _wire_telemetry(gw: Gateway) -> None:
     gw.services.append(svc)
     gw.telemetry = svc
 
-    async def fleet(request: Request) -> Response:
+    async def served(ctx: Any) -> None:  # evidence that the engine stored blocks (KV-stream silence alarm)
+        if ctx.backend and ctx.status in (0, 200) and ctx.usage is not None:
+            svc.observe_served(ctx.backend, ctx.usage.prompt_tokens, ctx.usage.cached_tokens)
+
+    gw.finish_hooks.append(served)
+
+    async def fleet(request: Request, principal: Any) -> Response:
         await svc.refresh_block_counts()
         return JSONResponse({"engines": svc.fleet_snapshot(), "health": gw.health.snapshot()})
 
-    gw.extra_routes.append(Route("/admin/fleet", admin_endpoint(gw, fleet), methods=["GET"]))
+    gw.extra_routes.append(gateway_guard(gw).route("/admin/fleet", fleet, ["GET"], (PLATFORM_ADMIN,)))
 
 
 def _wire_evidence(gw: Gateway) -> None:
@@ -177,8 +168,9 @@ def _wire_evidence(gw: Gateway) -> None:
         rec.record(ctx)
 
     gw.finish_hooks.append(record)
-    gw.extra_routes.append(Route("/admin/decisions/{request_id}", admin_endpoint(gw, make_decision_handler(rec)),
-                                 methods=["GET"]))
+    # platform admins read every record; a tenant admin its own tenant's (others' ids are 404)
+    gw.extra_routes.append(gateway_guard(gw).route("/admin/decisions/{request_id}", make_decision_handler(rec),
+                                                   ["GET"], (PLATFORM_ADMIN, TENANT_ADMIN)))
 
 
 def _wire_observability(gw: Gateway) -> None:

@@ -1,6 +1,8 @@
 """Admin plane routes (/admin/...): CRUD for tenants, teams, projects, partners and keys.
 
-Every route authenticates with `IdentityService.authenticate_admin`. Role "admin" sees everything;
+Every route is built by the admin guard (gateway/admin_guard.py), which authenticates with
+`IdentityService.authenticate_admin`, admits only the roles the route declares and confines a tenant admin to a
+`{tenant}` path parameter; the handlers scope the rest. Role "admin" sees everything;
 "tenant_admin" sees only its own tenant: naming another tenant is 403, and a key or partner id of another
 tenant is 404 (ids that are not under a tenant path are not confirmed to outsiders). Tenants and partners are
 created, changed and deleted by platform admins only; teams, projects and keys by either within the tenant.
@@ -12,36 +14,26 @@ stays for audit) and is idempotent.
 """
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from gateway.admin_guard import PLATFORM_ADMIN, TENANT_ADMIN, AdminGuard
 from gateway.errors import GatewayError
 from gateway.identity.model import to_dict
 from gateway.identity.service import IdentityService
 from gateway.types import Principal
-
-Handler = Callable[[Request, Principal], Awaitable[Any]]
 
 
 def _json(data: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(data), status_code=status, media_type="application/json")
 
 
-def _error(e: GatewayError) -> Response:
-    return Response(e.to_bytes(), status_code=e.status, media_type="application/json", headers=e.headers)
-
-
 def is_admin(p: Principal) -> bool:
     return "admin" in p.roles
-
-
-def require_admin(p: Principal) -> None:
-    if not is_admin(p):
-        raise GatewayError(403, "Only platform admins may do this.", code="admin_required")
 
 
 def require_tenant(p: Principal, tenant: str) -> None:
@@ -72,22 +64,11 @@ def _deleted(obj: str, **ids: str) -> dict[str, Any]:
     return {**ids, "object": obj, "deleted": True}
 
 
-def admin_routes(service: IdentityService) -> list[Route]:
-    """Starlette routes for the admin plane, to mount under the app."""
-
-    def wrap(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
-        async def endpoint(request: Request) -> Response:
-            try:
-                addr = request.client.host if request.client else ""
-                principal = await service.authenticate_admin(request.headers, addr)
-                result = await handler(request, principal)
-                if isinstance(result, Response):
-                    return result
-                return _json(result)
-            except GatewayError as e:
-                return _error(e)
-
-        return endpoint
+def admin_routes(service: IdentityService, guard: AdminGuard | None = None) -> list[Route]:
+    """Starlette routes for the admin plane, to mount under the app (behind `guard`; by default one that
+    authenticates with `service` and bounds bodies by its config's `server.max_body_bytes`)."""
+    if guard is None:
+        guard = AdminGuard(service.authenticate_admin, lambda: service.config.server.max_body_bytes)
 
     # ---- tenants
     async def list_tenants(req: Request, p: Principal) -> Any:
@@ -99,7 +80,6 @@ def admin_routes(service: IdentityService) -> list[Route]:
         return {"object": "list", "data": [to_dict(t) for t in ts]}
 
     async def create_tenant(req: Request, p: Principal) -> Any:
-        require_admin(p)
         b = await _body(req)
         t = await service.create_tenant(b.get("id"), b.get("name") or "", b.get("labels"))
         return _json(to_dict(t), 201)
@@ -113,7 +93,6 @@ def admin_routes(service: IdentityService) -> list[Route]:
         return to_dict(t)
 
     async def patch_tenant(req: Request, p: Principal) -> Any:
-        require_admin(p)
         tid = req.path_params["tenant"]
         t = await service.update_tenant(tid, await _body(req))
         if t is None:
@@ -121,7 +100,6 @@ def admin_routes(service: IdentityService) -> list[Route]:
         return to_dict(t)
 
     async def delete_tenant(req: Request, p: Principal) -> Any:
-        require_admin(p)
         tid = req.path_params["tenant"]
         if not await service.delete_tenant(tid):
             raise _not_found("Tenant")
@@ -212,7 +190,6 @@ def admin_routes(service: IdentityService) -> list[Route]:
         return {"object": "list", "data": [to_dict(x) for x in ps]}
 
     async def create_partner(req: Request, p: Principal) -> Any:
-        require_admin(p)
         b = await _body(req)
         x = await service.create_partner(b.get("id"), b.get("tenant") or b.get("id"), b.get("name") or "",
                                          b.get("labels"))
@@ -225,14 +202,12 @@ def admin_routes(service: IdentityService) -> list[Route]:
         return to_dict(x)
 
     async def patch_partner(req: Request, p: Principal) -> Any:
-        require_admin(p)
         x = await service.update_partner(req.path_params["partner"], await _body(req))
         if x is None:
             raise _not_found("Partner")
         return to_dict(x)
 
     async def delete_partner(req: Request, p: Principal) -> Any:
-        require_admin(p)
         pid = req.path_params["partner"]
         if not await service.delete_partner(pid):
             raise _not_found("Partner")
@@ -294,32 +269,34 @@ def admin_routes(service: IdentityService) -> list[Route]:
         k, secret = res
         return _json({**k.public(), "key": secret}, 201)
 
-    return [
-        Route("/admin/tenants", wrap(list_tenants), methods=["GET"]),
-        Route("/admin/tenants", wrap(create_tenant), methods=["POST"]),
-        Route("/admin/tenants/{tenant}", wrap(get_tenant), methods=["GET"]),
-        Route("/admin/tenants/{tenant}", wrap(patch_tenant), methods=["PATCH"]),
-        Route("/admin/tenants/{tenant}", wrap(delete_tenant), methods=["DELETE"]),
-        Route("/admin/tenants/{tenant}/teams", wrap(list_teams), methods=["GET"]),
-        Route("/admin/tenants/{tenant}/teams", wrap(create_team), methods=["POST"]),
-        Route("/admin/tenants/{tenant}/teams/{team}", wrap(get_team), methods=["GET"]),
-        Route("/admin/tenants/{tenant}/teams/{team}", wrap(patch_team), methods=["PATCH"]),
-        Route("/admin/tenants/{tenant}/teams/{team}", wrap(delete_team), methods=["DELETE"]),
-        Route("/admin/tenants/{tenant}/teams/{team}/projects/{project}", wrap(get_project), methods=["GET"]),
-        Route("/admin/tenants/{tenant}/teams/{team}/projects/{project}", wrap(patch_project), methods=["PATCH"]),
-        Route("/admin/tenants/{tenant}/teams/{team}/projects/{project}", wrap(delete_project), methods=["DELETE"]),
-        Route("/admin/projects", wrap(list_projects), methods=["GET"]),
-        Route("/admin/projects", wrap(create_project), methods=["POST"]),
-        Route("/admin/partners", wrap(list_partners), methods=["GET"]),
-        Route("/admin/partners", wrap(create_partner), methods=["POST"]),
-        Route("/admin/partners/{partner}", wrap(get_partner), methods=["GET"]),
-        Route("/admin/partners/{partner}", wrap(patch_partner), methods=["PATCH"]),
-        Route("/admin/partners/{partner}", wrap(delete_partner), methods=["DELETE"]),
-        Route("/admin/keys", wrap(list_keys), methods=["GET"]),
-        Route("/admin/keys", wrap(create_key), methods=["POST"]),
-        Route("/admin/keys/{key_id}", wrap(get_key), methods=["GET"]),
-        Route("/admin/keys/{key_id}", wrap(patch_key), methods=["PATCH"]),
-        Route("/admin/keys/{key_id}", wrap(revoke_key), methods=["DELETE"]),
-        Route("/admin/keys/{key_id}/revoke", wrap(revoke_key), methods=["POST"]),
-        Route("/admin/keys/{key_id}/rotate", wrap(rotate_key), methods=["POST"]),
+    PLATFORM = (PLATFORM_ADMIN,)
+    BOTH = (PLATFORM_ADMIN, TENANT_ADMIN)
+    return [  # the roles each route admits (the guard enforces them; handlers scope to the tenant)
+        guard.route("/admin/tenants", list_tenants, ["GET"], BOTH),
+        guard.route("/admin/tenants", create_tenant, ["POST"], PLATFORM),
+        guard.route("/admin/tenants/{tenant}", get_tenant, ["GET"], BOTH),
+        guard.route("/admin/tenants/{tenant}", patch_tenant, ["PATCH"], PLATFORM),
+        guard.route("/admin/tenants/{tenant}", delete_tenant, ["DELETE"], PLATFORM),
+        guard.route("/admin/tenants/{tenant}/teams", list_teams, ["GET"], BOTH),
+        guard.route("/admin/tenants/{tenant}/teams", create_team, ["POST"], BOTH),
+        guard.route("/admin/tenants/{tenant}/teams/{team}", get_team, ["GET"], BOTH),
+        guard.route("/admin/tenants/{tenant}/teams/{team}", patch_team, ["PATCH"], BOTH),
+        guard.route("/admin/tenants/{tenant}/teams/{team}", delete_team, ["DELETE"], BOTH),
+        guard.route("/admin/tenants/{tenant}/teams/{team}/projects/{project}", get_project, ["GET"], BOTH),
+        guard.route("/admin/tenants/{tenant}/teams/{team}/projects/{project}", patch_project, ["PATCH"], BOTH),
+        guard.route("/admin/tenants/{tenant}/teams/{team}/projects/{project}", delete_project, ["DELETE"], BOTH),
+        guard.route("/admin/projects", list_projects, ["GET"], BOTH),
+        guard.route("/admin/projects", create_project, ["POST"], BOTH),
+        guard.route("/admin/partners", list_partners, ["GET"], BOTH),
+        guard.route("/admin/partners", create_partner, ["POST"], PLATFORM),
+        guard.route("/admin/partners/{partner}", get_partner, ["GET"], BOTH),
+        guard.route("/admin/partners/{partner}", patch_partner, ["PATCH"], PLATFORM),
+        guard.route("/admin/partners/{partner}", delete_partner, ["DELETE"], PLATFORM),
+        guard.route("/admin/keys", list_keys, ["GET"], BOTH),
+        guard.route("/admin/keys", create_key, ["POST"], BOTH),
+        guard.route("/admin/keys/{key_id}", get_key, ["GET"], BOTH),
+        guard.route("/admin/keys/{key_id}", patch_key, ["PATCH"], BOTH),
+        guard.route("/admin/keys/{key_id}", revoke_key, ["DELETE"], BOTH),
+        guard.route("/admin/keys/{key_id}/revoke", revoke_key, ["POST"], BOTH),
+        guard.route("/admin/keys/{key_id}/rotate", rotate_key, ["POST"], BOTH),
     ]

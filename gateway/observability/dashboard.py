@@ -3,7 +3,7 @@
 GET /admin/ui       the page shell: no data, no secrets. It takes the admin key from the URL fragment
                     (`/admin/ui#key=...`: fragments never reach the server or its logs) or a prompt, keeps it
                     in sessionStorage and sends it as a Bearer header.
-GET /admin/ui/data  admin-protected JSON the page polls: engines (queue, KV usage, cached blocks by tier,
+GET /admin/ui/data  platform-admin JSON the page polls: engines (queue, KV usage, cached blocks by tier,
                     learned prefill rate, predicted TTFT, circuit), budgets by tenant, recent decisions with
                     their evidence, and the predicted-vs-actual TTFT series. Every source degrades to empty.
 """
@@ -113,6 +113,7 @@ async def dashboard_data(gw: Any, recent_ids: Callable[[], list[str]], limit: in
             "retention": b.retention, "circuit": (health.get(b.name) or {}).get("state", "closed"),
             "running": load.get("running"), "waiting": load.get("waiting"), "kv_usage": load.get("kv_usage"),
             "cached_blocks": e.get("cached_blocks") or {}, "stale": bool(e.get("stale")),
+            "stale_reason": e.get("stale_reason"), "stale_detail": e.get("stale_detail"),
             "inflight": (e.get("inflight") or {}).get("requests"),
             "kv_agreement": (e.get("agreement") or {}).get("token_agreement") if (e.get("agreement") or {}).get(
                 "requests") else None,
@@ -129,17 +130,20 @@ async def dashboard_data(gw: Any, recent_ids: Callable[[], list[str]], limit: in
             "budgets": _budgets(records), "decisions": list(reversed(decisions)), "ttft_series": series}
 
 
-def dashboard_routes(gw: Any, protect: Callable[[Any], Any], recent_ids: Callable[[], list[str]]) -> list[Route]:
-    """The page (public shell) and its data (behind `protect`, the gateway's admin_endpoint wrapper)."""
+def dashboard_routes(gw: Any, guard: Any, recent_ids: Callable[[], list[str]]) -> list[Route]:
+    """The page (public shell, no data) and its data (platform admins only: every tenant's decisions and
+    spend), both declared through the gateway's admin guard (gateway/admin_guard.py)."""
+    from gateway.admin_guard import PLATFORM_ADMIN, PUBLIC
+
     html = PAGE.read_bytes()
 
-    async def page(request: Request) -> Response:
+    async def page(request: Request, principal: Any) -> Response:
         return HTMLResponse(html, headers={"cache-control": "no-store", "referrer-policy": "no-referrer",
                                            "content-security-policy": "default-src 'self'; script-src 'unsafe-inline'; "
                                            "style-src 'unsafe-inline'; img-src 'self' data:"})
 
-    async def data(request: Request) -> Response:
+    async def data(request: Request, principal: Any) -> Response:
         return JSONResponse(await dashboard_data(gw, recent_ids), headers={"cache-control": "no-store"})
 
-    return [Route("/admin/ui", page, methods=["GET"]),
-            Route("/admin/ui/data", protect(data), methods=["GET"])]
+    return [guard.route("/admin/ui", page, ["GET"], (PUBLIC,)),
+            guard.route("/admin/ui/data", data, ["GET"], (PLATFORM_ADMIN,))]

@@ -14,13 +14,13 @@ from gateway.observability.tracing import Tracing, UpstreamTraceStage, build_pro
 
 def wire_observability(gw: Any) -> None:
     """Everything but tracing is always on (cheap); tracing only with `observability.otlp_endpoint`."""
-    from gateway.wiring import admin_endpoint
+    from gateway.admin_guard import gateway_guard
 
     gw.metrics.registry.register(GatewayStateCollector(gw))
     observer = RequestObserver(gw.metrics, lambda: gw.config.server.access_log)
     gw.observer = observer
     gw.finish_hooks.append(observer)
-    gw.extra_routes.extend(dashboard_routes(gw, lambda h: admin_endpoint(gw, h), lambda: list(observer.recent)))
+    gw.extra_routes.extend(dashboard_routes(gw, gateway_guard(gw), lambda: list(observer.recent)))
     gw.tracing = None
     if gw.config.raw.observability.otlp_endpoint:
         enable_tracing(gw)

@@ -7,17 +7,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway.errors import GatewayError
+from gateway.admin_guard import PLATFORM_ADMIN, gateway_guard
 
 
 def routing_admin_route(gw: Any, stage: Any) -> Route:
-    """A Starlette route behind the gateway's admin authentication."""
+    """A Starlette route behind the gateway's admin guard (platform admins only: it describes the whole fleet)."""
 
-    async def endpoint(request: Request) -> Response:
-        try:
-            await gw.admin_auth(request.headers)
-        except GatewayError as e:
-            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+    async def endpoint(request: Request, principal: Any) -> Response:
         return JSONResponse(stage.snapshot())
 
-    return Route("/admin/routing", endpoint, methods=["GET"])
+    return gateway_guard(gw).route("/admin/routing", endpoint, ["GET"], (PLATFORM_ADMIN,))
