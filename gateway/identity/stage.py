@@ -14,7 +14,8 @@ if TYPE_CHECKING:
 
 def model_allowed(principal: Principal, model: str, chain: tuple[str, ...] = ()) -> bool:
     """True if the key has no model restriction, or the requested name (or every model it resolves to)
-    matches one of its glob patterns."""
+    matches one of its glob patterns. The one owner of a key's model list: the policy stage does not check it
+    again (it used to, on the alias name only, and refused an alias whose every target the key allows)."""
     pats = principal.allowed_models
     if not pats or not model:
         return True

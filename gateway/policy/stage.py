@@ -9,7 +9,7 @@ from typing import Any, Callable, Mapping
 
 from gateway.errors import GatewayError
 from gateway.pipeline import RequestContext, RequestHeaders
-from gateway.policy.engine import model_permitted, principal_models_permit
+from gateway.policy.engine import model_permitted
 from gateway.policy.model import RequestAttrs
 from gateway.types import Decision
 
@@ -60,9 +60,9 @@ class PolicyStage:
         p = ctx.principal
         if p is None:
             raise GatewayError(401, "authentication required before policy evaluation", code="unauthenticated")
-        if p.allowed_models and not principal_models_permit(p.allowed_models, ctx.model):
-            raise GatewayError(403, f"this key may not use model {ctx.model!r}", code="model_not_allowed",
-                               param="model")
+        # The key's own model list (Principal.allowed_models) is enforced once, by the authenticate stage
+        # (gateway.identity.stage.model_allowed: the name, or every model an alias resolves to); checking it
+        # here again, on the alias name only, refused aliases the key was allowed (issue 18).
         attrs = RequestAttrs(model=ctx.model, headers=lower_headers(ctx.headers), max_tokens=ctx.max_tokens,
                              stream=ctx.stream, now=ctx.received_wall)
         policy = self._provider()
@@ -149,11 +149,10 @@ class PolicyStage:
 
     @staticmethod
     def _filter_chain(policy: Any, p: Any, attrs: RequestAttrs, d: Decision, chain: tuple[str, ...]) -> tuple[str, ...]:
-        """Alias targets the key and the policy both allow (a synchronous policy re-decides per target)."""
+        """Alias targets the policy allows (a synchronous policy re-decides per target). The key's own model list
+        was checked by the authenticate stage, for the alias as a whole."""
         out = []
         for m in chain:
-            if p.allowed_models and not principal_models_permit(p.allowed_models, m):
-                continue
             if not model_permitted(d, m):
                 continue
             decide = getattr(policy, "decide", None)

@@ -79,12 +79,19 @@ async def test_deny_is_a_403_naming_the_rule():
     assert e.body()["error"]["type"] == "permission_error"
 
 
-async def test_key_allowed_models():
+async def test_key_allowed_models_are_owned_by_the_authenticate_stage():
+    """Issue 18: the key's model list was checked twice with two meanings (authenticate: the name or every
+    alias target; decide: the name only), so an alias whose every target a `qwen*` key allows passed
+    authentication and was refused here. The authenticate stage owns it; policy decides on policy alone."""
+    from gateway.identity.stage import model_allowed
+
     st = PolicyStage(lambda: compile_text(POL))
-    with pytest.raises(GatewayError) as ei:
-        await st.run(ctx(P(allowed_models=("qwen*",)), model="glm-4"))
-    assert ei.value.status == 403 and ei.value.code == "model_not_allowed"
-    await st.run(ctx(P(allowed_models=("qwen*",)), model="qwen3"))
+    key = P(allowed_models=("qwen*",))
+    c = ctx(key, model="fast", chain=("qwen3", "qwen3-4b"))
+    assert model_allowed(key, "fast", ("qwen3", "qwen3-4b"))
+    await st.run(c)
+    assert c.decision.allow and c.model_chain == ("qwen3", "qwen3-4b")
+    assert not model_allowed(key, "glm-4", ("glm-4",))
 
 
 async def test_alias_chain_drops_targets_policy_or_residency_forbid():
