@@ -6,6 +6,7 @@ cross-references (aliases -> models, keys -> env vars, ...).
 """
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from dataclasses import dataclass, field
@@ -38,6 +39,8 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     workers: int = 1
     graceful_shutdown_s: float = 20.0
     access_log: bool = False
+    # uvicorn's proxy_headers/forwarded_allow_ips, read at start (the auth-failure limiter keys on the client)
+    trusted_proxies: list[str] = msgspec.field(default_factory=list)  # proxy IPs/CIDRs whose X-Forwarded-For is believed; [] = none
     upstream_client: Literal["native", "aiohttp", "httpx"] = "native"  # see gateway/proxy/h1client.py and transport.py for why
     # Startup objects are always frozen out of the cyclic GC once serving (gc.freeze); raising the thresholds
     # too (e.g. [20000, 10, 10]) saves ~5% more CPU but let RSS creep in the soak (docs/benchmarks.md)
@@ -369,6 +372,11 @@ def parse_config(text: str, source: str = "<config>", base_dir: Path | None = No
     if raw.budgets.store not in ("memory", "redis"):
         raise _fail(source, marks, "budgets.store", "must be 'memory' or 'redis'")
     if raw.budgets.on_store_error not in ("closed", "open"):
+    for i, tp in enumerate(raw.server.trusted_proxies):
+        try:
+            ipaddress.ip_network(tp, strict=False)
+        except ValueError:
+            raise _fail(source, marks, f"server.trusted_proxies[{i}]", f"{tp!r} is not an IP address or CIDR") from None
         raise _fail(source, marks, "budgets.on_store_error", "must be 'closed' or 'open'")
     if raw.budgets.reservation_ttl_s <= 0:
         raise _fail(source, marks, "budgets.reservation_ttl_s", "must be > 0")

@@ -15,10 +15,19 @@ Once an engine has `refit_min` observations, predictions come from a batch refit
 recursive fit's path dependence under the router's feedback loop cost 2-4x the error under overload.
 An empirical quantile of recent out-of-sample relative errors turns the mean prediction into the calibrated
 upper bound admission uses. Everything is pure and synchronous with an injectable clock.
+
+Guard against degenerate fits (a burst the features cannot explain can pin the prefill rate at its bound and put
+seconds into the overhead): every coefficient is boxed in physical bounds (`lower`, `upper`: at most 500k
+prefill tokens/s, at most 0.5 s of fixed overhead), and when the out-of-sample error explodes (median
+ln(actual / predicted) over the last `guard_window` observations beyond ± `guard_log_error`, judged once the fit has `refit_min` observations of its
+own, so never on the cold-start prior) the learner resets:
+the fit restarts from the prior plus those last observations, the residual quantile and the drain's per-token
+cost start over, and the reset is counted (`guard` in /admin/routing).
 """
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -62,7 +71,10 @@ class PredictorParams:
     regime_bias: float = 0.3  # |mean signed relative error| that counts as a change of regime
     step_prior_s: float = 0.015  # an engine step (decode batch) until inter-token times were observed
     step_alpha: float = 0.1  # EWMA weight of one observed mean inter-token time
-    lower: tuple[float, ...] = (0.0005, 1e-5, 0.0, 0.0)  # physical lower bounds (non-negative costs)
+    lower: tuple[float, ...] = (0.0005, 0.002, 0.0, 0.0)  # physical bounds: >= 0.5 ms overhead, <= 500k tok/s
+    upper: tuple[float, ...] = (0.5, 2.0, 0.5, 0.5)  # <= 0.5 s overhead, >= 500 tok/s, <= 50 ms per decode
+    guard_window: int = 16  # out-of-sample errors the degenerate-fit guard looks at
+    guard_log_error: float = math.log(3.0)  # median |ln(actual/predicted)| beyond this (3x off) resets the fit
     refit_window: int = 256  # observations kept for the batch refit (0: recursive fit only)
     refit_every: int = 4  # refit after this many new observations
     refit_min: int = 24  # the batch fit predicts once the window holds this many observations
@@ -96,6 +108,14 @@ class EngineLearner:
     win_y: np.ndarray | None = None  # ... and their observed TTFTs
     win_len: int = 0  # rows filled
     batch_theta: list[float] | None = None
+    recent_log_err: deque[float] = field(default_factory=deque)  # ln(actual/predicted), out of sample (guard)
+    resets: int = 0
+    since_reset: int = 0  # observations since the last reset (or the start): the guard judges fits, not the prior
+    last_reset_at: float | None = None
+    apes: deque[float] = field(default_factory=deque)  # |actual - predicted| / actual, out of sample (MdARE)
+    calib: deque[bool] = field(default_factory=deque)  # actual <= the upper bound admission used
+    calib_n: int = 0
+    calib_hit: int = 0
 
     def __post_init__(self) -> None:
         p = self.params
@@ -104,6 +124,9 @@ class EngineLearner:
         if not self.P:
             self.P = [[p.prior_var[i] if i == j else 0.0 for j in range(_N)] for i in range(_N)]
         self.residuals = deque(self.residuals, maxlen=p.window)
+        self.recent_log_err = deque(self.recent_log_err, maxlen=max(1, p.guard_window))
+        self.apes = deque(self.apes, maxlen=p.window)
+        self.calib = deque(self.calib, maxlen=p.window)
         if self.win_x is None or self.win_y is None:
             self.win_x = np.zeros((max(1, p.refit_window), _N))
             self.win_y = np.ones(max(1, p.refit_window))
@@ -111,14 +134,14 @@ class EngineLearner:
     # ---------------------------------------------------------------- prediction
     def predict(self, f: Features) -> float:
         x = f.vector()
-        lo = self.params.lower
+        lo, hi = self.params.lower, self.params.upper
         th = self.batch_theta if self.batch_theta is not None else self.theta
-        return max(self.params.floor_s, sum(max(t, lo[i]) * xi for i, (t, xi) in enumerate(zip(th, x))))
+        return max(self.params.floor_s, sum(min(max(t, lo[i]), hi[i]) * xi for i, (t, xi) in enumerate(zip(th, x))))
 
     def margin(self) -> float:
         """Relative margin of the upper quantile over the mean prediction."""
         p = self.params
-        if self.samples < p.min_samples or not self.residuals:
+        if len(self.residuals) < p.min_samples:  # cold: also right after a guard reset
             return p.cold_margin
         n = len(self.residuals)
         if self._q_cache is None or self._q_cache[0] != self.samples:
@@ -131,16 +154,26 @@ class EngineLearner:
         return self.predict(f) * (1.0 + self.margin())
 
     # ---------------------------------------------------------------- learning
-    def observe(self, f: Features, ttft_s: float) -> float:
-        """Fold one observed TTFT into the fit; returns the out-of-sample relative error (actual/pred - 1)."""
+    def observe(self, f: Features, ttft_s: float, upper_s: float | None = None) -> float:
+        """Fold one observed TTFT into the fit; returns the out-of-sample relative error (actual/pred - 1).
+        `upper_s`: the upper bound admission used for this request (calibration), when known."""
         p = self.params
         if not (ttft_s > 0 and math.isfinite(ttft_s)):
             return 0.0
         self._observe_prefill(f, ttft_s)
         pred = self.predict(f)
         self.samples += 1
-        self.ape_sum += abs(ttft_s - pred) / ttft_s
+        self.since_reset += 1
+        ape = abs(ttft_s - pred) / ttft_s
+        self.ape_sum += ape
+        self.apes.append(ape)
+        if upper_s is not None and upper_s > 0:
+            ok = ttft_s <= upper_s
+            self.calib.append(ok)
+            self.calib_n += 1
+            self.calib_hit += ok
         self.residuals.append(ttft_s / pred - 1.0)
+        self.recent_log_err.append(math.log(ttft_s / pred))
         if self.batch_theta is None:  # the recursive fit predicts until the batch refit takes over
             self._observe_recursive(f, ttft_s)
         self.last_update = self.clock()
@@ -151,15 +184,70 @@ class EngineLearner:
             self.win_len = min(self.win_len + 1, p.refit_window)
             if self.win_len >= p.refit_min and self.samples % p.refit_every == 0:
                 self.batch_theta = self._refit()
+        if self.exploded():
+            self.reset()
         return ttft_s / pred - 1.0
+
+    def exploded(self) -> bool:
+        """The degenerate-fit guard's test: the last guard_window predictions were off to one side by more than
+        guard_log_error in the median (a factor of 3 by default). One-sided: a fit that is merely noisy on data
+        it cannot represent (errors both ways) is no regime change, and resetting it would only lose data."""
+        p = self.params
+        e = self.recent_log_err
+        return (self.since_reset >= max(p.refit_min, p.guard_window) and len(e) >= p.guard_window
+                and abs(statistics.median(e)) > p.guard_log_error)
+
+    def reset(self) -> None:
+        """Start the fit over from the prior and those of the last guard_window observations that the old fit
+        got wrong by more than guard_log_error (the current regime):
+        older rows leave the refit window, the residual quantile (hence the admission margin) and the drain's
+        per-token cost start over. Counted in `resets`."""
+        p = self.params
+        errs = list(self.recent_log_err)
+        n = min(self.win_len, len(errs)) if p.refit_window > 0 else 0
+        rows = []
+        for k in range(n):  # of the newest n rows of the ring (oldest first), those the old fit got wrong:
+            if abs(errs[len(errs) - n + k]) > p.guard_log_error:  # the new regime
+                i = (self.samples - n + k) % p.refit_window
+                rows.append((self.win_x[i].copy(), float(self.win_y[i])))  # type: ignore[index]
+        keep = len(rows)
+        self.theta = list(p.prior)
+        self.P = [[p.prior_var[i] if i == j else 0.0 for j in range(_N)] for i in range(_N)]
+        self.scale, self.bias = 0.2, 0.0
+        self.batch_theta = None
+        self.residuals.clear()
+        self.recent_log_err.clear()
+        self._q_cache = None
+        self.pf_time = self.pf_tokens = 0.0
+        self.win_len = 0
+        for x, y in rows:  # replay the current regime through the recursive fit, back into the window
+            self._observe_recursive_x([float(v) for v in x], y)
+            i = self.win_len
+            self.win_x[i] = x  # type: ignore[index]
+            self.win_y[i] = y  # type: ignore[index]
+            self.win_len += 1
+        # the ring is indexed by samples: move the kept rows to where the next observations continue it
+        if keep and p.refit_window > 0:
+            xs, ys = self.win_x[:keep].copy(), self.win_y[:keep].copy()  # type: ignore[index]
+            for k in range(keep):
+                i = (self.samples - keep + k) % p.refit_window
+                self.win_x[i], self.win_y[i] = xs[k], ys[k]  # type: ignore[index]
+        if keep >= 2 * _N:  # enough rows to pin 4 coefficients: predict from their bounded refit at once
+            self.batch_theta = self._refit()
+        self.resets += 1
+        self.since_reset = keep
+        self.last_reset_at = self.clock()
 
     def _observe_recursive(self, f: Features, ttft_s: float) -> None:
         """One step of the recursive fit. Once the batch refit predicts, nothing reads this fit (the refit
         starts from scratch on its window), so it is no longer updated: ~35 µs saved per observed TTFT."""
+        self._observe_recursive_x(f.vector(), ttft_s)
+
+    def _observe_recursive_x(self, vec: list[float], ttft_s: float) -> None:
         p = self.params
         # Weighted least squares with weight 1/y^2 (minimises squared *relative* error): the equation
         # x.theta = y divided by y becomes (x / y).theta = 1, whose residual r = (y - x.theta) / y.
-        x = [xi / ttft_s for xi in f.vector()]
+        x = [xi / ttft_s for xi in vec]
         r = 1.0 - sum(t * xi for t, xi in zip(self.theta, x))
         # Huber: a residual beyond k * scale is clipped to it (bounded influence of outliers).
         c = max(p.huber_k * self.scale, 0.1)
@@ -182,7 +270,7 @@ class EngineLearner:
         lam = p.forgetting
         denom = lam + sum(x[i] * px[i] for i in range(_N))
         k = [v / denom for v in px]
-        self.theta = [t + ki * rc for t, ki in zip(self.theta, k)]
+        self.theta = [t + ki * rc for t, ki in zip(self.theta, k)]  # unclamped (predict boxes it)
         trace = sum(P[i][i] for i in range(_N))
         div = lam if trace < p.max_trace else 1.0
         self.P = [[(P[i][j] - k[i] * px[j]) / div for j in range(_N)] for i in range(_N)]
@@ -196,10 +284,11 @@ class EngineLearner:
         y = self.win_y[:n]  # type: ignore[index]
         X = self.win_x[:n] / y[:, None]  # type: ignore[index]  # equations (x / y).theta = 1
         lo = np.array(p.lower)
+        hi = np.array(p.upper)
         w = np.ones_like(y)
         th = np.array(self.theta)
         for _ in range(max(1, p.refit_iters)):
-            th = _bounded_lstsq(X * w[:, None], w, lo)
+            th = _bounded_lstsq(X * w[:, None], w, lo, hi)
             r = 1.0 - X @ th
             s = max(1.4826 * float(np.median(np.abs(r))), 0.02)
             a = np.abs(r) / (p.huber_k * s)
@@ -222,8 +311,8 @@ class EngineLearner:
             return
         chunks = math.ceil(w / max(1, self.budget))
         t = ttft_s - (0.5 + chunks) * self.step()
-        lo = self.params.lower[1] / 1000.0
-        t = min(max(t, lo * w), 0.01 * w)  # physical range: a 10 ms per token engine is broken, not slow
+        lo, hi = self.params.lower[1] / 1000.0, self.params.upper[1] / 1000.0
+        t = min(max(t, lo * w), hi * w)  # physical range: a 10 ms per token engine is broken, not slow
         self.pf_time = 0.98 * self.pf_time + t
         self.pf_tokens = 0.98 * self.pf_tokens + w
 
@@ -239,41 +328,73 @@ class EngineLearner:
     def mape(self) -> float | None:
         return self.ape_sum / self.samples if self.samples else None
 
+    def mdare(self) -> float | None:
+        """Median absolute relative error of the recent out-of-sample predictions (|actual - pred| / actual)."""
+        return statistics.median(self.apes) if self.apes else None
+
+    def calibration(self) -> float | None:
+        """Share of recent admitted requests whose actual TTFT was under the upper bound admission used
+        (compare with the configured quantile)."""
+        return sum(self.calib) / len(self.calib) if self.calib else None
+
+    def guard(self) -> dict[str, object]:
+        p = self.params
+        th = self.batch_theta if self.batch_theta is not None else self.theta
+        names = ("overhead", "per_1k_prefill", "per_10_decodes", "interaction")
+        return {"resets": self.resets,
+                "last_reset_s_ago": round(self.clock() - self.last_reset_at, 3) if self.last_reset_at else None,
+                "recent_median_log_error": round(statistics.median(self.recent_log_err), 4)
+                if self.recent_log_err else None,
+                "reset_above": round(p.guard_log_error, 4),
+                "at_bound": [n for n, t, lo, hi in zip(names, th, p.lower, p.upper) if t <= lo or t >= hi]}
+
     def snapshot(self) -> dict[str, float | int | None]:
+        p = self.params
         t = self.batch_theta if self.batch_theta is not None else self.theta  # the parameters predictions use
+        t = [min(max(v, lo), hi) for v, lo, hi in zip(t, p.lower, p.upper)]
+        md, cal = self.mdare(), self.calibration()
         return {"overhead_ms": round(t[0] * 1000, 3),
                 "prefill_tokens_per_s": round(1000.0 / t[1], 1) if t[1] > 0 else None,
                 "ms_per_10_decodes": round(t[2] * 1000, 3), "interaction_ms": round(t[3] * 1000, 4),
                 "step_ms": round(self.step() * 1000, 3),
                 "drain_tokens_per_s": round(1.0 / self.s_per_token(), 1), "samples": self.samples, "clipped": self.clipped, "regime_changes": self.regime_changes, "upper_margin": round(self.margin(), 4),
-                "mape": round(self.mape(), 4) if self.samples else None}
+                "mape": round(self.mape(), 4) if self.samples else None,
+                "mdare": round(md, 4) if md is not None else None,
+                "calibration": round(cal, 4) if cal is not None else None, "calibration_n": len(self.calib),
+                "calibration_target": p.quantile, "guard": self.guard()}
 
 
-def _bounded_lstsq(A: np.ndarray, b: np.ndarray, lo: np.ndarray) -> np.ndarray:
-    """min |A.theta - b| with theta >= lo: pin each coefficient that the free solution puts below its bound
-    at the bound and re-solve the rest (an active set; at most one pass per coefficient).
+def _bounded_lstsq(A: np.ndarray, b: np.ndarray, lo: np.ndarray, hi: np.ndarray | None = None) -> np.ndarray:
+    """min |A.theta - b| with lo <= theta <= hi: pin each coefficient that the free solution puts outside its
+    box at the bound it crossed and re-solve the rest (an active set; at most one pass per coefficient).
 
     Solved on the normal equations (a 4x4 system: A's columns are few and the relative-error scaling keeps
     them well conditioned), by SVD so a feature that never varies (a rank-deficient A) still gets the
     minimum-norm answer; each pass costs a 4x4 solve, not a pass over A's rows."""
+    if hi is None:
+        hi = np.full(len(lo), np.inf)
     G = A.T @ A
     g = A.T @ b
     free = np.ones(len(lo), bool)
+    pin = lo.copy()  # the value a fixed coefficient is held at
     th = lo.copy()
     for _ in range(len(lo)):
         fixed = ~free
         Gf = G[free]
-        rhs = g[free] - Gf[:, fixed] @ lo[fixed]
+        rhs = g[free] - Gf[:, fixed] @ pin[fixed]
         sol, *_ = np.linalg.lstsq(Gf[:, free], rhs, rcond=None)
         th[free] = sol
-        th[fixed] = lo[fixed]
-        bad = free & (th < lo)
-        if not bad.any():
+        th[fixed] = pin[fixed]
+        below = free & (th < lo)
+        above = free & (th > hi)
+        if not (below.any() or above.any()):
             return th
-        free &= ~bad
+        pin[below] = lo[below]
+        pin[above] = hi[above]
+        free &= ~(below | above)
         if not free.any():
-            return lo.copy()
-    return np.maximum(th, lo)
+            return pin.copy()
+    return np.minimum(np.maximum(th, lo), hi)
 
 
 class Predictor:
@@ -296,8 +417,8 @@ class Predictor:
         m = lr.predict(f)
         return m, m * (1.0 + lr.margin())
 
-    def observe(self, engine: str, f: Features, ttft_s: float) -> float:
-        return self.learner(engine).observe(f, ttft_s)
+    def observe(self, engine: str, f: Features, ttft_s: float, upper_s: float | None = None) -> float:
+        return self.learner(engine).observe(f, ttft_s, upper_s)
 
     def observe_step(self, engine: str, seconds: float) -> None:
         self.learner(engine).observe_step(seconds)

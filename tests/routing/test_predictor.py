@@ -131,3 +131,80 @@ def test_batch_refit_can_be_switched_off():
     lr = EngineLearner(PredictorParams(refit_window=0))
     _feed(lr, rng, 100, (0.010, 1 / 16000, 0.0002))
     assert lr.batch_theta is None and lr.win_len == 0
+
+
+# ---------------------------------------------------------------- degenerate-fit guard (issue 17a)
+
+def _normal(rng: random.Random) -> Features:
+    return Features(rng.choice([0, rng.uniform(0, 4000)]), rng.uniform(50, 3000), rng.uniform(0, 30))
+
+
+def test_parameters_stay_in_physical_bounds_when_a_burst_is_flat_in_the_features():
+    """A burst queued where the features cannot see it (TTFT ~3 s whatever the work) once fit an overhead of
+    seconds and a prefill rate at 1e8 tokens/s; the box keeps both physical."""
+    rng = random.Random(7)
+    lr = EngineLearner()
+    for _ in range(120):
+        lr.observe(_normal(rng), 3.0 * (1 + rng.gauss(0, 0.05)))
+    snap = lr.snapshot()
+    p = lr.params
+    assert snap["overhead_ms"] <= p.upper[0] * 1000
+    assert snap["prefill_tokens_per_s"] <= 1000 / p.lower[1] <= 500_000
+    th = lr.batch_theta if lr.batch_theta is not None else lr.theta
+    assert all(lo <= t <= hi for t, lo, hi in zip(th, p.lower, p.upper))
+
+
+def test_bounded_lstsq_pins_at_the_upper_bound_too():
+    import numpy as np
+
+    from gateway.routing.predictor import _bounded_lstsq
+
+    A = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    b = np.array([5.0, 1.0, 6.0])  # free solution (5, 1)
+    th = _bounded_lstsq(A, b, np.array([0.0, 0.0]), np.array([2.0, 10.0]))
+    assert th[0] == 2.0 and 1.0 < th[1] < 10.0  # the second refit with the first pinned at its upper bound
+
+
+def test_guard_resets_the_fit_when_out_of_sample_error_explodes_and_recovers_fast():
+    rng = random.Random(5)
+    par = (0.012, 1 / 16000, 0.0003)
+    lr = EngineLearner()
+    for _ in range(40):
+        f = _normal(rng)
+        lr.observe(f, true_ttft(f, *par) * (1 + rng.gauss(0, 0.03)))
+    assert lr.resets == 0
+    for _ in range(150):  # hidden queueing: ~3 s flat
+        lr.observe(_normal(rng), 3.0 * (1 + rng.gauss(0, 0.05)))
+    assert lr.resets >= 1 and lr.snapshot()["guard"]["resets"] == lr.resets
+    th = lr.batch_theta if lr.batch_theta is not None else lr.theta  # the burst's fit: boxed, never 1e8 tok/s
+    assert all(lo <= t <= hi for t, lo, hi in zip(th, lr.params.lower, lr.params.upper))
+    errs = []
+    for _ in range(20):  # the burst is over
+        f = _normal(rng)
+        errs.append(abs(lr.observe(f, true_ttft(f, *par))))
+    assert sorted(errs[-10:])[5] < 0.1  # back to the engine's real speed within a few observations
+    f = Features(0, 1500, 5)
+    assert abs(lr.predict(f) / true_ttft(f, *par) - 1) < 0.1
+
+
+def test_guard_does_not_fire_on_ordinary_noise_and_outliers():
+    rng = random.Random(3)
+    lr = EngineLearner()
+    _feed(lr, rng, 600, (0.010, 1 / 16000, 0.0002), noise=0.1, outliers=0.05)
+    assert lr.resets == 0
+
+
+def test_mdare_and_calibration_are_reported_out_of_sample():
+    rng = random.Random(4)
+    par = (0.010, 1 / 16000, 0.0002)
+    lr = EngineLearner()
+    for _ in range(300):
+        f = _normal(rng)
+        up = lr.upper(f)
+        lr.observe(f, true_ttft(f, *par) * (1 + rng.gauss(0, 0.05)), upper_s=up)
+    snap = lr.snapshot()
+    assert snap["mdare"] is not None and snap["mdare"] < 0.1
+    assert snap["calibration_target"] == 0.9 and snap["calibration_n"] == 256
+    assert 0.8 <= snap["calibration"] <= 1.0
+    lr.observe(Features(0, 1000, 0), 10.0, upper_s=0.001)  # a miss lowers it
+    assert lr.snapshot()["calibration"] < snap["calibration"] or snap["calibration"] == 0
