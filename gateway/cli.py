@@ -60,7 +60,11 @@ async def serve_async(config_path: str, host: str | None = None, port: int | Non
         app, host=host or cfg.server.host, port=port if port is not None else cfg.server.port,
         loop="uvloop", http=http, lifespan="on", access_log=cfg.server.access_log, log_config=None,
         timeout_graceful_shutdown=int(cfg.server.graceful_shutdown_s), server_header=False, date_header=False,
-        h11_max_incomplete_event_size=cfg.server.max_header_bytes, backlog=4096))
+        h11_max_incomplete_event_size=cfg.server.max_header_bytes, backlog=4096,
+        # X-Forwarded-For names the client only when it comes from a configured proxy (uvicorn's default trusts
+        # 127.0.0.1, so any local client could pick its own address and dodge the auth-failure limiter)
+        proxy_headers=bool(cfg.server.trusted_proxies),
+        forwarded_allow_ips=list(cfg.server.trusted_proxies) or None))
 
     def on_hup() -> None:
         async def go() -> None:

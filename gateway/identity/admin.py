@@ -81,7 +81,7 @@ def admin_routes(service: IdentityService, guard: AdminGuard | None = None) -> l
 
     async def create_tenant(req: Request, p: Principal) -> Any:
         b = await _body(req)
-        t = await service.create_tenant(b.get("id"), b.get("name") or "", b.get("labels"))
+        t = await service.create_tenant(b.get("id"), b.get("name"), b.get("labels"))
         return _json(to_dict(t), 201)
 
     async def get_tenant(req: Request, p: Principal) -> Any:
@@ -115,7 +115,7 @@ def admin_routes(service: IdentityService, guard: AdminGuard | None = None) -> l
         tid = req.path_params["tenant"]
         require_tenant(p, tid)
         b = await _body(req)
-        t = await service.create_team(tid, b.get("id"), b.get("name") or "", b.get("labels"))
+        t = await service.create_team(tid, b.get("id"), b.get("name"), b.get("labels"))
         return _json(to_dict(t), 201)
 
     def _team_path(req: Request, p: Principal) -> tuple[str, str]:
@@ -158,7 +158,7 @@ def admin_routes(service: IdentityService, guard: AdminGuard | None = None) -> l
     async def create_project(req: Request, p: Principal) -> Any:
         b = await _body(req)
         tid = _tenant_of(req, p, b)
-        x = await service.create_project(tid, b.get("team"), b.get("id"), b.get("name") or "", b.get("labels"))
+        x = await service.create_project(tid, b.get("team"), b.get("id"), b.get("name"), b.get("labels"))
         return _json(to_dict(x), 201)
 
     def _project_path(req: Request, p: Principal) -> tuple[str, str, str]:
@@ -191,7 +191,7 @@ def admin_routes(service: IdentityService, guard: AdminGuard | None = None) -> l
 
     async def create_partner(req: Request, p: Principal) -> Any:
         b = await _body(req)
-        x = await service.create_partner(b.get("id"), b.get("tenant") or b.get("id"), b.get("name") or "",
+        x = await service.create_partner(b.get("id"), b.get("tenant") or b.get("id"), b.get("name"),
                                          b.get("labels"))
         return _json(to_dict(x), 201)
 
@@ -226,7 +226,7 @@ def admin_routes(service: IdentityService, guard: AdminGuard | None = None) -> l
         b = await _body(req)
         tid = _tenant_of(req, p, b)
         k, secret = await service.create_key(
-            tid, team=b.get("team"), project=b.get("project"), partner=b.get("partner"), name=b.get("name") or "",
+            tid, team=b.get("team"), project=b.get("project"), partner=b.get("partner"), name=b.get("name"),
             purpose=b.get("purpose") or "data", labels=b.get("labels"), scopes=b.get("scopes"),
             models=b.get("models"), expires_at=b.get("expires_at"))
         return _json({**k.public(), "key": secret}, 201)

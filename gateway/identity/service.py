@@ -89,6 +89,19 @@ def validate_id(value: Any, what: str) -> str:
     return value
 
 
+NAME_MAX = 256
+MAX_OVERLAP_S = 30 * 86400.0  # a rotation overlap longer than 30 days is a second key, not an overlap
+
+
+def validate_name(value: Any, default: str) -> str:
+    """A record's display name: a string of 1-256 characters; absent, null or "" take `default` (the id)."""
+    if value is None or value == "":
+        return default
+    if not isinstance(value, str) or len(value) > NAME_MAX:
+        raise _bad(f"name must be a string of 1-{NAME_MAX} characters.", param="name")
+    return value
+
+
 def validate_labels(value: Any, what: str = "labels") -> dict[str, str]:
     if value is None:
         return {}
@@ -120,8 +133,8 @@ def validate_changes(changes: Mapping[str, Any], editable: tuple[str, ...]) -> d
         if f not in editable:
             raise _bad(f"Field '{f[:64]}' cannot be changed; editable fields: {', '.join(editable)}.", param=f[:64])
         if f == "name":
-            if not isinstance(v, str) or not 0 < len(v) <= 256:
-                raise _bad("name must be a string of 1-256 characters.", param="name")
+            if not isinstance(v, str) or not 0 < len(v) <= NAME_MAX:
+                raise _bad(f"name must be a string of 1-{NAME_MAX} characters.", param="name")
             out[f] = v
         elif f == "labels":
             out[f] = validate_labels(v)
@@ -395,8 +408,8 @@ class IdentityService:
         except NotFound as e:
             raise GatewayError(404, str(e), code="not_found") from None
 
-    async def create_tenant(self, tenant_id: str, name: str = "", labels: dict[str, str] | None = None) -> Tenant:
-        t = Tenant(validate_id(tenant_id, "id"), name or tenant_id, validate_labels(labels), time.time())
+    async def create_tenant(self, tenant_id: str, name: Any = "", labels: dict[str, str] | None = None) -> Tenant:
+        t = Tenant(validate_id(tenant_id, "id"), validate_name(name, tenant_id), validate_labels(labels), time.time())
         return await self._guard(self._s().create_tenant(t))
 
     async def get_tenant(self, tenant_id: str) -> Tenant | None:
@@ -426,9 +439,9 @@ class IdentityService:
             log.info("tenant %s deleted", tenant_id)
         return done
 
-    async def create_team(self, tenant: str, team_id: str, name: str = "",
+    async def create_team(self, tenant: str, team_id: str, name: Any = "",
                           labels: dict[str, str] | None = None) -> Team:
-        t = Team(tenant, validate_id(team_id, "id"), name or team_id, validate_labels(labels), time.time())
+        t = Team(tenant, validate_id(team_id, "id"), validate_name(name, team_id), validate_labels(labels), time.time())
         return await self._guard(self._s().create_team(t))
 
     async def get_team(self, tenant: str, team_id: str) -> Team | None:
@@ -453,9 +466,9 @@ class IdentityService:
             log.info("team %s/%s deleted", tenant, team_id)
         return done
 
-    async def create_project(self, tenant: str, team: str, project_id: str, name: str = "",
+    async def create_project(self, tenant: str, team: str, project_id: str, name: Any = "",
                              labels: dict[str, str] | None = None) -> Project:
-        p = Project(tenant, validate_id(team, "team"), validate_id(project_id, "id"), name or project_id,
+        p = Project(tenant, validate_id(team, "team"), validate_id(project_id, "id"), validate_name(name, project_id),
                     validate_labels(labels), time.time())
         return await self._guard(self._s().create_project(p))
 
@@ -482,9 +495,9 @@ class IdentityService:
             log.info("project %s/%s/%s deleted", tenant, team, project_id)
         return done
 
-    async def create_partner(self, partner_id: str, tenant: str, name: str = "",
+    async def create_partner(self, partner_id: str, tenant: str, name: Any = "",
                              labels: dict[str, str] | None = None) -> Partner:
-        p = Partner(validate_id(partner_id, "id"), validate_id(tenant, "tenant"), name or partner_id,
+        p = Partner(validate_id(partner_id, "id"), validate_id(tenant, "tenant"), validate_name(name, partner_id),
                     validate_labels(labels), time.time())
         return await self._guard(self._s().create_partner(p))
 
@@ -511,7 +524,7 @@ class IdentityService:
         return done
 
     async def create_key(self, tenant: str, *, team: str | None = None, project: str | None = None,
-                         partner: str | None = None, name: str = "", purpose: str = "data",
+                         partner: str | None = None, name: Any = "", purpose: str = "data",
                          labels: dict[str, str] | None = None, scopes: list[str] | None = None,
                          models: list[str] | None = None, expires_at: float | None = None,
                          rotated_from: str | None = None) -> tuple[ApiKey, str]:
@@ -528,7 +541,7 @@ class IdentityService:
             raise _bad("A project key needs its team.", param="team")
         secret = keyfmt.new_secret()
         k = ApiKey(id=keyfmt.new_key_id(), tenant=tenant, secret_hash=keyfmt.hash_secret(secret), team=team,
-                   project=project, partner=partner, name=name if isinstance(name, str) else "", purpose=purpose,
+                   project=project, partner=partner, name=validate_name(name, ""), purpose=purpose,
                    labels=validate_labels(labels), scopes=validate_str_list(scopes, "scopes"),
                    models=validate_str_list(models, "models"), created_at=time.time(),
                    expires_at=float(expires_at) if expires_at is not None else None, rotated_from=rotated_from)
@@ -568,9 +581,11 @@ class IdentityService:
         old = await self._s().get_key(key_id)
         if old is None:
             return None
+        if overlap_s is not None and (isinstance(overlap_s, bool) or not isinstance(overlap_s, (int, float))
+                                      or not 0 <= overlap_s <= MAX_OVERLAP_S):  # NaN fails both comparisons
+            raise _bad(f"overlap_s must be a number of seconds in [0, {MAX_OVERLAP_S:.0f}] (30 days).",
+                       param="overlap_s")
         overlap = self.config.raw.identity.rotation_overlap_s if overlap_s is None else float(overlap_s)
-        if overlap < 0:
-            raise _bad("overlap_s must be >= 0.", param="overlap_s")
         secret = keyfmt.new_secret()
         now = time.time()
         new = dataclasses_replace_key(old, id=keyfmt.new_key_id(), secret_hash=keyfmt.hash_secret(secret),
