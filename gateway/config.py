@@ -95,6 +95,7 @@ class BackendConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # vLLM telemetry (kind vllm / sim)
     kv_events: str | None = None
     replay: str | None = None
+    kv_topic: str | None = None  # this engine's KV-event topic; null: telemetry.kv_topic ("" = every topic)
     metrics: str | None = None
     priority_scheduling: bool = False
     # upstream model names that are LoRA adapters (vLLM --lora-modules NAME=PATH): their KV blocks are keyed by
@@ -365,6 +366,8 @@ def parse_config(text: str, source: str = "<config>", base_dir: Path | None = No
             raise _fail(source, marks, f"keys[{i}].key_env", f"environment variable {sk.key_env} is not set")
     if raw.admin.key_env and not env.get(raw.admin.key_env):
         raise _fail(source, marks, "admin.key_env", f"environment variable {raw.admin.key_env} is not set")
+    if raw.telemetry.kv_silence_grace_s <= 0:
+        raise _fail(source, marks, "telemetry.kv_silence_grace_s", "must be > 0 (seconds)")
     if raw.server.port < 0 or raw.server.port > 65535:
         raise _fail(source, marks, "server.port", "must be between 0 and 65535")
     if raw.server.max_body_bytes <= 0:

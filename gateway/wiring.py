@@ -136,6 +136,12 @@ def _wire_telemetry(gw: Gateway) -> None:
 
     gw.finish_hooks.append(served)
 
+    async def served(ctx: Any) -> None:  # evidence that the engine stored blocks (KV-stream silence alarm)
+        if ctx.backend and ctx.status in (0, 200) and ctx.usage is not None:
+            svc.observe_served(ctx.backend, ctx.usage.prompt_tokens, ctx.usage.cached_tokens)
+
+    gw.finish_hooks.append(served)
+
     async def fleet(request: Request, principal: Any) -> Response:
         await svc.refresh_block_counts()
         return JSONResponse({"engines": svc.fleet_snapshot(), "health": gw.health.snapshot()})

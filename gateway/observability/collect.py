@@ -14,6 +14,7 @@ from prometheus_client.registry import Collector
 
 log = logging.getLogger("gateway.metrics")
 CIRCUIT_STATES = ("closed", "open", "half_open")
+STREAM_REASONS = ("no_events", "wrong_topic", "decode", "gap")  # gateway/telemetry/stream_health.py + gap
 
 
 class GatewayStateCollector(Collector):
@@ -59,8 +60,17 @@ class GatewayStateCollector(Collector):
                                      labels=["engine"])
         blocks = GaugeMetricFamily("gateway_kv_index_cached_blocks", "Blocks the KV index holds per engine and tier",
                                    labels=["engine", "tier"])
-        stale = GaugeMetricFamily("gateway_kv_index_stale", "1 while the engine's index view is rebuilding",
-                                  labels=["engine"])
+        stale = GaugeMetricFamily("gateway_kv_index_stale", "1 while the engine's KV view is stale (rebuilding "
+                                  "after lost events, or its event stream is silent)", labels=["engine"])
+        sstale = GaugeMetricFamily("gateway_kv_stream_stale", "1 for the reason the engine's KV view is stale "
+                                   "(no_events, wrong_topic, decode, gap), 0 for the others",
+                                   labels=["engine", "reason"])
+        sbatches = GaugeMetricFamily("gateway_kv_stream_batches", "KV-event batches applied per engine",
+                                     labels=["engine"])
+        sother = GaugeMetricFamily("gateway_kv_stream_other_topic_frames", "KV-event frames received on a topic "
+                                   "the gateway does not take", labels=["engine"])
+        sage = GaugeMetricFamily("gateway_kv_stream_last_batch_age_seconds", "Seconds since the engine's last "
+                                 "applied KV-event batch", labels=["engine"])
         tok = GaugeMetricFamily("gateway_kv_index_token_agreement_ratio",
                                 "Predicted vs actual cached tokens: sum(min)/max(sums), all time", labels=["engine"])
         win = GaugeMetricFamily("gateway_kv_index_window_token_agreement_ratio",
@@ -77,12 +87,20 @@ class GatewayStateCollector(Collector):
             for tier, n in sorted((e.get("cached_blocks") or {}).items()):
                 blocks.add_metric([name, str(tier)], float(n))
             stale.add_metric([name], 1.0 if e.get("stale") else 0.0)
+            ke = e.get("kv_events")
+            if ke:
+                for r in STREAM_REASONS:
+                    sstale.add_metric([name, r], 1.0 if e.get("stale_reason") == r else 0.0)
+                sbatches.add_metric([name], float(ke.get("batches") or 0))
+                sother.add_metric([name], float(ke.get("other_topic_frames") or 0))
+                if ke.get("last_batch_age_s") is not None:
+                    sage.add_metric([name], float(ke["last_batch_age_s"]))
             a = e.get("agreement") or {}
             if a.get("requests"):
                 tok.add_metric([name], float(a["token_agreement"]))
                 win.add_metric([name], float(a["window_token_agreement"]))
                 req.add_metric([name], float(a["request_agreement"]))
-        yield from (running, waiting, kv, inflight, blocks, stale, tok, win, req)
+        yield from (running, waiting, kv, inflight, blocks, stale, sstale, sbatches, sother, sage, tok, win, req)
 
     def _router(self) -> Iterator[GaugeMetricFamily]:
         router = getattr(self.gw, "router", None)

@@ -6,7 +6,10 @@ import msgspec
 
 class TelemetryConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kv_events: bool = True
-    kv_topic: str = "kv"
+    # "" = every topic, vLLM's own default (vllm/config/kv_events.py `KVEventsConfig.topic: str = ""`, which
+    # ZmqEventPublisher sends as the first frame); name one only if the engines set `topic` in --kv-events-config
+    kv_topic: str = ""  # "" = every topic (vLLM's default); else only frames on exactly this topic
+    kv_silence_grace_s: float = 10.0  # engine served work but no KV batch for this long: its view is stale
     scrape_interval_s: float = 1.0
     scrape_timeout_s: float = 1.0
     tokenizer: str = "auto"  # auto | engine | approx | path to tokenizer.json (or its folder)

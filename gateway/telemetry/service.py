@@ -6,6 +6,12 @@ tokens (in /admin/fleet, and at /metrics as the gateway_kv_index_*agreement_rati
 gateway.observability.collect reads from fleet_snapshot()). The gateway_kv_*_cached_tokens and
 gateway_kv_agreement_requests counters below sit on prometheus-client's default registry, which /metrics does not
 serve (it renders gateway.metrics.Metrics' own registry).
+
+Silence is an alarm: the service tells each subscriber's StreamWatch when its engine did work that must
+produce KV events (a request served there with >= one block of uncached prompt, via the gateway's finish
+hook `observe_served`; the engine's scraped uncached prefix-cache tokens growing by >= one block), and
+re-judges every stream each second, so an engine whose events never arrive is reported stale with a reason
+(gateway/telemetry/stream_health.py) in /admin/fleet, /metrics, the dashboard and the route evidence.
 """
 from __future__ import annotations
 
@@ -26,6 +32,9 @@ from gateway.telemetry.tokens import TokenSource
 
 _METRICS: dict[str, Counter] = {}
 BLOCK_COUNTS_MAX_AGE_S = 2.0  # fleet_snapshot uses an off-loop count this fresh, else counts inline
+# Block size assumed for "did the engine fill a block?" while neither events nor /metrics told it: larger than
+# vLLM's defaults (16 on GPU, 128 on CPU), so an unknown engine needs more evidence, never less.
+UNKNOWN_BLOCK_SIZE = 1024
 
 
 def _metrics() -> dict[str, Counter]:
@@ -98,19 +107,23 @@ class TelemetryService:
         self._backends: dict[str, BackendConfig] = {}
         self._started = False
         self._block_counts: tuple[float, dict[str, dict[str, int]]] | None = None  # (monotonic, counts)
+        self._uncached_base: dict[str, tuple[float, int]] = {}  # engine -> (scraped uncached tokens, batches)
+        self._watch_task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         self._started = True
         for b in _telemetry_backends(self.config):
             await self._start_backend(b)
+        self._watch_task = asyncio.create_task(self._watch_loop(), name="kv-stream-watch")
 
     async def _start_backend(self, b: BackendConfig) -> None:
         tc = self.config.raw.telemetry
         self._backends[b.name] = b
         if tc.kv_events and b.kv_events:
-            sub = KVEventSubscriber(b.name, b.kv_events, b.replay, tc.kv_topic, self.index,
-                                    max_pending=tc.max_pending_batches, replay_timeout_s=tc.replay_timeout_s)
+            sub = KVEventSubscriber(b.name, b.kv_events, b.replay, self.topic_for(b), self.index,
+                                    max_pending=tc.max_pending_batches, replay_timeout_s=tc.replay_timeout_s,
+                                    silence_grace_s=tc.kv_silence_grace_s)
             await sub.start()
             self.subscribers[b.name] = sub
         url = b.metrics or (b.server_root.rstrip("/") + "/metrics")
@@ -128,11 +141,19 @@ class TelemetryService:
             except (asyncio.CancelledError, Exception):
                 pass
         self._backends.pop(name, None)
+        self._uncached_base.pop(name, None)
         if forget:
             self.index.remove_engine(name)
             self._loads.pop(name, None)
 
     async def close(self) -> None:
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            try:
+                await self._watch_task
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._watch_task = None
         for name in list(self._backends):
             await self._stop_backend(name, forget=False)
         await self._client.aclose()
@@ -148,6 +169,10 @@ class TelemetryService:
             elif (old[name].kv_events, old[name].replay, old[name].metrics, old[name].url) != \
                     (new[name].kv_events, new[name].replay, new[name].metrics, new[name].url):
                 await self._stop_backend(name)
+            elif name in self.subscribers and (self.subscribers[name].topic != self.topic_for(new[name]) or
+                                               self.subscribers[name].watch.grace_s !=
+                                               config.raw.telemetry.kv_silence_grace_s):
+                await self._stop_backend(name, forget=False)  # same engine, new topic or grace: resubscribe
         if self._started:
             for name, b in new.items():
                 if name not in self._backends:
@@ -160,7 +185,73 @@ class TelemetryService:
             self._loads[name] = load
             if load.block_size and self.index.block_size(name) is None:
                 self.index.set_block_size(name, load.block_size)
+            self._observe_load(name, load)
             await asyncio.sleep(tc.scrape_interval_s)
+
+    # ------------------------------------------------------------------------------ stream silence
+    def topic_for(self, b: BackendConfig) -> str:
+        """The backend's own kv_topic, else telemetry.kv_topic; "" (vLLM's default) takes every topic."""
+        return b.kv_topic if b.kv_topic is not None else self.config.raw.telemetry.kv_topic
+
+    def _silence_block_size(self, engine: str, load: EngineLoad | None = None) -> int:
+        load = load or self._loads.get(engine)
+        return self.index.block_size(engine) or (load.block_size if load else None) or UNKNOWN_BLOCK_SIZE
+
+    def observe_served(self, engine: str | None, prompt_tokens: int | None, cached_tokens: int | None) -> None:
+        """A request the gateway served on `engine` finished: with >= one block of prompt the engine did not
+        have cached, the engine stored a new block and must publish a BlockStored. Without cached_tokens
+        (engine lacks --enable-prompt-tokens-details) a repeat may have been fully cached: not evidence."""
+        sub = self.subscribers.get(engine) if engine else None
+        if sub is None or prompt_tokens is None or cached_tokens is None:
+            return
+        if prompt_tokens - cached_tokens >= self._silence_block_size(engine):  # type: ignore[arg-type]
+            sub.watch.on_activity(time.monotonic(), "served_request")
+
+    def _observe_load(self, engine: str, load: EngineLoad) -> None:
+        """The engine's scraped counters show it computed >= one block of uncached prompt since the last batch
+        (requests that bypass the gateway included)."""
+        sub = self.subscribers.get(engine)
+        if sub is None or not load.healthy:
+            return
+        if load.prefix_queries:
+            uncached = load.prefix_queries - load.prefix_hits
+        else:
+            uncached = load.prompt_tokens - load.prompt_tokens_cached
+        base = self._uncached_base.get(engine)
+        if base is None or base[1] != sub.watch.batches or uncached < base[0]:
+            # first scrape, a batch arrived since (what was counted so far is explained), or counters reset
+            self._uncached_base[engine] = (uncached, sub.watch.batches)
+        elif uncached - base[0] >= self._silence_block_size(engine, load):
+            sub.watch.on_activity(time.monotonic(), "engine_metrics")
+
+    def evaluate_streams(self, now: float | None = None) -> None:
+        for sub in list(self.subscribers.values()):
+            sub.evaluate_stream(now)
+
+    async def _watch_loop(self) -> None:
+        while True:
+            grace = self.config.raw.telemetry.kv_silence_grace_s
+            await asyncio.sleep(max(0.05, min(1.0, grace / 4)))
+            try:
+                self.evaluate_streams()
+            except Exception:  # never let the watch die
+                pass
+
+    def kv_view(self, engine: str) -> dict[str, Any] | None:
+        """The engine's KV-view state for evidence and routing: stale, reason (no_events | wrong_topic | decode
+        | gap), detail, batches, last batch age. None for engines without a KV-event stream."""
+        sub = self.subscribers.get(engine)
+        if sub is None:
+            return None
+        now = time.monotonic()
+        sub.evaluate_stream(now)
+        w = sub.watch
+        reason = w.reason or ("gap" if sub.stale else None)
+        return {"stale": reason is not None, "reason": reason,
+                "detail": w.detail(now) if w.reason else sub.stale_reason,
+                "batches": w.batches,
+                "last_batch_age_s": round(now - w.last_batch_at, 3) if w.last_batch_at is not None else None,
+                "other_topic_frames": w.other_topic_frames}
 
     # ------------------------------------------------------------------------------ request path
     async def tokens_for(self, backend_name: str | None, endpoint: str | None, body: dict[str, Any],
@@ -177,8 +268,9 @@ class TelemetryService:
         return self.index.lookup(engine_names, tokens, salt, lora)
 
     def is_stale(self, engine: str) -> bool:
+        """Rebuilding after lost events, or the stream is silent / on another topic / undecodable."""
         s = self.subscribers.get(engine)
-        return bool(s and s.stale)
+        return bool(s and (s.stale or s.stream_stale))
 
     def load(self, engine: str) -> EngineLoad | None:
         return self._loads.get(engine)
@@ -259,11 +351,14 @@ class TelemetryService:
             sub = self.subscribers.get(name)
             load = self._loads.get(name)
             f = self._inflight.get(name, InFlight())
+            view = self.kv_view(name)
             engines[name] = {
                 "block_size": self.index.block_size(name),
                 "cached_blocks": self._blocks(name),
                 "kv_events": sub.snapshot() if sub else None,
-                "stale": bool(sub and sub.stale),
+                "stale": bool(view and view["stale"]),
+                "stale_reason": view["reason"] if view else None,
+                "stale_detail": view["detail"] if view else None,
                 "load": load.to_dict() if load else None,
                 "inflight": {"requests": f.requests, "prefill_tokens": f.prefill_tokens},
                 "agreement": self.agreement(name),

@@ -5,6 +5,12 @@ payload); the ROUTER replay socket answers a DEALER's [b"", start_seq] with one 
 buffered batch and ends with [b"", END_SEQ, b""]. The receive task only copies frames into a bounded queue
 (a flood drops batches, which then look like a gap and are replayed), and the apply task yields to the event
 loop after every batch, so the request path is never blocked for long.
+
+Topics: the SUB socket subscribes to every topic and the topic is checked here, exactly. vLLM's
+`KVEventsConfig.topic` (vllm/config/kv_events.py) defaults to "" and `ZmqEventPublisher` sends it as the first
+frame, so a gateway that filtered on its own topic in ZMQ would see nothing and could not say why; frames of
+other topics are counted instead (`StreamWatch`, gateway/telemetry/stream_health.py), and a configured topic
+of "" takes every frame.
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ import zmq.asyncio
 
 from gateway.telemetry.index import KVIndex
 from gateway.telemetry.kv_events import END_SEQ, AllBlocksCleared, decode_batch
+from gateway.telemetry.stream_health import StreamWatch
 
 log = logging.getLogger(__name__)
 
@@ -28,11 +35,14 @@ class KVEventSubscriber:
 
     def __init__(self, engine_name: str, endpoint: str, replay_endpoint: str | None, topic: str, index: KVIndex,
                  *, max_pending: int = 10000, replay_timeout_s: float = 2.0,
-                 ctx: zmq.asyncio.Context | None = None, drop_filter: Callable[[int], bool] | None = None) -> None:
+                 ctx: zmq.asyncio.Context | None = None, drop_filter: Callable[[int], bool] | None = None,
+                 silence_grace_s: float = 10.0) -> None:
         self.engine = engine_name
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.topic = topic
+        self._topic_b = topic.encode("utf-8")
+        self.watch = StreamWatch(silence_grace_s, topic)  # silence / wrong topic / undecodable frames
         self.index = index
         self.max_pending = max_pending
         self.replay_timeout_s = replay_timeout_s
@@ -58,7 +68,7 @@ class KVEventSubscriber:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.RCVHWM, self.max_pending)
         sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
+        sub.setsockopt(zmq.SUBSCRIBE, b"")  # every topic: filtered (and other topics counted) in _recv_loop
         sub.connect(self.endpoint)
         self._sub = sub
         self._tasks = [asyncio.create_task(self._recv_loop(), name=f"kv-recv-{self.engine}"),
@@ -82,8 +92,12 @@ class KVEventSubscriber:
         assert self._sub is not None
         while True:
             frames = await self._sub.recv_multipart()
+            if self._topic_b and frames[0] != self._topic_b:
+                self.watch.on_other_topic(time.monotonic(), frames[0])
+                continue
             if len(frames) != 3:
                 self.counters["decode_errors"] += 1
+                self.watch.on_decode_error(time.monotonic(), f"{len(frames)} frames, expected 3 (topic, seq, payload)")
                 continue
             seq = int.from_bytes(frames[1], "big", signed=True)
             if self._drop_filter is not None and self._drop_filter(seq):
@@ -154,8 +168,9 @@ class KVEventSubscriber:
     def _apply(self, seq: int, payload: bytes) -> None:
         try:
             batch = decode_batch(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
             self.counters["decode_errors"] += 1
+            self.watch.on_decode_error(time.monotonic(), f"seq {seq}: {type(e).__name__}: {e}")
             self.last_seq = seq
             return
         if self.stale and any(isinstance(e, AllBlocksCleared) for e in batch.events):
@@ -167,6 +182,7 @@ class KVEventSubscriber:
         self.last_seq = seq
         self.last_batch_ts = max(self.last_batch_ts or 0.0, batch.ts)
         self.last_event_at = time.time()
+        self.watch.on_batch(time.monotonic())
         self.applied.set()
 
     # ------------------------------------------------------------------------------ replay
@@ -241,8 +257,26 @@ class KVEventSubscriber:
         """Called once agreement with the engine is back (see TelemetryService.observe_cached)."""
         self._clear_stale()
 
+    @property
+    def stream_stale(self) -> bool:
+        return self.watch.reason is not None
+
+    def evaluate_stream(self, now: float | None = None) -> bool:
+        """Re-judge the stream's silence state; logs one warning per change (stale, other reason, fresh)."""
+        now = time.monotonic() if now is None else now
+        was = self.watch.reason
+        if not self.watch.evaluate(now):
+            return False
+        if self.watch.reason is None:
+            log.warning("kv events: engine %s KV stream is fresh again (was %s): a batch arrived on topic %r",
+                        self.engine, was, self.topic)
+        else:
+            log.warning("kv events: engine %s KV view is stale (%s): %s", self.engine, self.watch.reason,
+                        self.watch.detail(now))
+        return True
+
     def snapshot(self) -> dict[str, Any]:
-        return {"endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint, "topic": self.topic,
+        return {**self.watch.snapshot(time.monotonic()), "endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint, "topic": self.topic,
                 "last_seq": self.last_seq, "stale": self.stale, "stale_reason": self.stale_reason,
                 "stale_since": self.stale_since, "last_event_at": self.last_event_at,
                 "queued": self._queue.qsize(), **self.counters}
