@@ -25,10 +25,12 @@ from gateway.pipeline import RequestContext
 from gateway.policy.residency import backend_allowed
 from gateway.proxy.health import Health
 from gateway.routing.admission import BatchQueue, QueueFull, decide, slo_ms
+from gateway.routing.pending import PendingCache
 from gateway.routing.plan import Candidate, RoutePlan
 from gateway.routing.plugins import ApproxPrefixIndex, EngineView, Scored, Strategy, build_strategy, text_blocks
 from gateway.routing.predictor import Features, Predictor, PredictorParams
 from gateway.routing.view import Scrape, engine_view
+from gateway.telemetry.index import RequestKeys
 from gateway.types import Decision
 
 APPROX_BLOCK_CHARS = 256
@@ -122,6 +124,29 @@ def _no_candidates(ctx: RequestContext, plan: RoutePlan) -> GatewayError:
            "unavailable right now)") if excluded else ""
     return GatewayError(503, f"No backend is available for model '{ctx.model}'.{why}{spill}",
                         code="no_backend_available", headers=retry_headers(1.0))
+
+
+def early_refusal(target: float, lower_uppers_ms: list[float], lower_means_ms: list[float]):
+    """The admission decision on lower bounds of every own engine's prediction (see
+    PredictiveRouteStage._refuse_early): the Admission when it is a refusal, else None (decide after tokenizing).
+    Realtime/standard traffic without a spill target only: batch queues and spills need the full prediction."""
+    if not lower_uppers_ms:
+        return None
+    adm = decide(target, lower_uppers_ms, lower_means_ms, priority="standard", can_spill=False)
+    return adm if adm.action == "reject" else None
+
+
+def _unattainable(best: Candidate, target: float, retry_after_s: float, lower_bound: bool = False) -> GatewayError:
+    """429 ttft_slo_unattainable with the best engine's prediction (a lower bound when refused before tokenizing)."""
+    at_least = "at least " if lower_bound else ""
+    return GatewayError(
+        429, f"No allowed engine is predicted to meet the TTFT target of {target:g} ms "
+             f"(best predicted {at_least}{best.predicted_ttft_ms:.0f} ms, upper {best.predicted_ttft_upper_ms:.0f} ms).",
+        code="ttft_slo_unattainable",
+        headers={**retry_headers(retry_after_s), "x-predicted-ttft-ms": f"{best.predicted_ttft_ms:.0f}",
+                 "x-predicted-ttft-upper-ms": f"{best.predicted_ttft_upper_ms:.0f}",
+                 "x-ttft-slo-ms": f"{target:g}"},
+        extra={"predicted_ttft_ms": best.predicted_ttft_ms, "ttft_slo_ms": target})
 
 
 class RouteStage:
@@ -233,6 +258,7 @@ class _Flight:
     cached: dict[str, int] = field(default_factory=dict)
     blocks: list[int] = field(default_factory=list)
     telemetry: bool = False
+    uppers: dict[str, float] = field(default_factory=dict)  # upper bound (s) admission used, per engine
 
     def prefilling(self, now: float) -> bool:
         if self.ctx.ttft_s is not None:
@@ -258,12 +284,14 @@ class PredictiveRouteStage:
         self.predictor = predictor or Predictor(PredictorParams(quantile=rc.admission_quantile,
                                                                 cold_margin=rc.cold_margin), clock)
         self.approx = ApproxPrefixIndex()
+        self.pending = PendingCache()  # own dispatched prefill whose BlockStored has not arrived (pending.py)
         self.flights: dict[str, dict[str, _Flight]] = {}
         self._by_rid: dict[str, _Flight] = {}
         self.avg_uncached: dict[str, float] = {}
         self.affinity: dict[str, str] = {}  # session/trace header value -> engine last used
         self.batch = BatchQueue(rc.batch_queue_size)
-        self.stats = {"admitted": 0, "rejected": 0, "spilled": 0, "queued": 0, "shed": 0}
+        self.stats = {"admitted": 0, "rejected": 0, "rejected_before_tokenize": 0, "spilled": 0, "queued": 0,
+                      "shed": 0}
         self._strategies: dict[tuple, Strategy] = {}
 
     @property
@@ -294,18 +322,46 @@ class PredictiveRouteStage:
             age = time.time() - load.scraped_at if load is not None else 1e9
             if load is not None and getattr(load, "healthy", False) and age < 5.0:
                 scrape = Scrape(float(load.running), float(load.waiting), float(load.kv_usage), max(0.0, age))
-        rc = self._config().raw.routing
-        budget = rc.prefill_token_budgets.get(name, rc.prefill_token_budget)
+        budget, _ = self.chunk_budget(name)
         return engine_view(((f.started, f.uncached, f.prefilling(now)) for f in self.flights.get(name, {}).values()),
                            now, self.predictor.drain(name, budget), scrape, self.avg_uncached.get(name, 512.0))
 
+    def chunk_budget(self, name: str) -> tuple[int, str]:
+        """The engine's chunked-prefill budget per step and where it comes from: `configured`
+        (routing.prefill_token_budgets), `learned` (from its KV events, gateway/telemetry/chunk_budget.py), or
+        `assumed` (routing.prefill_token_budget, until the engine showed one: shown as such in /admin/routing)."""
+        rc = self._config().raw.routing
+        b = rc.prefill_token_budgets.get(name)
+        if b is not None:
+            return b, "configured"
+        index = getattr(self.telemetry, "index", None) if self.telemetry is not None else None
+        learned = index.chunk_budget(name) if index is not None and hasattr(index, "chunk_budget") else None
+        if learned:
+            return learned, "learned"
+        return rc.prefill_token_budget, "assumed"
+
+    def facts(self, name: str) -> dict[str, Any]:
+        """What the router models about one engine, with the source of each fact (for /admin/routing)."""
+        budget, src = self.chunk_budget(name)
+        tel = self.telemetry
+        index = getattr(tel, "index", None) if tel is not None else None
+        bs = index.block_size(name) if index is not None else None
+        load = tel.load(name) if tel is not None and hasattr(tel, "load") else None
+        cap = getattr(load, "num_gpu_blocks", None) if load is not None else None
+        return {"chunk_budget": budget, "chunk_budget_source": src,
+                "block_size": bs, "block_size_source": "kv events / metrics" if bs else "unknown",
+                "kv_capacity_blocks": cap, "kv_capacity_source": "metrics (cache_config_info)" if cap else "unknown",
+                "pending_blocks": self.pending.blocks(name)}
+
     async def _prompt(self, ctx: RequestContext, cands: list[Candidate], salt: str | None
-                      ) -> tuple[int, dict[str, int], str, list[int]]:
-        """(prompt tokens, cached tokens per engine, token source, approx blocks)."""
+                      ) -> tuple[int, dict[str, int], str, list[int], dict[str, list[int]]]:
+        """(prompt tokens, cached tokens per engine, token source, approx blocks, own keys per engine of the
+        blocks its index does not hold: what a dispatch there will store, for the pending cache)."""
         text = prompt_text(ctx.body)
         blocks = text_blocks((salt or "") + text, APPROX_BLOCK_CHARS)
         n_tokens = max(1, ctx.prompt_tokens_est)
         cached: dict[str, int] = {}
+        unstored: dict[str, list[int]] = {}
         source = "estimate"
         tel = [c for c in cands if self._telemetry_for(c)]
         if tel:
@@ -316,9 +372,21 @@ class PredictiveRouteStage:
                 by_lora: dict[str | None, list[str]] = {}
                 for c in tel:  # engines serving the model as a LoRA adapter key their blocks by its name
                     by_lora.setdefault(lora_name(c), []).append(c.backend.name)
+                index = getattr(self.telemetry, "index", None)
                 for lora, names in by_lora.items():
-                    found = self.telemetry.lookup(names, toks, salt=salt, lora=lora)
-                    cached.update({k: int(v.tokens) for k, v in found.items()})
+                    rk = RequestKeys(toks, salt, lora)
+                    found = self.telemetry.lookup(names, rk, salt=salt, lora=lora)
+                    for k, v in found.items():
+                        cached[k] = int(v.tokens)
+                        bs = index.block_size(k) if index is not None else None
+                        if bs:  # extend through blocks an earlier dispatch there is still prefilling
+                            keys = rk.keys(bs)
+                            limit = min(len(keys), (n_tokens - 1) // bs)
+                            held = min(int(v.blocks), limit)
+                            n = self.pending.extend(k, keys, held, limit)
+                            if n > held:
+                                cached[k] = n * bs
+                            unstored[k] = keys[held:]
             except Exception:  # telemetry trouble must never fail a request: fall back to the approx tree
                 source = "estimate"
         for c in cands:
@@ -326,7 +394,7 @@ class PredictiveRouteStage:
             if n not in cached:
                 m = self.approx.match(n, blocks)
                 cached[n] = min(n_tokens - 1, m * APPROX_BLOCK_CHARS // CHARS_PER_TOKEN) if m else 0
-        return n_tokens, cached, source, blocks
+        return n_tokens, cached, source, blocks, unstored
 
     def _score(self, ctx: RequestContext, cands: list[Candidate], n_tokens: int, cached: dict[str, int],
                blocks: list[int], affinity_engine: str | None) -> tuple[list[Scored], dict[str, Features]]:
@@ -396,10 +464,12 @@ class PredictiveRouteStage:
             if prio is not None:
                 ctx.body_overrides["priority"] = int(prio)
 
-        n_tokens, cached, source, blocks = await self._prompt(ctx, own + partners, salt)
         priority = d.priority if d is not None else "standard"
         hdr = ctx.headers.get("x-ttft-slo-ms") if ctx.headers is not None else None
         target = slo_ms(hdr, d.ttft_slo_ms if d is not None else None, rc.default_ttft_slo_ms)
+        if rc.admission and target is not None and not partners and priority != "batch":
+            self._refuse_early(ctx, own, target, t_start, salt)  # before tokenizing: raises when surely late
+        n_tokens, cached, source, blocks, unstored = await self._prompt(ctx, own + partners, salt)
         deadline = time.monotonic() + rc.batch_queue_timeout_s
         while True:
             prev_engine = self.affinity.get(aff_key) if aff_key else None  # re-read: a queued request waits
@@ -437,15 +507,7 @@ class PredictiveRouteStage:
         if adm.action == "reject":
             self.stats["rejected"] += 1
             self._evidence(ctx, own_ord, target, "reject", source, t_start, salt)
-            best = own_ord[0]
-            raise GatewayError(
-                429, f"No allowed engine is predicted to meet the TTFT target of {target:g} ms "
-                     f"(best predicted {best.predicted_ttft_ms:.0f} ms, upper {best.predicted_ttft_upper_ms:.0f} ms).",
-                code="ttft_slo_unattainable",
-                headers={**retry_headers(adm.retry_after_s), "x-predicted-ttft-ms": f"{best.predicted_ttft_ms:.0f}",
-                         "x-predicted-ttft-upper-ms": f"{best.predicted_ttft_upper_ms:.0f}",
-                         "x-ttft-slo-ms": f"{target:g}"},
-                extra={"predicted_ttft_ms": best.predicted_ttft_ms, "ttft_slo_ms": target})
+            raise _unattainable(own_ord[0], target, adm.retry_after_s)
         if adm.action == "spill":
             self.stats["spilled"] += 1
             final = part_ord + own_ord
@@ -463,7 +525,10 @@ class PredictiveRouteStage:
         name = pick.backend.name
         fl = _Flight(ctx, name, n_tokens - (pick.cached_tokens or 0), self.clock(),
                      (pick.predicted_ttft_ms or 0) / 1000, feats, {c.backend.name: c.cached_tokens or 0 for c in final},
-                     blocks, self._telemetry_for(pick))
+                     blocks, self._telemetry_for(pick),
+                     {c.backend.name: (c.predicted_ttft_upper_ms or 0) / 1000 for c in final})
+        if unstored.get(name):
+            self.pending.add(ctx.request_id, name, unstored[name])
         self.flights.setdefault(name, {})[ctx.request_id] = fl
         self._by_rid[ctx.request_id] = fl
         if fl.telemetry:
@@ -472,6 +537,35 @@ class PredictiveRouteStage:
             self.affinity[aff_key] = name
             if len(self.affinity) > 100_000:
                 self.affinity.pop(next(iter(self.affinity)))
+
+    def _refuse_early(self, ctx: RequestContext, own: list[Candidate], target: float, t_start: float,
+                      salt: str | None) -> None:
+        """Refuse before the request is tokenized (no /tokenize round trip on the path of a refusal) when a
+        lower bound on every own engine's TTFT is already over the target: the request's own prefill is at
+        least one token (all the rest cached), while the work ahead and the running decodes are known without
+        its tokens; the prediction and its upper bound grow with both (boxed coefficients >= 0), so the full
+        prediction could only be higher and admission would refuse too. Returns when that is not certain."""
+        now = self.clock()
+        lbs: list[tuple[Candidate, float, float, EngineView]] = []
+        for c in own:
+            v = self._view(c.backend.name, now, self._telemetry_for(c))
+            mean, upper = self.predictor.predict(
+                c.backend.name, Features(ahead_tokens=v.ahead_tokens, uncached_tokens=1.0, running=v.running))
+            lbs.append((c, mean * 1000, upper * 1000, v))
+        adm = early_refusal(target, [u for _, _, u, _ in lbs], [m for _, m, _, _ in lbs])
+        if adm is None:
+            return
+        for c, m, u, v in lbs:
+            c.predicted_ttft_ms, c.predicted_ttft_upper_ms = round(m, 3), round(u, 3)
+            c.info = {"predicted_ttft_upper_ms": c.predicted_ttft_upper_ms, "lower_bound": True,
+                      "ahead_tokens": int(v.ahead_tokens), "running": v.running, "waiting": v.waiting,
+                      "inflight": v.inflight, "operator": c.backend.operator}
+        cands = sorted(own, key=lambda c: c.predicted_ttft_upper_ms or 0)
+        self.stats["rejected"] += 1
+        self.stats["rejected_before_tokenize"] += 1
+        self._evidence(ctx, cands, target, "reject", "none (refused on a lower bound, before tokenizing)",
+                       t_start, salt)
+        raise _unattainable(cands[0], target, adm.retry_after_s, lower_bound=True)
 
     def _evidence(self, ctx: RequestContext, cands: list[Candidate], target: float | None,
                   action: str, source: str, t_start: float, salt: str | None) -> None:
@@ -495,6 +589,7 @@ class PredictiveRouteStage:
         if fl is None:
             return
         self.flights.get(fl.engine, {}).pop(ctx.request_id, None)
+        self.pending.remove(ctx.request_id)
         self.batch.wake(2)
         served = ctx.backend or fl.engine
         if fl.telemetry:
@@ -513,7 +608,7 @@ class PredictiveRouteStage:
         failed_before = any("error" in x for x in ctx.attempts)
         f = fl.features.get(served)
         if ctx.ttft_s is not None and f is not None and not failed_before:
-            rel = self.predictor.observe(served, f, ctx.ttft_s)
+            rel = self.predictor.observe(served, f, ctx.ttft_s, fl.uppers.get(served) or None)
             ev["ttft_prediction_error"] = round(rel, 4)
         done = ctx.usage.completion_tokens if ctx.usage is not None else 0
         if ctx.stream and ctx.ttft_s is not None and done and done > 1:  # mean inter-token time: the step
@@ -533,7 +628,14 @@ class PredictiveRouteStage:
             return False
 
     def snapshot(self) -> dict[str, Any]:
-        """For /admin/routing: learned parameters and MAPE per engine, admission counters, queue depth."""
-        return {"strategy": self._config().raw.routing.strategy, "engines": self.predictor.snapshot(),
+        """For /admin/routing: per engine the learned parameters, the guard's state, prediction quality out of
+        sample (mape, mdare, calibration vs calibration_target) and the engine facts with their sources;
+        admission counters, queue depth."""
+        cfg = self._config()
+        engines = self.predictor.snapshot()
+        for b in cfg.backends:
+            if b.kind in ("vllm", "sim") or b.name in engines:
+                engines.setdefault(b.name, {})["facts"] = self.facts(b.name)
+        return {"strategy": cfg.raw.routing.strategy, "engines": engines,
                 "admission": dict(self.stats), "batch_queue": len(self.batch),
                 "inflight": {k: len(v) for k, v in self.flights.items()}}

@@ -1,0 +1,156 @@
+"""Pending cache (issue 17b) and refusal before tokenizing (issue 17c), against the simulator fleet with the real
+telemetry service (KV events, /tokenize, metrics)."""
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+import yaml
+
+from gateway.config import parse_config
+from gateway.errors import GatewayError
+from gateway.pipeline import RequestContext
+from gateway.proxy.health import Health
+from gateway.routing.pending import PendingCache
+from gateway.routing.stage import PredictiveRouteStage, early_refusal
+
+PROMPT = " ".join(f"w{i}" for i in range(400))  # a few hundred tokens: many 16-token blocks
+
+
+def _ctx(rid: str, content: str, slo: float | None = None) -> RequestContext:
+    c = RequestContext(request_id=rid, endpoint="chat", headers={"x-ttft-slo-ms": str(slo)} if slo else {},
+                       body={"model": "sim-model", "stream": True, "messages": [{"role": "user", "content": content}]})
+    c.model, c.model_chain, c.prompt_tokens_est = "sim-model", ("sim-model",), 10
+    c.stream = True
+    return c
+
+
+def _token_calls(tel) -> int:
+    t = tel.tokens
+    return t.hits + t.misses + t.uncached
+
+
+@pytest.fixture
+async def rig():
+    from backends.sim.fleet import start_fleet
+    from gateway.telemetry.service import TelemetryService
+
+    async with start_fleet(2, profiles=["tiny"]) as fleet:
+        engines = fleet.manifest()["engines"]
+        cfg = parse_config(yaml.safe_dump({"backends": [
+            {"name": e["name"], "kind": "sim", "url": e["url"], "models": ["sim-model"], "kv_events": e["kv_events"],
+             "replay": e["replay"], "metrics": e["metrics"]} for e in engines],
+            "telemetry": {"scrape_interval_s": 0.1}}))
+        tel = TelemetryService(cfg)
+        await tel.start()
+        try:
+            for _ in range(50):  # block sizes come from the first scrape
+                if all(tel.index.block_size(e["name"]) for e in engines):
+                    break
+                await asyncio.sleep(0.05)
+            yield PredictiveRouteStage(lambda: cfg, Health(cfg), telemetry=tel), tel, engines
+        finally:
+            await tel.close()
+
+
+def _cached(ctx: RequestContext) -> dict[str, int]:
+    return {c["backend"]: c["predicted_cached_tokens"] for c in ctx.evidence["candidates"]}
+
+
+async def test_a_prefix_still_prefilling_on_an_engine_counts_as_cached_there_until_its_request_finishes(rig):
+    st, tel, engines = rig
+    a = _ctx("a", PROMPT)
+    await st.run(a)  # dispatched (not sent anywhere: nothing is stored on the engine, the index is empty)
+    eng = a.route.candidates[0].backend.name
+    other = next(e["name"] for e in engines if e["name"] != eng)
+    assert st.pending.blocks(eng) > 0 and st.snapshot()["engines"][eng]["facts"]["pending_blocks"] > 0
+    b = _ctx("b", PROMPT + " and more")
+    await st.run(b)
+    bs = tel.index.block_size(eng)
+    n_a = len((await tel.tokens_for(eng, None, a.body))[0])
+    assert _cached(b)[eng] == (n_a // bs) * bs  # a's full blocks, pending on a's engine
+    assert _cached(b)[other] == 0
+    await st.finish(b)
+    await st.finish(a)  # a finished: its blocks are stored by now or never will be
+    assert st.pending.blocks(eng) == 0
+    c = _ctx("c", PROMPT + " and more")
+    await st.run(c)
+    assert _cached(c)[eng] == 0  # the engine never stored them (a was not really sent): no longer counted
+    await st.finish(c)
+
+
+async def test_pending_entries_expire_when_the_engine_stores_the_blocks(rig):
+    st, tel, engines = rig
+    a = _ctx("a2", PROMPT)
+    await st.run(a)
+    eng = a.route.candidates[0].backend.name
+    url = next(e["url"] for e in engines if e["name"] == eng)
+    async with httpx.AsyncClient(timeout=10) as client:  # the engine really computes (and stores) that prompt
+        r = await client.post(url + "/chat/completions", json={"model": "sim-model", "max_tokens": 1,
+                                                               "messages": [{"role": "user", "content": PROMPT}]})
+        assert r.status_code == 200
+    for _ in range(50):
+        if tel.index.engine_blocks(eng).get("GPU", 0) > 0:
+            break
+        await asyncio.sleep(0.05)
+    before = st.pending.blocks(eng)
+    b = _ctx("b2", PROMPT + " again")
+    await st.run(b)  # its lookup finds the stored blocks in the index: they are no longer pending
+    assert st.pending.blocks(eng) < before
+    await st.finish(b)
+    await st.finish(a)
+
+
+async def test_a_refusal_certain_on_a_lower_bound_makes_no_tokenize_call(rig):
+    st, tel, engines = rig
+    busy = [_ctx(f"busy{i}", PROMPT + f" {i}") for i in range(2 * len(engines) * 3)]
+    for c in busy:  # admitted (no target), streaming, no first token yet: prefill work ahead on every engine
+        await st.run(c)
+    calls = _token_calls(tel)
+    late = _ctx("late", "a short question", slo=5)
+    with pytest.raises(GatewayError) as ei:
+        await st.run(late)
+    assert ei.value.status == 429 and ei.value.code == "ttft_slo_unattainable"
+    assert "at least" in ei.value.message and ei.value.headers["x-ttft-slo-ms"] == "5"
+    assert _token_calls(tel) == calls  # decided without tokenizing
+    assert late.evidence["route"]["token_source"].startswith("none")
+    assert all(c.get("lower_bound") for c in late.evidence["candidates"])
+    assert st.stats["rejected_before_tokenize"] == 1
+    for c in busy:
+        await st.finish(c)
+
+
+async def test_when_only_the_full_prediction_is_over_the_target_it_tokenizes_then_refuses(rig):
+    st, tel, engines = rig
+    calls = _token_calls(tel)
+    # idle fleet: the lower bound (overhead + one token) meets 60 ms; the prompt's own prefill at the cold-start
+    # prior (8k tok/s) does not
+    c = _ctx("long", PROMPT * 2, slo=60)
+    with pytest.raises(GatewayError) as ei:
+        await st.run(c)
+    assert ei.value.code == "ttft_slo_unattainable" and "at least" not in ei.value.message
+    assert _token_calls(tel) == calls + 1
+    assert st.stats["rejected_before_tokenize"] == 0 and st.stats["rejected"] == 1
+
+
+def test_early_refusal_is_the_admission_decision_on_lower_bounds():
+    assert early_refusal(100.0, [150.0, 120.0], [100.0, 90.0]).action == "reject"
+    assert early_refusal(100.0, [150.0, 80.0], [100.0, 60.0]) is None  # one engine may still meet it
+    assert early_refusal(100.0, [], []) is None
+
+
+def test_pending_cache_unit():
+    p = PendingCache()
+    p.add("a", "e", [1, 2, 3, 4])
+    p.add("b", "e", [3, 4, 5])
+    assert p.extend("e", [1, 2, 3, 4, 5, 6], 0, 6) == 5
+    assert p.extend("e", [1, 2, 3, 4, 5, 6], 0, 3) == 3  # capped (vLLM recomputes the last token)
+    assert p.extend("x", [1, 2], 0, 2) == 0  # another engine has nothing pending
+    p.remove("a")
+    assert p.extend("e", [1, 2, 3, 4, 5], 0, 5) == 0  # a's first blocks left with it
+    assert p.extend("e", [1, 2, 3, 4, 5], 2, 5) == 5  # index holds 1-2, then b's 3-5
+    assert p.blocks("e") == 3
+    assert p.extend("e", [1, 2, 3, 4, 5], 4, 5) == 5 and p.blocks("e") == 1  # stored 3, 4: no longer pending
+    p.remove("b")
+    assert p.blocks("e") == 0 and len(p) == 0
