@@ -119,6 +119,11 @@ async def dashboard_data(gw: Any, recent_ids: Callable[[], list[str]], limit: in
                 "requests") else None,
             "prefill_tokens_per_s": lr.get("prefill_tokens_per_s"), "overhead_ms": lr.get("overhead_ms"),
             "mape": lr.get("mape"), "samples": lr.get("samples"),
+            "mdare": lr.get("mdare"), "calibration": lr.get("calibration"),
+            "calibration_target": lr.get("calibration_target"),
+            "chunk_budget": (lr.get("facts") or {}).get("chunk_budget"),
+            "chunk_budget_source": (lr.get("facts") or {}).get("chunk_budget_source"),
+            "guard_resets": (lr.get("guard") or {}).get("resets"),
             "predicted_ttft_ms": last_pred.get(b.name),
         })
     decisions = [_decision(r) for r in records]

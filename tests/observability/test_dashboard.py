@@ -155,6 +155,10 @@ def test_dashboard_in_headless_chromium(tmp_path: Path) -> None:
             assert page.cells[(n, "cached_blocks")] == tiers(e["cached_blocks"])
             assert page.cells[(n, "prefill_tokens_per_s")] == fmt(e["prefill_tokens_per_s"], 0)
             assert page.cells[(n, "predicted_ttft_ms")] == fmt(e["predicted_ttft_ms"], 1)
+            assert page.cells[(n, "mdare")] == fmt(e["mdare"], 3)  # prediction quality per engine (issue 17d)
+            assert page.cells[(n, "calibration")] == fmt(e["calibration"], 3) + " / " + fmt(e["calibration_target"], 2)
+            assert e["chunk_budget_source"] in ("configured", "learned", "assumed")
+            assert page.cells[(n, "chunk_budget")].startswith(fmt(e["chunk_budget"], 0))
         assert sum(sum(e["cached_blocks"].values()) for e in data["engines"]) > 0  # real KV events arrived
         assert any(e["predicted_ttft_ms"] for e in data["engines"])
         by_rid = {d["request_id"]: d for d in data["decisions"]}
