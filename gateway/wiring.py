@@ -64,6 +64,7 @@ class PolicyHolder:
 
     def __init__(self, config: Config) -> None:
         self.current = self._compile(config)
+        self.on_swap: list[Any] = []  # called with each newly compiled policy (identity's restriction labels)
         self.opa = None
         if config.raw.policy.opa is not None:
             from gateway.policy.opa import OPAPolicy
@@ -90,6 +91,8 @@ class PolicyHolder:
         pending = getattr(self, "_pending", None)
         self.current = pending if pending is not None else self._compile(config)
         self._pending = None
+        for cb in self.on_swap:
+            cb(self.current)
         want = config.raw.policy.opa
         have = self.opa.config if self.opa is not None else None
         if want != have:  # OPA added, removed or re-pointed by the reload: swap the client too
@@ -118,6 +121,9 @@ def _wire_policy(gw: Gateway) -> None:
 
     holder = PolicyHolder(gw.config)
     gw.policy = holder
+    if gw.identity is not None:  # labels the policy restricts on can only be tightened below the tenant
+        gw.identity.set_policy(holder.current)
+        holder.on_swap.append(gw.identity.set_policy)
     gw.services.append(holder)
     _insert_after(gw, "authenticate", PolicyStage(holder.provider))
 
@@ -129,12 +135,6 @@ def _wire_telemetry(gw: Gateway) -> None:
     svc = TelemetryService(gw.config)
     gw.services.append(svc)
     gw.telemetry = svc
-
-    async def served(ctx: Any) -> None:  # evidence that the engine stored blocks (KV-stream silence alarm)
-        if ctx.backend and ctx.status in (0, 200) and ctx.usage is not None:
-            svc.observe_served(ctx.backend, ctx.usage.prompt_tokens, ctx.usage.cached_tokens)
-
-    gw.finish_hooks.append(served)
 
     async def served(ctx: Any) -> None:  # evidence that the engine stored blocks (KV-stream silence alarm)
         if ctx.backend and ctx.status in (0, 200) and ctx.usage is not None:

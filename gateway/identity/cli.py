@@ -87,6 +87,13 @@ async def _run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     svc = IdentityService(config)
+    try:  # the policy's restriction labels hold for keys made here too (residency/retention always do)
+        from gateway.policy.cli import load_for_config
+
+        svc.set_policy(load_for_config(config))
+    except Exception as e:  # a broken policy file: the gateway would not start either; keep the fixed set
+        print(f"warning: policy not loaded ({e}); only residency/retention are treated as restrictions",
+              file=sys.stderr)
     try:
         await svc.start()
         fn = {"create": _create, "list": _list, "revoke": _revoke, "rotate": _rotate}[args.keys_cmd]

@@ -25,6 +25,8 @@ from gateway.identity import keys as keyfmt
 from gateway.identity.jwt_verify import JWTVerifier, token_error
 from gateway.identity.model import ApiKey, Conflict, InUse, NotEditable, NotFound, Partner, Project, Team, Tenant
 from gateway.identity.ratelimit import FailureLimiter
+from gateway.identity.restrictions import DEFAULT as DEFAULT_RESTRICTIONS
+from gateway.identity.restrictions import Restrictions
 from gateway.identity.store import IdentityStore
 from gateway.observability.logs import register_secret
 from gateway.types import Principal
@@ -73,13 +75,18 @@ def clean_end_user(value: str) -> str:
     return v
 
 
-def merge_labels(*levels: Mapping[str, str] | None) -> dict[str, str]:
-    """Labels merged tenant -> ... -> key; later levels win."""
-    out: dict[str, str] = {}
-    for lv in levels:
-        if lv:
-            out.update(lv)
-    return out
+def merge_labels(*levels: Mapping[str, str] | None, restrictions: Restrictions = DEFAULT_RESTRICTIONS
+                 ) -> dict[str, str]:
+    """Labels merged tenant -> ... -> key; later levels win, except that a restriction label (residency,
+    retention, labels the policy restricts on) set above can only be tightened below (restrictions.py)."""
+    return restrictions.merge(*levels)
+
+
+def loosening_error(label: str, above: Mapping[str, str]) -> GatewayError:
+    return GatewayError(
+        403, f"Label '{label}' is '{above[label][:64]}' at a higher scope; a lower record may only tighten a "
+             "restriction label, never loosen it (docs/identity.md, Restriction labels).",
+        code="restriction_loosened", param=f"labels.{label}")
 
 
 def validate_id(value: Any, what: str) -> str:
@@ -190,6 +197,7 @@ class IdentityService:
         self._labels: dict[tuple[Any, ...], tuple[dict[str, str], float]] = {}
         self._jwt_cache: dict[str, _JwtEntry] = {}
         self._gen = 0  # bumped by every change event; a load that raced an event is not cached
+        self.restrictions: Restrictions = DEFAULT_RESTRICTIONS
         self._jwt = JWTVerifier(list(config.raw.identity.jwt))
         self.swap_config(config)
 
@@ -231,6 +239,11 @@ class IdentityService:
         if self.store is not None:
             await self.store.close()
         await self._jwt.aclose()
+
+    def set_policy(self, policy: Any) -> None:
+        """Take the restriction labels of a (re)loaded policy; principals merged under the old set are dropped."""
+        self.restrictions = Restrictions(policy)
+        self._on_event("*")
 
     def _on_event(self, event: str) -> None:
         """A change somewhere (this or another replica): drop what it may have made stale."""
@@ -338,7 +351,7 @@ class IdentityService:
         tm = await self.store.get_team(tenant, team) if team else None
         pr = await self.store.get_project(tenant, team, project) if team and project else None
         labels = merge_labels(t.labels if t else None, pa.labels if pa else None, tm.labels if tm else None,
-                              pr.labels if pr else None)
+                              pr.labels if pr else None, restrictions=self.restrictions)
         if gen == self._gen:
             if len(self._labels) > 100_000:
                 self._labels.clear()
@@ -349,7 +362,8 @@ class IdentityService:
         base = await self._hierarchy_labels(k.tenant, k.team, k.project, k.partner)
         return Principal(
             id=f"key:{k.id}", kind="partner" if k.partner else "api_key", tenant=k.tenant, team=k.team,
-            project=k.project, key_id=k.id, partner=k.partner, labels=merge_labels(base, k.labels),
+            project=k.project, key_id=k.id, partner=k.partner,
+            labels=merge_labels(base, k.labels, restrictions=self.restrictions),
             scopes=tuple(k.scopes), allowed_models=tuple(k.models),
             roles=("tenant_admin",) if k.purpose == "admin" else ())
 
@@ -385,7 +399,7 @@ class IdentityService:
         scope = claims.get("scope")
         sub = claims.get("sub") if isinstance(claims.get("sub"), str) else "?"
         p = Principal(id=f"jwt:{cfg.issuer}|{sub}", kind=kind, tenant=tenant, team=team, project=project,
-                      partner=partner, labels=merge_labels(base, claim_labels),
+                      partner=partner, labels=merge_labels(base, claim_labels, restrictions=self.restrictions),
                       scopes=tuple(scope.split()) if isinstance(scope, str) else ())
         exp = claims.get("exp")
         valid_until = min(float(exp) + cfg.leeway_s, time.time() + cfg.jwks_cache_s)
@@ -399,6 +413,22 @@ class IdentityService:
     def _s(self) -> IdentityStore:
         assert self.store is not None, "IdentityService.start() was not awaited"
         return self.store
+
+    async def _above(self, tenant: str, team: str | None = None, project: str | None = None,
+                     partner: str | None = None) -> dict[str, str]:
+        """The merged labels of a record's parents, read from the store now (not the hot-path cache)."""
+        s = self._s()
+        t = await s.get_tenant(tenant)
+        pa = await s.get_partner(partner) if partner else None
+        tm = await s.get_team(tenant, team) if team else None
+        pr = await s.get_project(tenant, team, project) if team and project else None
+        return merge_labels(t.labels if t else None, pa.labels if pa else None, tm.labels if tm else None,
+                            pr.labels if pr else None, restrictions=self.restrictions)
+
+    def _check_tightens(self, above: Mapping[str, str], labels: Mapping[str, str] | None) -> None:
+        bad = self.restrictions.loosened(above, labels)
+        if bad is not None:
+            raise loosening_error(bad, above)
 
     async def _guard(self, coro: Any) -> Any:
         try:
@@ -442,6 +472,7 @@ class IdentityService:
     async def create_team(self, tenant: str, team_id: str, name: Any = "",
                           labels: dict[str, str] | None = None) -> Team:
         t = Team(tenant, validate_id(team_id, "id"), validate_name(name, team_id), validate_labels(labels), time.time())
+        self._check_tightens(await self._above(tenant), t.labels)
         return await self._guard(self._s().create_team(t))
 
     async def get_team(self, tenant: str, team_id: str) -> Team | None:
@@ -451,7 +482,10 @@ class IdentityService:
         return await self._s().list_teams(tenant)
 
     async def update_team(self, tenant: str, team_id: str, changes: Mapping[str, Any]) -> Team | None:
-        t = await self._s().update_team(tenant, team_id, validate_changes(changes, HIER_EDITABLE))
+        ch = validate_changes(changes, HIER_EDITABLE)
+        if "labels" in ch:
+            self._check_tightens(await self._above(tenant), ch["labels"])
+        t = await self._s().update_team(tenant, team_id, ch)
         self._on_event(f"team:{tenant}/{team_id}")
         return t
 
@@ -470,6 +504,7 @@ class IdentityService:
                              labels: dict[str, str] | None = None) -> Project:
         p = Project(tenant, validate_id(team, "team"), validate_id(project_id, "id"), validate_name(name, project_id),
                     validate_labels(labels), time.time())
+        self._check_tightens(await self._above(tenant, team), p.labels)
         return await self._guard(self._s().create_project(p))
 
     async def get_project(self, tenant: str, team: str, project_id: str) -> Project | None:
@@ -480,7 +515,10 @@ class IdentityService:
 
     async def update_project(self, tenant: str, team: str, project_id: str,
                              changes: Mapping[str, Any]) -> Project | None:
-        p = await self._s().update_project(tenant, team, project_id, validate_changes(changes, HIER_EDITABLE))
+        ch = validate_changes(changes, HIER_EDITABLE)
+        if "labels" in ch:
+            self._check_tightens(await self._above(tenant, team), ch["labels"])
+        p = await self._s().update_project(tenant, team, project_id, ch)
         self._on_event(f"project:{tenant}/{team}/{project_id}")
         return p
 
@@ -499,6 +537,7 @@ class IdentityService:
                              labels: dict[str, str] | None = None) -> Partner:
         p = Partner(validate_id(partner_id, "id"), validate_id(tenant, "tenant"), validate_name(name, partner_id),
                     validate_labels(labels), time.time())
+        self._check_tightens(await self._above(tenant), p.labels)
         return await self._guard(self._s().create_partner(p))
 
     async def get_partner(self, partner_id: str) -> Partner | None:
@@ -508,7 +547,12 @@ class IdentityService:
         return await self._s().list_partners(tenant)
 
     async def update_partner(self, partner_id: str, changes: Mapping[str, Any]) -> Partner | None:
-        p = await self._s().update_partner(partner_id, validate_changes(changes, HIER_EDITABLE))
+        ch = validate_changes(changes, HIER_EDITABLE)
+        if "labels" in ch:
+            cur = await self._s().get_partner(partner_id)
+            if cur is not None:
+                self._check_tightens(await self._above(cur.tenant), ch["labels"])
+        p = await self._s().update_partner(partner_id, ch)
         self._on_event(f"partner:{partner_id}")
         return p
 
@@ -545,6 +589,7 @@ class IdentityService:
                    labels=validate_labels(labels), scopes=validate_str_list(scopes, "scopes"),
                    models=validate_str_list(models, "models"), created_at=time.time(),
                    expires_at=float(expires_at) if expires_at is not None else None, rotated_from=rotated_from)
+        self._check_tightens(await self._above(tenant, team, project, partner), k.labels)
         await self._guard(self._s().create_key(k))
         self._on_event(f"key:{k.id}")
         log.info("api key %s created for tenant %s", k.id, tenant)
@@ -559,6 +604,10 @@ class IdentityService:
     async def update_key(self, key_id: str, changes: Mapping[str, Any]) -> ApiKey | None:
         """Edit name/labels/scopes/models/expires_at; 409 for a revoked key or the expiry of a rotated one."""
         ch = validate_changes(changes, KEY_EDITABLE)
+        if "labels" in ch:
+            cur = await self._s().get_key(key_id)
+            if cur is not None:
+                self._check_tightens(await self._above(cur.tenant, cur.team, cur.project, cur.partner), ch["labels"])
         try:
             k = await self._s().update_key(key_id, ch)
         except NotEditable as e:

@@ -103,8 +103,8 @@ async def test_postgres_notify_propagates_edits_and_deletes(tmp_path: Path, pg_s
         assert await until(lambda: _labels_has(b, h, "tier", "realtime"), 2.0) < 2.0
         await a.update_project("acme", "search", "ranker", {"labels": {"retention": "zero"}})
         assert await until(lambda: _labels_has(b, h, "retention", "zero"), 2.0) < 2.0
-        await a.update_partner("opper", {"labels": {"residency": "us"}})
-        assert await until(lambda: _labels_has(b, ph, "residency", "us"), 2.0) < 2.0
+        await a.update_partner("opper", {"labels": {"residency": "de"}})  # narrower than the tenant's eea
+        assert await until(lambda: _labels_has(b, ph, "residency", "de"), 2.0) < 2.0
 
         async def models_restricted() -> bool:
             return (await b.authenticate(h, "r")).allowed_models == ("qwen*",)
