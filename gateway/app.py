@@ -568,6 +568,9 @@ class GatewayApp(Starlette):
     def __init__(self, data_plane: dict[str, Any], **kw: Any) -> None:
         super().__init__(**kw)
         self._data_plane = data_plane
+        # Starlette redirects /v1/chat/completions/ to the slash-less URL built from the client's Host header:
+        # an open redirect. Unknown paths (a trailing slash included) are an OpenAI-shaped 404 instead.
+        self.router.redirect_slashes = False
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http":
