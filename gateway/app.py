@@ -386,7 +386,7 @@ class CompletionEndpoint:
             except GatewayError as e:
                 ctx.status = e.status
                 ctx.error = e.code
-                gw.metrics.rejections.labels(_stage_of(ctx, started), e.code or "error").inc()
+                gw.metrics.rejections.labels(_stage_of(ctx, gw.pipeline.stages), e.code or "error").inc()
                 if started:
                     finished = True
                     await Pipeline.finish(ctx, started)
@@ -468,8 +468,15 @@ def prompt_token_bound(raw: bytes, body: dict, prompt_chars: int) -> int:
     return prompt_chars + 16 * n + 16
 
 
-def _stage_of(ctx: RequestContext, started: list[Stage]) -> str:
-    return started[-1].name if started else "dispatch"
+def _stage_of(ctx: RequestContext, stages: list[Stage]) -> str:
+    """The stage that refused a request: the first whose run did not complete (a refusing stage records no
+    timing), else "dispatch" (every stage passed; the dispatcher refused). `Pipeline.run` returns nothing when
+    a stage raises, so the list of started stages cannot tell (every refusal used to count as dispatch)."""
+    timings = ctx.stage_timings_us
+    for st in stages:
+        if st.name not in timings:
+            return st.name
+    return "dispatch"
 
 
 # ------------------------------------------------------------------------------------------- routes
