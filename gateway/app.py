@@ -419,6 +419,12 @@ class CompletionEndpoint:
                 nonlocal finished
                 if not finished:
                     finished = True
+                    task = asyncio.current_task()
+                    if task is not None and task.cancelling() and not ctx.cut_by_shutdown:
+                        # the client left mid-stream (its connection dropped and cancelled us): record 499 and
+                        # what was delivered, not the 200 the response started with
+                        ctx.status = 499 if ctx.status in (0, 200) else ctx.status
+                        ctx.error = ctx.error or "client_disconnected"
                     await Pipeline.finish(ctx, started)
 
             raw = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
