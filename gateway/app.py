@@ -318,11 +318,21 @@ class CompletionEndpoint:
                 gw.metrics.rejections.labels("parse", "request_timeout").inc()
                 await send_error(send, err, rid, {"connection": "close"})
                 return
-            body = decode_json(raw)
-            parsed = self.parse(body)
+            try:
+                body = decode_json(raw)
+                parsed = self.parse(body)
+            except GatewayError as bad_body:
+                # Authenticate before answering about the body: an unauthenticated caller learns nothing about
+                # validation (it gets 401, not 400). Only on this refusal path: a good body is authenticated by
+                # the pipeline as usual. The cheap checks above (415, 413, 408) still come first.
+                await self._authenticate(headers, rid, scope)
+                raise bad_body
         except GatewayError as e:
-            gw.metrics.rejections.labels("parse", e.code or "error").inc()
-            await send_error(send, e, rid)
+            stage = "authenticate" if e.status in (401, 403) or e.code == "auth_rate_limited" else "parse"
+            gw.metrics.rejections.labels(stage, e.code or "error").inc()
+            # a 413 leaves the body unread: close the connection (the server drains a bounded amount first,
+            # gateway/server_protocol.py) instead of reading an unbounded body on a kept-alive connection
+            await send_error(send, e, rid, {"connection": "close"} if e.status == 413 else None)
             return
         except asyncio.CancelledError:
             return
@@ -374,6 +384,13 @@ class CompletionEndpoint:
                 watcher.cancel()
             elif conn.on_lost is lost:
                 conn.on_lost = None
+
+    async def _authenticate(self, headers: RequestHeaders, rid: str, scope) -> None:
+        """Run the authenticate stage alone (for a request whose body is refused); raises its refusal."""
+        client = scope.get("client")
+        ctx = RequestContext(request_id=rid, endpoint=self.endpoint, headers=headers, body={},
+                             client_addr=client[0] if client else "")
+        await self.gw.auth.run(ctx)
 
     async def _handle(self, ctx: RequestContext, send) -> None:
         gw = self.gw

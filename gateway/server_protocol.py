@@ -5,7 +5,9 @@ Transfer-Encoding, duplicate Content-Length, bare CR/LF in headers) with a plain
 size or count limit (its h11 limit does not apply to httptools) and waits forever for a client that sends its
 headers byte by byte (slow-loris). This subclass keeps every refusal OpenAI-shaped and adds:
 431 past `max_header_bytes` or `max_headers`, and 408 when the request line and headers are not complete
-within `header_timeout_s` of the connection opening or the request starting.
+within `header_timeout_s` of the connection opening or the request starting; 501 for a Transfer-Encoding other
+than `chunked` alone (llhttp reads `gzip, chunked` as plain chunked); and a lingering close after a response
+sent before the body was read (413, 408), so the client gets the answer instead of a connection reset.
 
 It also puts itself in every request's scope (`scope["gateway.conn"]`) so a data-plane handler can register
 `on_lost`, called once when the client's connection drops before the response is complete: the handler
@@ -21,11 +23,52 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.errors import GatewayError
 
-_STATUS_TEXT = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+_STATUS_TEXT = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large",
+                501: b"Not Implemented"}
+
+# Lingering close (nginx's lingering_close): when a response ends before the request body was read (a 413, a
+# 408), the connection is half-closed (FIN after the response) and up to LINGER_BYTES more of the body are read
+# and dropped, for at most LINGER_S, before it is closed. Closing at once with unread bytes in the kernel buffer
+# sends a TCP reset, and a client still uploading saw "connection reset" instead of the 413.
+LINGER_BYTES = 16 * 1024 * 1024
+LINGER_S = 5.0
 
 
-class _HeadersTooLarge(Exception):
-    pass
+def transfer_coding_refusal(values: list[bytes]) -> tuple[int, str, str] | None:
+    """RFC 9112 6.1/6.3 for a request's Transfer-Encoding field(s): the gateway implements only `chunked`, which
+    must come last and once. Another coding (gzip, deflate, ...) is a 501; `chunked` repeated or not last is a
+    400 (the body length cannot be determined). None when the field is absent or exactly `chunked`."""
+    if not values:
+        return None
+    codings = [c.strip().lower() for v in values for c in v.split(b",")]
+    unknown = sorted({c.decode("latin-1") for c in codings if c != b"chunked"})
+    if unknown:
+        return (501, f"Transfer-Encoding {', '.join(unknown)} is not implemented; send the body with chunked "
+                     "alone (or Content-Length).", "unsupported_transfer_encoding")
+    if len(codings) != 1:
+        return (400, "Transfer-Encoding must name chunked once, as the last coding.", "invalid_http_request")
+    return None
+
+
+class _LingerOnClose:
+    """The transport as the request's response cycle sees it: `close()` after the response lingers (see
+    LINGER_BYTES) while the request body is unread, instead of resetting the connection."""
+
+    __slots__ = ("_transport", "_protocol")
+
+    def __init__(self, transport: asyncio.Transport, protocol: "GatewayHttpProtocol") -> None:
+        self._transport = transport
+        self._protocol = protocol
+
+    def close(self) -> None:
+        self._protocol._close_lingering()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+class _Refused(Exception):
+    """Raised from a parser callback to stop parsing; `send_400_response` answers with `_refusal`."""
 
 
 def error_bytes(status: int, message: str, code: str) -> bytes:
@@ -49,6 +92,9 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._header_timer: asyncio.TimerHandle | None = None
         self._refusal: tuple[int, str, str] | None = None
         self.on_lost: Any = None  # set by the request being served: called once if the client goes away mid-request
+        self._body_done = True  # the current request's body was read to its end (or it has none)
+        self._linger_left = 0  # > 0 while lingering: body bytes still to drop before closing
+        self._linger_timer: asyncio.TimerHandle | None = None
 
     # ---- header timeout (slow-loris)
     def _arm_header_timer(self) -> None:
@@ -73,24 +119,53 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_header_timer()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+            self._linger_timer = None
         cb, self.on_lost = self.on_lost, None
         pending = self.cycle is not None and not self.cycle.response_complete
         super().connection_lost(exc)
         if cb is not None and pending:
             cb()
 
+    # ---- lingering close
+    def _close_lingering(self) -> None:
+        t = self.transport
+        if self._body_done or t.is_closing() or self._linger_left > 0:
+            t.close()
+            return
+        self._linger_left = LINGER_BYTES
+        self._cancel_header_timer()
+        try:
+            if t.can_write_eof():
+                t.write_eof()  # the client sees the response end at once, then may finish its upload
+        except (OSError, RuntimeError):
+            t.close()
+            return
+        self._linger_timer = self.loop.call_later(LINGER_S, t.close)
+        self.flow.resume_reading()
+
+    def data_received(self, data: bytes) -> None:
+        if self._linger_left > 0:  # the response is sent: drop the rest of the body, close when the bound is hit
+            self._linger_left -= len(data)
+            if self._linger_left <= 0:
+                self.transport.close()
+            return
+        super().data_received(data)
+
     # ---- parser callbacks
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._header_bytes = 0
         self._header_count = 0
+        self._body_done = False
         self._arm_header_timer()
 
     def on_url(self, url: bytes) -> None:
         self._header_bytes += len(url)
         if self._header_bytes > self.max_header_bytes:
             self._refusal = (431, "Request line and headers are larger than the limit.", "headers_too_large")
-            raise _HeadersTooLarge()
+            raise _Refused()
         super().on_url(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -99,18 +174,26 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         if self._header_bytes > self.max_header_bytes:
             self._refusal = (431, f"Request headers are larger than the limit of {self.max_header_bytes} bytes.",
                              "headers_too_large")
-            raise _HeadersTooLarge()
+            raise _Refused()
         if self._header_count > self.max_headers:
             self._refusal = (431, f"More than {self.max_headers} request headers.", "too_many_headers")
-            raise _HeadersTooLarge()
+            raise _Refused()
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
         self._cancel_header_timer()
+        refusal = transfer_coding_refusal([v for k, v in self.headers if k == b"transfer-encoding"])
+        if refusal is not None:  # llhttp reads "gzip, chunked" as chunked: refuse what we cannot decode
+            self._refusal = refusal
+            raise _Refused()  # an exception from a callback ends parsing; send_400_response answers
         self.scope["gateway.conn"] = self  # type: ignore[typeddict-unknown-key]
         super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None and not isinstance(cycle.transport, _LingerOnClose):
+            cycle.transport = _LingerOnClose(self.transport, self)  # type: ignore[assignment]
 
     def on_message_complete(self) -> None:
+        self._body_done = True
         super().on_message_complete()
         # the whole body is buffered: the handler reads it without arming its body timeout (a timer per request)
         self.scope["gateway.body_complete"] = True  # type: ignore[typeddict-unknown-key]
