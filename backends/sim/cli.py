@@ -18,7 +18,7 @@ from backends.sim.profiles import PROFILES
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engines", type=int, default=2, help="number of engines (default 2)")
-    p.add_argument("--profile", default="h200-8b",
+    p.add_argument("--profile", default="vllm-default",
                    help=f"profile name, or a comma list cycled over engines ({', '.join(sorted(PROFILES))})")
     p.add_argument("--base-port", type=int, default=8100,
                    help="engine i: HTTP base+3i, KV events base+3i+1, replay base+3i+2 (0: random ports)")
@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--stream-interval-ms", type=float, default=None, help="coarse chunk interval after the first")
-    p.add_argument("--topic", default="kv")
+    p.add_argument("--topic", default="", help="KV-event topic (default \"\", vLLM's KVEventsConfig.topic default)")
     p.add_argument("--kv-batch-form", choices=["array", "map"], default="array",
                    help="msgpack form of KVEventBatch (events are always tagged maps)")
     # faults

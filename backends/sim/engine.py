@@ -56,7 +56,7 @@ class SimEngine:
 
     def __init__(self, profile: EngineProfile, *, name: str = "sim-0", model: str = "sim-model",
                  engine_index: int = 0, host: str = "127.0.0.1", zmq_port: int = 0, replay_port: int = 0,
-                 topic: str = "kv", enable_prefix_caching: bool = True, priority_policy: bool = False,
+                 topic: str = "", enable_prefix_caching: bool = True, priority_policy: bool = False,
                  batch_form: WireForm = "array", event_form: WireForm = "map", faults: Faults | None = None,
                  tokenizer: Tokenizer | None = None) -> None:
         self.profile = profile

@@ -96,7 +96,7 @@ def build_fleet(n: int, base_port: int = 0, *, profiles: Sequence[str | EnginePr
                 locations: Sequence[str | dict[str, Any] | None] = (None,), host: str = "127.0.0.1",
                 model: str = "sim-model", name_prefix: str = "sim", lora_modules: Sequence[str] = (),
                 priority_policy: bool = False, enable_prefix_caching: bool = True,
-                enable_prompt_tokens_details: bool = True, faults: Faults | None = None, topic: str = "kv",
+                enable_prompt_tokens_details: bool = True, faults: Faults | None = None, topic: str = "",
                 batch_form: WireForm = "array", event_form: WireForm = "map",
                 log_level: str = "warning", overrides: dict[str, Any] | None = None) -> Fleet:
     """A Fleet that is not started yet; profiles and locations cycle over the engines."""

@@ -55,6 +55,15 @@ PROFILES: dict[str, EngineProfile] = {
         name="l40s-8b", step_overhead_s=0.020, prefill_s_per_token=1 / 6000, decode_s_per_seq=0.0003,
         attn_s_per_ctx_token=1.5e-7, max_num_batched_tokens=4096, max_num_seqs=128, num_gpu_blocks=13_000,
         max_model_len=16384, description="Llama-3-8B-class on one L40S"),
+    # `gateway sim`'s default: vLLM 0.32's own scheduler defaults for an OpenAI server on a GPU under 70 GiB (and
+    # on CPU): max_num_batched_tokens 2048, max_num_seqs 256 (vllm/engine/arg_utils.py
+    # `EngineArgs.get_batch_defaults`, UsageContext.OPENAI_API_SERVER; >= 70 GiB non-A100 GPUs get 8192 and
+    # 1024, >= 160 GiB 16384); the L40S cost model and KV capacity. An operator's own settings vary: profiles
+    # above are tuned fleets, not defaults.
+    "vllm-default": EngineProfile(
+        name="vllm-default", step_overhead_s=0.020, prefill_s_per_token=1 / 6000, decode_s_per_seq=0.0003,
+        attn_s_per_ctx_token=1.5e-7, max_num_batched_tokens=2048, max_num_seqs=256, num_gpu_blocks=13_000,
+        max_model_len=16384, description="vLLM's default scheduler budget (2048 tokens/step), L40S-class GPU"),
     # For tests: fast steps, a small KV cache (1024 tokens) so evictions and queueing are easy to provoke.
     "tiny": EngineProfile(
         name="tiny", step_overhead_s=0.002, prefill_s_per_token=0.00002, decode_s_per_seq=0.0001,

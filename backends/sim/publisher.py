@@ -32,7 +32,8 @@ def _bind(sock: zmq.Socket, host: str, port: int) -> int:
 class KVEventPublisher:
     """One engine's PUB + replay ROUTER; `publish(events)` is cheap and never blocks."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, replay_port: int = 0, topic: str = "kv",
+    # topic "": vLLM's default (vllm/config/kv_events.py `KVEventsConfig.topic`, ZmqEventPublisher(topic=""))
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, replay_port: int = 0, topic: str = "",
                  buffer_steps: int = 10_000, data_parallel_rank: int = 0, batch_form: WireForm = "array",
                  event_form: WireForm = "map", ctx: zmq.asyncio.Context | None = None) -> None:
         self.host = host

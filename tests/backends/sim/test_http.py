@@ -122,7 +122,7 @@ async def test_kv_events_gap_replay_faults_and_restart():
         root = srv.root
         ctx = zmq.asyncio.Context.instance()
         sub = ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
         m = fleet.manifest()["engines"][0]
         sub.connect(m["kv_events"])
         await asyncio.sleep(0.2)

@@ -99,7 +99,7 @@ async def test_sim_frames_have_vllms_shape_and_replay_layout():
         r = eng.submit(list(range(100, 140)), 2, cache_salt="s1")
         await asyncio.wait_for(r.listener.done, 5)
         topic, seq, payload = await asyncio.wait_for(sub.recv_multipart(), 5)
-        assert topic == b"kv" and parse_seq(seq) == 0
+        assert topic == b"" and parse_seq(seq) == 0  # vLLM's default topic (KVEventsConfig.topic = "")
         assert payload[0] == 0x93  # fixarray(3): [ts, events, data_parallel_rank] as vLLM 0.32 sends
         raw = msgspec.msgpack.decode(payload)
         ev = raw[1][0]
@@ -113,7 +113,7 @@ async def test_sim_frames_have_vllms_shape_and_replay_layout():
             assert list(g[1][0]) == list(ev)
         await dealer.send_multipart([b"", (0).to_bytes(8, "big")])
         got = await asyncio.wait_for(dealer.recv_multipart(), 5)
-        assert got == [b"", b"kv", seq, payload]
+        assert got == [b"", b"", seq, payload]  # the (empty, default) topic frame, then seq and payload
         end = await asyncio.wait_for(dealer.recv_multipart(), 5)
         assert end == [b"", b"", END_SEQ, b""]
     finally:

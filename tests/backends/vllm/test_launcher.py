@@ -37,7 +37,12 @@ def test_command_has_every_flag_the_gateway_relies_on() -> None:
     assert _flag(cmd, "--served-model-name") == "tiny-llama"
     assert json.loads(_flag(cmd, "--kv-events-config")) == {
         "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5571",
-        "replay_endpoint": "tcp://*:5572", "topic": "kv"}
+        "replay_endpoint": "tcp://*:5572"}  # no topic: vLLM's default "" (KVEventsConfig.topic)
+
+
+def test_an_explicit_kv_topic_is_passed_to_vllm() -> None:
+    cmd = launcher.build_command("m", 8000, 5557, 5558, python="py", kv_topic="kv")
+    assert json.loads(_flag(cmd, "--kv-events-config"))["topic"] == "kv"
 
 
 def test_optional_flags_are_left_out_by_default_and_extra_args_come_last() -> None:
