@@ -58,7 +58,10 @@ class BudgetStage:
         allowance = ctx.completion_token_allowance
         if allowance is None or ctx.endpoint == "embeddings":
             return
-        if ctx.max_tokens is not None and ctx.max_tokens <= allowance:
+        # the length the engine would use: the request's max_tokens, else 16 for /v1/completions (the OpenAI
+        # and vLLM default), else none (chat runs to the context or a stop)
+        implied = ctx.max_tokens if ctx.max_tokens is not None else (16 if ctx.endpoint == "completions" else None)
+        if implied is not None and implied <= allowance:
             return
         ctx.evidence["budget_max_tokens"] = {"requested": ctx.max_tokens, "set_max_tokens": allowance,
                                              "reason": "remaining completion budget"}

@@ -244,3 +244,18 @@ async def test_fail_open_uses_local_limits(svc_factory):
     assert ok == 2  # half of the limit per replica while Redis is down
     # local settles carry no idempotency marker: a long fail-open outage must not grow memory per request
     assert svc.local.state.done == {} and not svc._pending
+
+
+async def test_completions_default_length_is_kept_when_within_the_allowance(svc_factory):
+    """/v1/completions without max_tokens generates 16 tokens (the OpenAI/vLLM default): an allowance above that
+    is not sent (it would lengthen the completion); one below it is."""
+    stage = BudgetStage(await svc_factory(default_max_tokens=4096))
+    b = [BudgetSpec(window="day", scope="tenant", tokens=1000)]
+    c = ctx("a", b, prompt=100, max_tokens=None, stream=False)
+    c.endpoint = "completions"
+    await stage.run(c)
+    assert c.completion_token_allowance == 900 and c.max_tokens is None
+    c2 = ctx("b", [BudgetSpec(window="day", scope="tenant", tokens=110)], prompt=100, max_tokens=None, stream=False)
+    c2.endpoint = "completions"
+    await BudgetStage(await svc_factory(default_max_tokens=4096)).run(c2)
+    assert c2.max_tokens == 10
