@@ -131,7 +131,9 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     # ---- lingering close
     def _close_lingering(self) -> None:
         t = self.transport
-        if self._body_done or t.is_closing() or self._linger_left > 0:
+        if self._linger_left > 0:  # already lingering
+            return
+        if self._body_done or t.is_closing():
             t.close()
             return
         self._linger_left = LINGER_BYTES
@@ -144,6 +146,16 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             return
         self._linger_timer = self.loop.call_later(LINGER_S, t.close)
         self.flow.resume_reading()
+
+    def on_response_complete(self) -> None:
+        if self._linger_left > 0:  # lingering before the close: no keep-alive, no next request
+            return
+        if not self._body_done and not self.transport.is_closing():
+            # a response sent before its request body was read (on a kept-alive connection too): the rest of
+            # the body is not read without bound, the connection lingers and closes
+            self._close_lingering()
+            return
+        super().on_response_complete()
 
     def data_received(self, data: bytes) -> None:
         if self._linger_left > 0:  # the response is sent: drop the rest of the body, close when the bound is hit

@@ -324,3 +324,29 @@ def test_key_limited_to_qwen_may_call_an_alias_whose_every_target_matches(gw):
     assert r.status_code == 200, r.text
     r = gw.chat(QWEN_KEY, model="llama-x", max_tokens=2)
     assert r.status_code == 403 and error_code(r) == "model_not_allowed", r.text
+
+
+def test_unread_body_after_an_early_answer_is_drained_only_up_to_the_bound(gw):
+    """A 415 is answered before the body is read; on a kept-alive connection the server went on reading and
+    dropping the rest of the body without bound (64 MiB here). It drops at most 16 MiB, then closes."""
+    size = 64 * 1024 * 1024
+    s = socket.create_connection(("127.0.0.1", gw.port))
+    s.settimeout(20)
+    s.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\nauthorization: Bearer {KEY}\r\n"
+               f"content-type: text/plain\r\ncontent-length: {size}\r\n\r\n").encode())
+    resp = b""
+    while b"\r\n\r\n" not in resp or len(resp.partition(b"\r\n\r\n")[2]) < int(
+            parse(resp)[1].get("content-length", "0")):
+        chunk = s.recv(65536)
+        assert chunk, resp
+        resp += chunk
+    assert_openai_error(resp, 415, "unsupported_media_type")
+    sent, block = 0, b"x" * 65536
+    try:
+        while sent < size:
+            sent += s.send(block)
+    except OSError:  # reset or broken pipe: the server closed the connection
+        pass
+    finally:
+        s.close()
+    assert sent < size, "the server read the whole unbounded body"
