@@ -21,6 +21,7 @@ from gateway.policy.model import RequestAttrs
 from gateway.types import Principal
 
 from .conftest import ADMIN_KEY
+from .test_jwt import jwk_of, jwt_service, rsa_key, sign  # noqa: F401  (jwt_service is a fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
 POLICY = load_policies([ROOT / "policies" / "tenants.yaml"])
@@ -169,3 +170,13 @@ async def test_no_tenant_admin_sequence_weakens_the_tenant(client: httpx.AsyncCl
             assert countries is not None and countries <= countries0, (tenant_labels, p.labels)
         assert zero or not zero0, (tenant_labels, p.labels)
         assert allow0 or not allow
+
+
+async def test_jwt_labels_claim_cannot_loosen_the_stored_tenant(jwt_service: IdentityService,
+                                                                jwks_server: Any) -> None:
+    r = rsa_key()
+    jwks_server.jwks = {"keys": [jwk_of(r, "r1")]}
+    await jwt_service.create_tenant("acme", labels={"residency": "eea", "retention": "zero"})
+    p = await jwt_service.authenticate({"authorization": "Bearer " + sign(
+        r, "r1", labels={"residency": "none", "retention": "30d", "tier": "rt"})}, "1.1.1.1")
+    assert dict(p.labels) == {"residency": "eea", "retention": "zero", "tier": "rt"}
