@@ -103,6 +103,28 @@ def cmd_config_check(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"{args.file}: ok ({len(cfg.backends)} backends, {len(cfg.models)} models, {len(cfg.aliases)} aliases)")
+    if getattr(args, "probe", False):
+        return _probe_kv_events(cfg, args.probe_timeout)
+    return 0
+
+
+def _probe_kv_events(cfg, timeout_s: float) -> int:  # type: ignore[no-untyped-def]
+    """--probe: wait (bounded) for one decodable KV batch per kv-events backend, or say why none came."""
+    from gateway.telemetry.probe import probe_config
+
+    if timeout_s <= 0:
+        print("error: --probe-timeout must be > 0 seconds", file=sys.stderr)
+        return 2
+    results = asyncio.run(probe_config(cfg, timeout_s))
+    if not results:
+        print("probe: no backend publishes KV events (kind vllm/sim with kv_events, telemetry.kv_events on)")
+        return 0
+    for r in results:
+        print(r.line())
+    bad = [r for r in results if not r.ok]
+    if bad:
+        print(f"probe: {len(bad)} of {len(results)} KV-event stream(s) not usable", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -126,6 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
     csub = c.add_subparsers(dest="config_command", required=True)
     cc = csub.add_parser("check", help="validate a config file without starting")
     cc.add_argument("file")
+    cc.add_argument("--probe", action="store_true",
+                    help="also connect to every backend's KV-event stream and wait for one decodable batch")
+    cc.add_argument("--probe-timeout", type=float, default=5.0, metavar="S",
+                    help="how long --probe waits per stream (default 5 s; all streams are probed at once)")
     cc.set_defaults(func=cmd_config_check)
 
     d = sub.add_parser("demo", help="run the gateway with an example config and a simulated vLLM fleet")
