@@ -52,7 +52,7 @@ def _wire_identity(gw: Gateway) -> None:
     gw.auth = AuthStage(svc)
     _replace_stage(gw, "authenticate", gw.auth)
 
-    async def admin_auth(headers: Any, client_addr: str = "") -> Any:
+    async def admin_auth(headers: Any, client_addr: str) -> Any:  # the limiter counts per client address
         return await svc.authenticate_admin(headers, client_addr)
 
     gw.admin_auth = admin_auth
