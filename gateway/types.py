@@ -15,7 +15,8 @@ Priority = Literal["realtime", "standard", "batch"]
 
 @dataclass(frozen=True, slots=True)
 class Principal:
-    """The authenticated caller. `labels` are merged tenant -> team -> project -> key (later levels win)."""
+    """The authenticated caller. `labels` are merged tenant -> team -> project -> key (later levels win, but a
+    restriction label set above is only ever tightened below: gateway/identity/restrictions.py)."""
 
     id: str  # stable id used in evidence and budgets, e.g. "key:ab12cd" or "jwt:issuer|sub"
     kind: PrincipalKind
