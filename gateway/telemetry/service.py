@@ -169,10 +169,8 @@ class TelemetryService:
             elif (old[name].kv_events, old[name].replay, old[name].metrics, old[name].url) != \
                     (new[name].kv_events, new[name].replay, new[name].metrics, new[name].url):
                 await self._stop_backend(name)
-            elif name in self.subscribers and (self.subscribers[name].topic != self.topic_for(new[name]) or
-                                               self.subscribers[name].watch.grace_s !=
-                                               config.raw.telemetry.kv_silence_grace_s):
-                await self._stop_backend(name, forget=False)  # same engine, new topic or grace: resubscribe
+            elif name in self.subscribers:  # same stream: a new topic or grace applies in place
+                self.subscribers[name].retune(self.topic_for(new[name]), config.raw.telemetry.kv_silence_grace_s)
         if self._started:
             for name, b in new.items():
                 if name not in self._backends:

@@ -257,6 +257,14 @@ class KVEventSubscriber:
         """Called once agreement with the engine is back (see TelemetryService.observe_cached)."""
         self._clear_stale()
 
+    def retune(self, topic: str, silence_grace_s: float) -> None:
+        """Hot reload: take another topic (the socket already receives every topic) or grace period. A new
+        topic starts a new watch: what was judged against the old one no longer says anything."""
+        if topic != self.topic:
+            self.topic, self._topic_b = topic, topic.encode("utf-8")
+            self.watch = StreamWatch(silence_grace_s, topic)
+        self.watch.grace_s = silence_grace_s
+
     @property
     def stream_stale(self) -> bool:
         return self.watch.reason is not None

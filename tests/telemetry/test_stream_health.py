@@ -199,12 +199,12 @@ async def test_sim_publisher_on_its_default_topic_reaches_a_default_gateway():
 
 
 # ------------------------------------------------------------------------------------------------ service
-def _cfg(kv: str, topic: str | None = None, metrics: str | None = None, grace: float = 0.3):
+def _cfg(kv: str, topic: str | None = None, metrics: str | None = None, grace: float = 0.3, url: str | None = None):
     tel = {"kv_silence_grace_s": grace, "scrape_interval_s": 0.1}
     if topic is not None:
         tel["kv_topic"] = topic
     return parse_config(yaml.safe_dump({"telemetry": tel, "backends": [
-        {"name": "e", "kind": "vllm", "url": f"http://127.0.0.1:{free_port()}/v1", "models": ["m"],
+        {"name": "e", "kind": "vllm", "url": url or f"http://127.0.0.1:{free_port()}/v1", "models": ["m"],
          "kv_events": kv, "metrics": metrics}]}))
 
 
@@ -308,3 +308,23 @@ def test_bytes_block_hashes_and_medium_none_round_trip_through_the_index(array_e
         idx.apply("e", b)
     assert idx.engine_blocks("e") == {"GPU": 1}
     assert idx.lookup(["e"], toks + [1])["e"].tokens == BS
+
+
+async def test_hot_reload_retunes_topic_and_grace_on_the_same_subscription():
+    pub = RawPub()
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    cfg = _cfg(pub.endpoint, topic="kv", grace=5, url=url)
+    svc = TelemetryService(cfg)
+    await svc.start()
+    try:
+        sub = svc.subscribers["e"]
+        await asyncio.sleep(0.3)
+        pub.send(b"", _payload(0))
+        await _until(lambda: sub.watch.other_topic_frames == 1)
+        await svc.swap_config(_cfg(pub.endpoint, topic="", grace=2, url=url))
+        assert svc.subscribers["e"] is sub and sub.topic == "" and sub.watch.grace_s == 2
+        pub.send(b"", _payload(1))
+        await _until(lambda: sub.counters["batches"] == 1)
+    finally:
+        await svc.close()
+        pub.close()
