@@ -132,10 +132,15 @@ class EngineLearner:
             self.win_y = np.ones(max(1, p.refit_window))
 
     # ---------------------------------------------------------------- prediction
-    def predict(self, f: Features) -> float:
+    def cold(self) -> bool:
+        """No fit of its own yet: fewer than 2 observations per coefficient since the start (or a reset)."""
+        return self.batch_theta is None and self.since_reset < 2 * _N
+
+    def predict(self, f: Features, theta: list[float] | None = None) -> float:
+        """Mean TTFT (s); `theta` overrides the engine's own parameters (a cold engine borrows the fleet's)."""
         x = f.vector()
         lo, hi = self.params.lower, self.params.upper
-        th = self.batch_theta if self.batch_theta is not None else self.theta
+        th = theta if theta is not None else self.batch_theta if self.batch_theta is not None else self.theta
         return max(self.params.floor_s, sum(min(max(t, lo[i]), hi[i]) * xi for i, (t, xi) in enumerate(zip(th, x))))
 
     def margin(self) -> float:
@@ -398,7 +403,13 @@ def _bounded_lstsq(A: np.ndarray, b: np.ndarray, lo: np.ndarray, hi: np.ndarray 
 
 
 class Predictor:
-    """One EngineLearner per engine name, created on first use with the cold-start prior."""
+    """One EngineLearner per engine name, created on first use with the cold-start prior.
+
+    A cold engine (no fit of its own yet) is predicted with the median parameters of the engines that have one,
+    and its recursive fit starts from them: otherwise the engines learned first look faster than the
+    conservative prior, win every pick, and the others never get the traffic to learn (a 2x engine sat idle
+    while a 1x one queued). Its upper bound, which admission checks, stays no lower than its own prediction
+    with the cold margin: borrowing ranks an unknown engine, it promises nothing for it."""
 
     def __init__(self, params: PredictorParams | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.params = params or PredictorParams()
@@ -411,14 +422,31 @@ class Predictor:
             lr = self.engines[engine] = EngineLearner(self.params, self.clock)
         return lr
 
+    def fleet_theta(self) -> list[float] | None:
+        """Median parameters of the engines with a fit of their own (None when there are none)."""
+        warm = [lr.batch_theta for lr in self.engines.values() if lr.batch_theta is not None]
+        if not warm:
+            return None
+        return [statistics.median(col) for col in zip(*warm)]
+
     def predict(self, engine: str, f: Features) -> tuple[float, float]:
         """(mean, upper) predicted TTFT in seconds."""
         lr = self.learner(engine)
+        if lr.cold():
+            ft = self.fleet_theta()
+            if ft is not None:  # rank it like the fleet; admit on no less than its own (prior) prediction
+                m = lr.predict(f, ft)
+                return m, max(m, lr.predict(f)) * (1.0 + lr.margin())
         m = lr.predict(f)
         return m, m * (1.0 + lr.margin())
 
     def observe(self, engine: str, f: Features, ttft_s: float, upper_s: float | None = None) -> float:
-        return self.learner(engine).observe(f, ttft_s, upper_s)
+        lr = self.learner(engine)
+        if lr.cold() and lr.since_reset == 0:
+            ft = self.fleet_theta()
+            if ft is not None:
+                lr.theta = list(ft)  # its own fit starts from the fleet's, not the prior
+        return lr.observe(f, ttft_s, upper_s)
 
     def observe_step(self, engine: str, seconds: float) -> None:
         self.learner(engine).observe_step(seconds)

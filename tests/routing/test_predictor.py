@@ -208,3 +208,25 @@ def test_mdare_and_calibration_are_reported_out_of_sample():
     assert 0.8 <= snap["calibration"] <= 1.0
     lr.observe(Features(0, 1000, 0), 10.0, upper_s=0.001)  # a miss lowers it
     assert lr.snapshot()["calibration"] < snap["calibration"] or snap["calibration"] == 0
+
+
+def test_a_cold_engine_is_predicted_like_the_fleet_not_the_prior_and_learns_its_own():
+    """Engines learned first must not look faster than a cold one just because the prior is conservative."""
+    rng = random.Random(9)
+    par = (0.008, 1 / 16000, 0.0002)
+    p = Predictor()
+    for name in ("a", "b"):
+        for _ in range(60):
+            f = _normal(rng)
+            p.observe(name, f, true_ttft(f, *par))
+    f = Features(0, 2000, 5)
+    warm, cold = p.predict("a", f)[0], p.predict("new", f)[0]
+    assert abs(cold / warm - 1) < 0.05  # the prior alone says ~0.28 s vs ~0.14 s
+    own = p.learner("new").predict(f)  # the prior: admission promises nothing on borrowed parameters
+    assert p.predict("new", f)[1] == max(cold, own) * (1 + p.params.cold_margin) > own
+    fast = (0.004, 1 / 32000, 0.0001)  # the new engine is twice as fast: it learns that
+    for _ in range(60):
+        g = _normal(rng)
+        p.observe("new", g, true_ttft(g, *fast))
+    assert abs(p.predict("new", f)[0] / true_ttft(f, *fast) - 1) < 0.1
+    assert p.fleet_theta() is not None and not p.learner("new").cold()
