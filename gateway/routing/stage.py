@@ -126,6 +126,20 @@ def _no_candidates(ctx: RequestContext, plan: RoutePlan) -> GatewayError:
                         code="no_backend_available", headers=retry_headers(1.0))
 
 
+def last_chunk_from(n_tokens: int, cached: int, budget: int, block_size: int | None, held: int) -> int | None:
+    """Where the last prefill chunk of a prompt starts, as an index into its blocks past the `held` ones the
+    index holds (the pending cache's tail), or None when the prompt is computed in one step or in full chunks.
+    The engine computes n_tokens - cached tokens in chunks of `budget` from `cached`; blocks that complete in the
+    last (partial) chunk are the tail."""
+    if not block_size or budget <= 0:
+        return None
+    work = n_tokens - cached
+    if work <= budget or work % budget == 0:
+        return None
+    end = cached + (work // budget) * budget  # tokens computed before the last step
+    return max(0, end // block_size - held)
+
+
 def early_refusal(target: float, lower_uppers_ms: list[float], lower_means_ms: list[float]):
     """The admission decision on lower bounds of every own engine's prediction (see
     PredictiveRouteStage._refuse_early): the Admission when it is a refusal, else None (decide after tokenizing).
@@ -354,14 +368,14 @@ class PredictiveRouteStage:
                 "pending_blocks": self.pending.blocks(name)}
 
     async def _prompt(self, ctx: RequestContext, cands: list[Candidate], salt: str | None
-                      ) -> tuple[int, dict[str, int], str, list[int], dict[str, list[int]]]:
-        """(prompt tokens, cached tokens per engine, token source, approx blocks, own keys per engine of the
-        blocks its index does not hold: what a dispatch there will store, for the pending cache)."""
+                      ) -> tuple[int, dict[str, int], str, list[int], dict[str, tuple[int, list[int]]]]:
+        """(prompt tokens, cached tokens per engine, token source, approx blocks, per engine (blocks its index
+        holds, own keys of the prompt's full blocks): what a dispatch there will store, for the pending cache)."""
         text = prompt_text(ctx.body)
         blocks = text_blocks((salt or "") + text, APPROX_BLOCK_CHARS)
         n_tokens = max(1, ctx.prompt_tokens_est)
         cached: dict[str, int] = {}
-        unstored: dict[str, list[int]] = {}
+        unstored: dict[str, tuple[int, list[int]]] = {}
         source = "estimate"
         tel = [c for c in cands if self._telemetry_for(c)]
         if tel:
@@ -383,10 +397,10 @@ class PredictiveRouteStage:
                             keys = rk.keys(bs)
                             limit = min(len(keys), (n_tokens - 1) // bs)
                             held = min(int(v.blocks), limit)
-                            n = self.pending.extend(k, keys, held, limit)
+                            n = self.pending.extend(k, keys, held, limit, self.clock())
                             if n > held:
                                 cached[k] = n * bs
-                            unstored[k] = keys[held:]
+                            unstored[k] = (held, keys)
             except Exception:  # telemetry trouble must never fail a request: fall back to the approx tree
                 source = "estimate"
         for c in cands:
@@ -527,8 +541,17 @@ class PredictiveRouteStage:
                      (pick.predicted_ttft_ms or 0) / 1000, feats, {c.backend.name: c.cached_tokens or 0 for c in final},
                      blocks, self._telemetry_for(pick),
                      {c.backend.name: (c.predicted_ttft_upper_ms or 0) / 1000 for c in final})
-        if unstored.get(name):
-            self.pending.add(ctx.request_id, name, unstored[name])
+        if name in unstored:
+            held, keys = unstored[name]
+            bs = self.telemetry.index.block_size(name)
+            budget = self.chunk_budget(name)[0]
+            tail = last_chunk_from(n_tokens, pick.cached_tokens or 0, budget, bs, held)
+            at = float("inf")
+            if tail is not None:  # the last step starts one step (its chunk) before the predicted first token
+                dr = self.predictor.drain(name, budget)
+                last = (n_tokens - (pick.cached_tokens or 0)) % budget
+                at = fl.started + fl.predicted_s - (dr.step_s + dr.s_per_token * last)
+            self.pending.add(ctx.request_id, name, keys[held:], tail, at)
         self.flights.setdefault(name, {})[ctx.request_id] = fl
         self._by_rid[ctx.request_id] = fl
         if fl.telemetry:

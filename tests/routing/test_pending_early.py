@@ -154,3 +154,21 @@ def test_pending_cache_unit():
     assert p.extend("e", [1, 2, 3, 4, 5], 4, 5) == 5 and p.blocks("e") == 1  # stored 3, 4: no longer pending
     p.remove("b")
     assert p.blocks("e") == 0 and len(p) == 0
+
+
+def test_the_last_chunk_of_a_multi_chunk_prompt_is_seen_only_once_the_steps_before_it_are_stored():
+    """A request co-scheduled with an earlier one's last chunk finds only its full chunks cached."""
+    from gateway.routing.stage import last_chunk_from
+
+    assert last_chunk_from(1500, 0, 2048, 16, 0) is None  # one step: no earlier step to tell apart
+    assert last_chunk_from(4096, 0, 2048, 16, 0) is None  # full chunks: the next request starts after them
+    assert last_chunk_from(2558, 0, 2048, 16, 0) == 128  # blocks 128.. complete in the second step
+    assert last_chunk_from(2558, 320, 2048, 16, 20) == (320 + 2048) // 16 - 20
+    p = PendingCache()
+    keys = list(range(100, 260))  # a's 160 blocks, none stored yet; blocks 128.. are its last chunk
+    p.add("a", "e", keys, tail_from=128, tail_at=10.0)
+    assert p.extend("e", keys, 0, 159, now=9.0) == 128  # a's last step has not started: only the first chunk
+    assert p.extend("e", keys, 0, 159, now=10.5) == 159  # its predicted start passed (events may lag)
+    assert p.extend("e", keys, 128, 159, now=9.0) == 159  # the first chunk's BlockStored arrived: it runs
+    p.remove("a")
+    assert p.extend("e", keys, 0, 159) == 0
