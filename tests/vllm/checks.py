@@ -361,7 +361,8 @@ def check_ttft_learned(stack: VllmStack, routing_row: dict[str, Any] | None = No
 
 
 async def _subscriber(stack: VllmStack, e: Engine, index: KVIndex, **kw: Any) -> KVEventSubscriber:
-    sub = KVEventSubscriber(e.name, e.kv, e.replay, "kv", index, replay_timeout_s=5.0, **kw)
+    # topic "": the engines keep vLLM's default (KVEventsConfig.topic = ""), the gateway's default takes it
+    sub = KVEventSubscriber(e.name, e.kv, e.replay, "", index, replay_timeout_s=5.0, **kw)
     await sub.start()
     await asyncio.sleep(0.3)  # ZMQ slow joiner: let the SUB connect before the engine publishes
     return sub
@@ -527,3 +528,108 @@ def check_cache_salt_gateway(stack: VllmStack) -> dict[str, Any]:
         assert e2["cached_tokens"]["actual"] > 0, got
     assert all(pr == ac for _, pr, ac in got), f"(engine, predicted, actual) with client cache_salt: {got}"
     return {"requests": got}
+
+
+# ------------------------------------------------------------------------------------------------ issue 17
+
+
+def check_default_topic_conformance(stack: VllmStack) -> dict[str, Any]:
+    """Engines started with vLLM's documented kv-events config (no topic key: vLLM's own default, "") and
+    default scheduler settings, a gateway config naming no topic: the engines report topic "", the gateway
+    subscribes to "" and applies their batches, nothing is stale, and a repeated prompt is predicted exactly."""
+    sources = {}
+    for e in stack.engines:
+        r = httpx.get(e.root + "/kv_event_sources", timeout=10)
+        r.raise_for_status()
+        cfgs = list(r.json().values())
+        assert cfgs and all(c["topic"] == "" for c in cfgs), (e.name, r.json())  # vLLM's default, not ours
+        sources[e.name] = cfgs[0]["topic"]
+    prompt = [{"role": "user", "content": sized_text(stack.engines[0], stack.model, f"conf-{time.time_ns()}", 300)}]
+    settle(stack)
+    first = evidence(stack, chat(stack, prompt)["rid"])
+    settle(stack)
+    again = evidence(stack, chat(stack, prompt)["rid"])
+    got = [(x["backend"], x["cached_tokens"]["predicted"], x["cached_tokens"]["actual"]) for x in (first, again)]
+    assert again["backend"] == first["backend"], got  # the engine holding it
+    assert again["cached_tokens"]["actual"] > 0 and again["cached_tokens"]["predicted"] == \
+        again["cached_tokens"]["actual"], got
+    fleet = stack.admin_get("/admin/fleet")["engines"]["engines"]
+    out: dict[str, Any] = {"engine_topics": sources, "requests": got}
+    for name, e in fleet.items():
+        kv = e["kv_events"]
+        assert kv["subscribed_topic"] == "" and kv["other_topic_frames"] == 0, (name, kv)
+        assert not e["stale"] and e["stale_reason"] is None, (name, e["stale_reason"], e["stale_detail"])
+        out[name] = {"batches": kv["batches"], "last_batch_age_s": kv["last_batch_age_s"]}
+    assert fleet[first["backend"]]["kv_events"]["batches"] > 0, fleet
+    return out
+
+
+def check_wrong_topic_reported(stack: VllmStack, grace_s: float = 3.0) -> dict[str, Any]:
+    """A second gateway configured with `telemetry.kv_topic: kv` in front of the same engines (which publish on
+    vLLM's default "", the topic the original failure met): after one request, its view of the engine is stale
+    with reason wrong_topic within the grace period, in /admin/fleet and /metrics; `gateway config check
+    --probe` says the same before serving, and passes for the stack's own (topic-less) config."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    from tests.support.procs import Proc, free_port, wait_http
+    from tests.vllm.stack import ADMIN_KEY, ROOT, gateway_config
+
+    work = stack.workdir / "wrong-topic"
+    work.mkdir(exist_ok=True)
+    port = free_port()
+    cfg = gateway_config(stack, port)
+    cfg["telemetry"] = {"kv_topic": "kv", "kv_silence_grace_s": grace_s, "scrape_interval_s": 0.5}
+    cfg["data_dir"] = str(work)
+    cfg["policy"]["audit_path"] = str(work / "audit.jsonl")
+    cfg["budgets"]["sqlite_path"] = str(work / "budgets.db")
+    path = work / "gateway.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    env = {"VLLM_E2E_KEY": API_KEY, "VLLM_E2E_ADMIN_KEY": ADMIN_KEY}
+    for e in stack.engines:  # every engine has published at least one batch: its replay buffer answers the probe
+        engine_complete(e, stack.model, sized_text(e, stack.model, f"probe-{e.name}-{time.time_ns()}", 100))
+    probe = {}
+    for name, cpath in (("default", stack.workdir / "gateway.yaml"), ("kv", path)):
+        r = subprocess.run([sys.executable, "-m", "gateway", "config", "check", "--probe", "--probe-timeout", "5",
+                            str(cpath)], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                           env={**os.environ, **env})
+        probe[name] = (r.returncode, r.stdout.strip().splitlines()[1:])
+    assert probe["default"][0] == 0 and all(": ok: " in line for line in probe["default"][1]), probe
+    assert probe["kv"][0] == 1 and all("FAIL wrong_topic" in line for line in probe["kv"][1]), probe
+    gw = Proc([sys.executable, "-m", "gateway", "serve", "--config", str(path)], work / "gateway.log", env=env)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_http(f"{base}/healthz", timeout=60, proc=gw.p)
+        time.sleep(0.5)  # ZMQ slow joiner: let the SUBs connect before the engines publish
+        c = openai.OpenAI(base_url=base + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+        content = sized_text(stack.engines[0], stack.model, f"wrong-topic-{time.time_ns()}", 200)
+        raw = c.chat.completions.with_raw_response.create(model=stack.model, max_tokens=1, temperature=0,
+                                                           messages=[{"role": "user", "content": content}])
+        sent = time.monotonic()
+        rid = raw.headers["x-request-id"]
+        admin = {"authorization": f"Bearer {ADMIN_KEY}"}
+        served = None
+        deadline = sent + grace_s + 15  # bounded wait; the grace period plus scrape and re-judge intervals
+        while time.monotonic() < deadline:
+            rec = httpx.get(f"{base}/admin/decisions/{rid}", headers=admin, timeout=10)
+            if served is None and rec.status_code == 200:
+                served = rec.json().get("backend")
+            fleet = httpx.get(base + "/admin/fleet", headers=admin, timeout=10).json()["engines"]["engines"]
+            if served and fleet[served]["stale"]:
+                break
+            time.sleep(0.2)
+        assert served, "no audit record for the request"
+        e = fleet[served]
+        assert e["stale"] and e["stale_reason"] == "wrong_topic", (e["stale_reason"], e["kv_events"])
+        assert e["kv_events"]["batches"] == 0 and e["kv_events"]["other_topic_frames"] > 0
+        assert e["kv_events"]["other_topics"].get("", 0) > 0, e["kv_events"]["other_topics"]
+        metrics = httpx.get(base + "/metrics", timeout=10).text
+        assert f'gateway_kv_stream_stale{{engine="{served}",reason="wrong_topic"}} 1.0' in metrics
+        assert gw.log().count("KV view is stale (wrong_topic)") >= 1
+        return {"engine": served, "other_topic_frames": e["kv_events"]["other_topic_frames"],
+                "probe": {k: v[0] for k, v in probe.items()}, "grace_s": grace_s}
+    finally:
+        gw.stop()
