@@ -95,7 +95,18 @@ def _principal_from_args(args: argparse.Namespace) -> Principal:
                      partner=partner, labels=labels, scopes=tuple(scopes), allowed_models=models)
 
 
+def _model_chain(args: argparse.Namespace) -> tuple[str, ...]:
+    """The models `args.model` resolves to under --config (an alias's targets), else ()."""
+    if not args.config:
+        return ()
+    from gateway.config import load_config
+
+    return load_config(args.config).resolve_model(args.model)
+
+
 def _cmd_explain(args: argparse.Namespace) -> int:
+    from gateway.identity.stage import model_allowed  # the one meaning of a key's model list (the gateway's)
+
     try:
         pol = load_policies(_paths(args))
     except PolicyError as e:
@@ -111,7 +122,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         return 0
     d = out["decision"]
     print(f"decision: {'ALLOW' if d['allow'] else 'DENY'}" + (f" by {d['deny_rule']}: {d['reason']}" if not d["allow"] else ""))
-    if p.allowed_models and not any(__import__("fnmatch").fnmatchcase(args.model, g) for g in p.allowed_models):
+    if p.allowed_models and not model_allowed(p, args.model, _model_chain(args)):
         print(f"  but the key's own model list {list(p.allowed_models)} excludes {args.model} (403 model_not_allowed)")
     for k in ("jurisdiction", "retention", "priority", "ttft_slo_ms", "max_tokens_cap", "max_context", "cache_isolation"):
         if d.get(k) not in (None, False):

@@ -32,3 +32,22 @@ def test_explain(capsys):
     out = capsys.readouterr().out
     assert "DENY by interns-no-frontier" in out and "MATCH interns-no-frontier" in out
     assert "skip  opper-partner-contract" in out and "not partner is opper" in out
+
+
+def test_explain_uses_the_gateways_meaning_of_a_key_model_list(tmp_path, capsys):
+    """A key allowed `qwen*` may call an alias whose every target matches (what the gateway serves); explain said
+    the key's list excluded it (it matched the alias name only)."""
+    import yaml
+
+    pol = tmp_path / "p.yaml"
+    pol.write_text("rules: []\n")
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "backends": [{"name": "b", "url": "http://127.0.0.1:1/v1", "models": ["qwen3-a", "qwen3-b", "llama-x"]}],
+        "aliases": [{"name": "fast", "targets": ["qwen3-a", "qwen3-b"]},
+                    {"name": "mixed", "targets": ["qwen3-a", "llama-x"]}],
+        "keys": [{"name": "q", "key": "k" * 24, "tenant": "acme", "models": ["qwen*"]}],
+        "policy": {"files": [str(pol)]}}))
+    for model, excluded in (("fast", False), ("mixed", True), ("llama-x", True), ("qwen3-a", False)):
+        assert main(["policy", "explain", str(pol), "-c", str(cfg), "--key", "q", "-m", model]) == 0
+        assert ("excludes" in capsys.readouterr().out) is excluded, model
