@@ -372,14 +372,14 @@ def parse_config(text: str, source: str = "<config>", base_dir: Path | None = No
         raise _fail(source, marks, "server.port", "must be between 0 and 65535")
     if raw.server.max_body_bytes <= 0:
         raise _fail(source, marks, "server.max_body_bytes", "must be > 0")
-    if raw.budgets.store not in ("memory", "redis"):
-        raise _fail(source, marks, "budgets.store", "must be 'memory' or 'redis'")
-    if raw.budgets.on_store_error not in ("closed", "open"):
     for i, tp in enumerate(raw.server.trusted_proxies):
         try:
             ipaddress.ip_network(tp, strict=False)
         except ValueError:
             raise _fail(source, marks, f"server.trusted_proxies[{i}]", f"{tp!r} is not an IP address or CIDR") from None
+    if raw.budgets.store not in ("memory", "redis"):
+        raise _fail(source, marks, "budgets.store", "must be 'memory' or 'redis'")
+    if raw.budgets.on_store_error not in ("closed", "open"):
         raise _fail(source, marks, "budgets.on_store_error", "must be 'closed' or 'open'")
     if raw.budgets.reservation_ttl_s <= 0:
         raise _fail(source, marks, "budgets.reservation_ttl_s", "must be > 0")
