@@ -87,7 +87,7 @@ NOTES: dict[str, str] = {
     "AdminConfig.key": "literal admin token (tests and demos only)",
     "AliasConfig.targets": "tried in order (fallbacks); each must be a served model",
     "ObservabilityConfig.otlp_endpoint": "OTLP/HTTP traces endpoint; tracing is off when unset",
-    "ObservabilityConfig.capture_content": "record prompt/completion text in traces and evidence (never for zero-retention requests)",
+    "ObservabilityConfig.capture_content": "record prompt/completion text in traces and evidence (never for zero-retention requests, nor for requests refused before the policy decision: unknown retention counts as zero)",
     "ObservabilityConfig.log_level": "debug, info, warning, error",
     "ObservabilityConfig.json_logs": "one JSON object per log line",
 }
