@@ -134,8 +134,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def package_version() -> str:
+    """The installed distribution's version (pyproject.toml `version`), as pip recorded it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("policy-gateway")
+    except PackageNotFoundError:  # imported from a source tree that was never installed
+        return "0+unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gateway", description="Policy-engine LLM gateway")
+    p.add_argument("--version", action="version", version=f"gateway {package_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="run the gateway")
@@ -159,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--engines", type=int, default=4)
     d.add_argument("--sim-base-port", type=int, default=18100)
     d.add_argument("--dir", default="var/demo", help="where the demo writes its config, manifest and state")
+    d.add_argument("--policy", help="policy file (default: the packaged example, a copy of policies/tenants.yaml)")
     d.set_defaults(func=cmd_demo)
 
     for register in _subsystem_commands():

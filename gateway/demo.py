@@ -1,8 +1,10 @@
 """`gateway demo`: the gateway on its embedded defaults in front of a simulated, heterogeneous vLLM fleet.
 
 Starts the simulator (4 engines: H200- and L40S-class, in DE, SE, FI and US), writes a gateway config from the
-fleet's manifest (SQLite state, in-process policy engine with policies/tenants.yaml), starts the gateway and
-prints the URL, demo keys and a curl line. Ctrl-C stops everything.
+fleet's manifest (SQLite state, in-process policy engine with the packaged copy of policies/tenants.yaml, or
+`--policy FILE`), starts the gateway and prints the URL, demo keys and a curl line. Ctrl-C stops everything.
+Everything it reads is package data and everything it writes is under `--dir`, so an installed wheel runs it
+from any directory.
 """
 from __future__ import annotations
 
@@ -13,12 +15,14 @@ import signal
 import subprocess
 import sys
 import time
+from importlib import resources
 from pathlib import Path
 
 import httpx
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+# package data; policies/tenants.yaml is the same file (tests/packaging/test_package_data.py keeps them equal)
+EXAMPLE_POLICY = resources.files("gateway.policy") / "example_policy.yaml"
 LOCATIONS = ["DE", "SE", "FI", "US"]
 PROFILES = ["h200-8b", "l40s-8b"]
 
@@ -64,7 +68,7 @@ def run_demo(args: argparse.Namespace) -> int:
     env.setdefault("GATEWAY_ADMIN_KEY", "gw-admin-" + secrets.token_urlsafe(12))
     sim = subprocess.Popen([sys.executable, "-m", "backends.sim", "--engines", str(n), "--profile", profiles,
                             "--locations", locs, "--base-port", str(args.sim_base_port), "--manifest",
-                            str(manifest_path)], cwd=ROOT, start_new_session=True)
+                            str(manifest_path)], cwd=work, start_new_session=True)
     gw = None
     try:
         deadline = time.monotonic() + 30
@@ -77,9 +81,13 @@ def run_demo(args: argparse.Namespace) -> int:
 
         manifest = json.loads(manifest_path.read_text())
         cfg_path = work / "gateway.yaml"
-        cfg_path.write_text(yaml.safe_dump(demo_config(manifest, args.port, ROOT / "policies" / "tenants.yaml"),
-                                           sort_keys=False))
-        gw = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(cfg_path)], cwd=ROOT,
+        if getattr(args, "policy", None):
+            policy_file = Path(args.policy).resolve()
+        else:  # a real file next to the config, so the gateway (and its reload) reads it like any policy
+            policy_file = work / "policy.yaml"
+            policy_file.write_text(EXAMPLE_POLICY.read_text(encoding="utf-8"), encoding="utf-8")
+        cfg_path.write_text(yaml.safe_dump(demo_config(manifest, args.port, policy_file), sort_keys=False))
+        gw = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(cfg_path)], cwd=work,
                               env=env, start_new_session=True)
         base = f"http://127.0.0.1:{args.port}"
         deadline = time.monotonic() + 30

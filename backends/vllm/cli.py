@@ -7,9 +7,9 @@ entry. `gateway engine vllm model DIR` generates the tiny offline model instead 
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 EPILOG = """examples:
@@ -22,12 +22,13 @@ options: see `gateway engine vllm --help` (same as python -m backends.vllm serve
 def _run(args: argparse.Namespace) -> int:
     rest = list(args.engine_args)
     if rest and rest[0] == "model":
-        from backends.vllm import launcher
+        from backends.vllm import launcher, model
 
-        # the model generator needs torch/transformers: run it with the vLLM venv's interpreter
+        # the model generator needs torch/transformers: run it with the vLLM venv's interpreter, by file path
+        # (model.py imports only the standard library at the top), so neither this environment's packages nor
+        # a source checkout have to be on that interpreter's path
         py = launcher.default_python()
-        return subprocess.call([py, "-m", "backends.vllm.model", *rest[1:]], cwd=str(launcher.REPO_ROOT),
-                               env={**os.environ, "PYTHONPATH": str(launcher.REPO_ROOT)})
+        return subprocess.call([py, str(Path(model.__file__).resolve()), *rest[1:]])
     from backends.vllm.__main__ import main as vllm_main
 
     if not rest or rest[0] in ("-h", "--help"):

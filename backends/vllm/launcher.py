@@ -25,9 +25,19 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+# The source checkout this module runs from (tests use it as a cwd); only consulted at run time for the
+# checkout's .venv-vllm link, and only when it really is a checkout, never in an installed wheel.
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ENTRY = Path(__file__).resolve().with_name("_vllm_entry.py")
 DEFAULT_VENV_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+PYTHON_ENV = "GATEWAY_VLLM_PYTHON"  # the interpreter of an environment with vLLM installed
+
+
+def _user_venv_python() -> Path:
+    """Where scripts/setup_vllm_env.sh puts the vLLM environment by default (VLLM_VENV overrides)."""
+    venv = os.environ.get("VLLM_VENV") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") \
+        / "policy-gateway" / "venv-vllm"
+    return Path(venv) / "bin" / "python"
 
 
 def kv_events_config(kv_port: int, replay_port: int, topic: str | None = None) -> dict[str, Any]:
@@ -155,8 +165,15 @@ def render_backend_yaml(cfg: Mapping[str, Any]) -> str:
 
 
 def default_python() -> str:
-    """The vLLM venv's interpreter when set up, else the current one."""
-    return str(DEFAULT_VENV_PYTHON) if DEFAULT_VENV_PYTHON.exists() else sys.executable
+    """The vLLM environment's interpreter: $GATEWAY_VLLM_PYTHON, else the source checkout's .venv-vllm, else
+    the per-user one scripts/setup_vllm_env.sh creates, else the current interpreter (vLLM installed here)."""
+    if os.environ.get(PYTHON_ENV):
+        return os.environ[PYTHON_ENV]
+    in_checkout = (REPO_ROOT / "pyproject.toml").is_file() and (REPO_ROOT / "backends" / "vllm").is_dir()
+    for candidate in ([DEFAULT_VENV_PYTHON] if in_checkout else []) + [_user_venv_python()]:
+        if candidate.exists():
+            return str(candidate)
+    return sys.executable
 
 
 def launch(cmd: Sequence[str], env: Mapping[str, str] | None = None, log_path: str | os.PathLike[str] | None = None

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import sqlite3
 import time
+from importlib import resources
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -18,7 +19,7 @@ import orjson
 from gateway.budget.model import BudgetState, ReserveArgs, ReserveResult, SettleArgs
 
 log = logging.getLogger("gateway.budget.store")
-LUA = (Path(__file__).with_name("budget.lua")).read_text(encoding="utf-8")
+LUA = (resources.files("gateway.budget") / "budget.lua").read_text(encoding="utf-8")  # package data
 
 
 class StoreUnavailable(Exception):

@@ -10,14 +10,14 @@ GET /admin/ui/data  platform-admin JSON the page polls: engines (queue, KV usage
 from __future__ import annotations
 
 import time
-from pathlib import Path
+from importlib import resources
 from typing import Any, Callable
 
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-PAGE = Path(__file__).with_name("dashboard.html")
+PAGE = resources.files("gateway.observability") / "dashboard.html"  # package data (pyproject package-data)
 _DROP = ("content",)  # records never show captured content on the dashboard
 
 

@@ -10,6 +10,7 @@ import json
 import re
 from datetime import datetime
 from functools import lru_cache
+from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable, Pattern
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
@@ -21,7 +22,9 @@ from gateway.policy.eea import JURISDICTIONS, country_error
 from gateway.policy.model import Condition, RequestAttrs, Rule
 from gateway.types import BudgetSpec, Principal
 
-SCHEMA_PATH = Path(__file__).resolve().parents[2] / "policies" / "schema.json"
+# package data (importlib.resources), so an installed wheel validates policies too; policies/schema.json is
+# the editors' copy, kept equal by tests/policy/test_schema_copy.py
+SCHEMA_RESOURCE = resources.files("gateway.policy") / "schema.json"
 
 _GLOB_CHARS = re.compile(r"[*?\[]")
 _COUNTRY = re.compile(r"^[A-Z]{2}$")
@@ -55,7 +58,7 @@ class PolicyError(Exception):
 
 @lru_cache(maxsize=1)
 def load_schema() -> dict[str, Any]:
-    return json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
+    return json.loads(SCHEMA_RESOURCE.read_text(encoding="utf-8"))
 
 
 class _Src:

@@ -14,9 +14,9 @@ def test_policies_schema_json_is_the_packaged_schema():
 
 
 def test_the_demo_policy_is_policies_tenants_yaml():
-    packaged = (resources.files("gateway.policy") / "examples" / "tenants.yaml").read_bytes()
+    packaged = (resources.files("gateway.policy") / "example_policy.yaml").read_bytes()
     assert (ROOT / "policies" / "tenants.yaml").read_bytes() == packaged, \
-        "edit policies/tenants.yaml and copy it to gateway/policy/examples/tenants.yaml"
+        "edit policies/tenants.yaml and copy it to gateway/policy/example_policy.yaml"
 
 
 def test_the_runtime_reads_package_data_not_repository_paths():

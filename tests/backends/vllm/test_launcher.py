@@ -188,3 +188,28 @@ def test_launch_and_stop_end_the_whole_process_group(tmp_path: Path) -> None:
     assert rc is not None and rc < 0
     ps = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True)
     assert ps.stdout.strip() == ""
+
+
+def test_default_python_takes_the_env_var_then_the_checkout_then_the_user_env(tmp_path: Path, monkeypatch) -> None:
+    """An installed wheel has no checkout around it: its .venv-vllm guess must not point into site-packages."""
+    monkeypatch.setenv(launcher.PYTHON_ENV, "/opt/vllm/bin/python")
+    assert launcher.default_python() == "/opt/vllm/bin/python"
+    monkeypatch.delenv(launcher.PYTHON_ENV)
+    user = tmp_path / "cache" / "policy-gateway" / "venv-vllm" / "bin" / "python"
+    user.parent.mkdir(parents=True)
+    user.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("VLLM_VENV", raising=False)
+    site = tmp_path / "site-packages"  # what parents[2] of an installed backends/vllm/launcher.py looks like
+    (site / ".venv-vllm" / "bin").mkdir(parents=True)
+    (site / ".venv-vllm" / "bin" / "python").write_text("")
+    monkeypatch.setattr(launcher, "REPO_ROOT", site)
+    monkeypatch.setattr(launcher, "DEFAULT_VENV_PYTHON", site / ".venv-vllm" / "bin" / "python")
+    assert launcher.default_python() == str(user)
+    (site / "pyproject.toml").write_text("")  # a real checkout: its own .venv-vllm wins
+    (site / "backends" / "vllm").mkdir(parents=True)
+    assert launcher.default_python() == str(site / ".venv-vllm" / "bin" / "python")
+    user.unlink()
+    import shutil
+    shutil.rmtree(site)
+    assert launcher.default_python() == sys.executable
