@@ -546,12 +546,9 @@ class PredictiveRouteStage:
             bs = self.telemetry.index.block_size(name)
             budget = self.chunk_budget(name)[0]
             tail = last_chunk_from(n_tokens, pick.cached_tokens or 0, budget, bs, held)
-            at = float("inf")
-            if tail is not None:  # the last step starts one step (its chunk) before the predicted first token
-                dr = self.predictor.drain(name, budget)
-                last = (n_tokens - (pick.cached_tokens or 0)) % budget
-                at = fl.started + fl.predicted_s - (dr.step_s + dr.s_per_token * last)
-            self.pending.add(ctx.request_id, name, keys[held:], tail, at)
+            # the tail's fallback time (when KV events lag): the predicted first token, by which the last step
+            # has started; before it only the index says so (it holds every block before the tail)
+            self.pending.add(ctx.request_id, name, keys[held:], tail, fl.started + fl.predicted_s)
         self.flights.setdefault(name, {})[ctx.request_id] = fl
         self._by_rid[ctx.request_id] = fl
         if fl.telemetry:
