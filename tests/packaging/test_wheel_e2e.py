@@ -153,8 +153,10 @@ budgets: {{sqlite_path: budgets.db}}
                       headers={"authorization": f"Bearer {ADMIN_KEY}"})
         assert d.status_code == 200 and "eea-stays-in-eea" in d.text, d.text[:500]
     finally:
-        assert gw.stop() == 0, gw.log()[-3000:]
+        rc = gw.stop()
         up.stop()
+    # a clean drain: uvicorn re-raises the SIGTERM it handled once shutdown is complete
+    assert rc in (0, -signal.SIGTERM), gw.log_path.read_text(errors="replace")[-3000:]
     assert (work / "audit.jsonl").exists() and (work / "gateway.db").exists()
 
 
@@ -173,5 +175,6 @@ def test_demo_runs_from_the_wheel(installed, tmp_path):
         assert r.status_code == 200, r.text
     finally:
         demo.signal(signal.SIGINT)
-        assert demo.stop(20) == 0, demo.log()[-3000:]
+        rc = demo.stop(20)
+    assert rc in (0, -signal.SIGTERM), demo.log_path.read_text(errors="replace")[-3000:]
     assert (tmp_path / "demo" / "policy.yaml").read_text() == (ROOT / "policies" / "tenants.yaml").read_text()
