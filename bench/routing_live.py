@@ -268,9 +268,9 @@ def print_tables(names: list[str], results: dict, snaps: dict, args: argparse.Na
     snap = snaps["predicted_ttft"]
     q = snap["engines"].get(names[0], {}).get("calibration_target")
     print(f"\n## predicted_ttft (defaults), 4 engines h200-8b, speeds {SPEEDS}, chunk budget {BUDGET} (not configured)")
-    print("| engine | speed | agreement (cached tokens) | MdARE | calibration (target "
+    print("| engine | speed | agreement (cached tokens) | cached tokens (engine) | MdARE | calibration (target "
           f"{q}) | requests | chunk budget (source) | fit resets |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for n, sp in zip(names, SPEEDS):
         e = ours["engines"].get(n, {})
         den = max(e.get("pred", 0), e.get("act", 0))
@@ -279,7 +279,8 @@ def print_tables(names: list[str], results: dict, snaps: dict, args: argparse.Na
         cal = sum(e["cal"]) / len(e["cal"]) if e.get("cal") else None
         fa = (snap["engines"].get(n) or {}).get("facts") or {}
         g = (snap["engines"].get(n) or {}).get("guard") or {}
-        print(f"| {n} | {sp}x | {f(agree and agree * 100, '{:.2f}%')} | {f(md and md * 100, '{:.1f}%')} "
+        print(f"| {n} | {sp}x | {f(agree and agree * 100, '{:.2f}%')} | {e.get('act', 0)} "
+              f"| {f(md and md * 100, '{:.1f}%')} "
               f"| {f(cal and cal * 100, '{:.1f}%')} | {len(e.get('ape', []))} "
               f"| {fa.get('chunk_budget')} ({fa.get('chunk_budget_source')}) | {g.get('resets')} |")
     print("\n| phase | reqs | rejected | route stage p50 / p90 ms | rejection p50 / p90 ms (client) "
