@@ -515,12 +515,33 @@ def build_app(gw: Gateway) -> Starlette:
         return JSONResponse(openapi_spec())
 
     async def readyz(request: Request) -> Response:
+        """Readiness for the load balancer (server.readiness). `process` (default): this process can serve,
+        so one dead partner or loading engine does not take every pod out of the Service; per-model health
+        is reported in the body either way and fails readiness only under any_model / all_models."""
         cfg = gw.config
-        missing = [m for m, names in cfg.models.items() if not any(gw.health.available(n) for n in names)]
-        if missing:
-            return JSONResponse({"status": "not ready", "models_without_healthy_backend": sorted(missing)},
-                                status_code=503, headers=retry_headers(1.0))
-        return JSONResponse({"status": "ready", "config_generation": cfg.generation})
+        mode = cfg.server.readiness
+        models = {m: sorted(n for n in names if gw.health.available(n)) for m, names in cfg.models.items()}
+        missing = sorted(m for m, healthy in models.items() if not healthy)
+        budgets = next((s for s in gw.services if type(s).__name__ == "BudgetService"), None)
+        budget_ok = budgets is None or bool(getattr(budgets, "available", True))
+        reasons = []
+        if gw.draining:
+            reasons.append("draining")
+        if not budget_ok and cfg.raw.budgets.on_store_error == "closed":
+            reasons.append("budget_store_unavailable")  # every budgeted request would get a 503 here
+        if mode == "all_models" and missing:
+            reasons.append("model_without_healthy_backend")
+        if mode == "any_model" and models and len(missing) == len(models):
+            reasons.append("no_model_has_a_healthy_backend")
+        body = {"status": "not ready" if reasons else "ready", "readiness": mode, "reasons": reasons,
+                "config_generation": cfg.generation, "models_without_healthy_backend": missing,
+                "models": {m: {"healthy_backends": healthy, "backends": len(cfg.models[m])}
+                           for m, healthy in sorted(models.items())},
+                "stores": {"budgets": "ok" if budget_ok else f"unavailable (on_store_error: "
+                                                             f"{cfg.raw.budgets.on_store_error})"}}
+        if reasons:
+            return JSONResponse(body, status_code=503, headers=retry_headers(1.0))
+        return JSONResponse(body)
 
     async def metrics(request: Request) -> Response:
         for name, st in gw.health.snapshot().items():

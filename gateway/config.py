@@ -45,6 +45,8 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Startup objects are always frozen out of the cyclic GC once serving (gc.freeze); raising the thresholds
     # too (e.g. [20000, 10, 10]) saves ~5% more CPU but let RSS creep in the soak (docs/benchmarks.md)
     gc_threshold: tuple[int, int, int] | None = None  # gc.set_threshold once serving; null keeps Python's (700, 10, 10)
+    # /readyz: per-model health is always in the body; only any_model / all_models let it fail readiness
+    readiness: Literal["process", "any_model", "all_models"] = "process"  # process: config loaded, not draining, budget store not failing closed; any_model / all_models: also one / every model with a healthy backend
 
 
 class Location(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

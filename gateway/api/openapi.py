@@ -109,7 +109,7 @@ def openapi_spec(server_url: str | None = None) -> dict[str, Any]:
             "/healthz": {"get": {"operationId": "healthz", "summary": "Liveness", "security": [],
                                  "responses": {"200": {"description": "alive", "content": {"application/json": {
                                      "schema": {"type": "object", "required": ["status"]}}}}}}},
-            "/readyz": {"get": {"operationId": "readyz", "summary": "Readiness: every model has a healthy backend",
+            "/readyz": {"get": {"operationId": "readyz", "summary": "Readiness (server.readiness): the process can serve; per-model health in the body",
                                 "security": [],
                                 "responses": {"200": {"description": "ready", "content": {"application/json": {
                                     "schema": {"type": "object", "required": ["status"]}}}},
