@@ -211,7 +211,18 @@ async def run(args: argparse.Namespace) -> None:
             time.sleep(0.05)
         manifest = json.loads(mpath.read_text())
         names = [e["name"] for e in manifest["engines"]]
-        async with httpx.AsyncClient() as c:
+        async with httpx.AsyncClient() as c:  # the /tokenize round trip on the idle fleet: the floor of a decision
+            root = manifest["engines"][0]["url"].removesuffix("/v1")
+            rng = random.Random(5)
+            tok_ms = []
+            for _ in range(30):
+                b = {"model": "sim-model", "add_generation_prompt": True,
+                     "messages": [{"role": "system", "content": text(rng, SYSTEM_TOKENS)},
+                                  {"role": "user", "content": text(rng, 40)}]}
+                t0 = time.perf_counter()
+                (await c.post(root + "/tokenize", json=b)).raise_for_status()
+                tok_ms.append((time.perf_counter() - t0) * 1000)
+            snaps["tokenize_ms"] = {"p50": pct(tok_ms, 0.5), "p90": pct(tok_ms, 0.9)}
             for e, speed in zip(manifest["engines"], SPEEDS):
                 r = await c.post(e["url"].removesuffix("/v1") + "/sim/faults", json={"slow_factor": 1.0 / speed})
                 r.raise_for_status()
@@ -294,7 +305,10 @@ def print_tables(names: list[str], results: dict, snaps: dict, args: argparse.Na
               f"{f(r90 and r90 / 1000, '{:.2f}')} | {f(pct(p['reject_ms'], 0.5))} / {f(pct(p['reject_ms'], 0.9))} "
               f"| {f(pct(p['reject_ev_ms'], 0.5), '{:.2f}')} | {f(o90, '{:.0f}')} | {f(l90, '{:.0f}')} "
               f"| {f(o90 / l90 if o90 and l90 else None, '{:.2f}')} |")
-    print(f"\nadmission counters: {snap.get('admission')}; errors ours "
+    tk = snaps.get("tokenize_ms") or {}
+    print(f"\n/tokenize of a {SYSTEM_TOKENS}-token chat on the idle fleet (client -> sim, before the phases): "
+          f"p50 {f(tk.get('p50'), '{:.2f}')} ms, p90 {f(tk.get('p90'), '{:.2f}')} ms")
+    print(f"admission counters: {snap.get('admission')}; errors ours "
           f"{sum(p['errors'] for p in ours['phases'].values())}, least-loaded "
           f"{sum(p['errors'] for p in ll['phases'].values())}; bursts: {args.bursts} x {args.burst_size} unique "
           f"1500-token prompts at {args.burst_rate:g} req/s, x-ttft-slo-ms cycling {args.slo_ms}, {args.burst_gap_s} s apart; "
