@@ -21,6 +21,7 @@ from gateway.identity.config import IdentityConfig
 from gateway.policy.config import PolicyConfig
 from gateway.policy.eea import country_error
 from gateway.routing.config import RoutingConfig
+from gateway.batch.config import BatchConfig
 from gateway.telemetry.config import TelemetryConfig
 
 
@@ -171,6 +172,7 @@ class GatewayConfigRaw(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     routing: RoutingConfig = msgspec.field(default_factory=RoutingConfig)
     telemetry: TelemetryConfig = msgspec.field(default_factory=TelemetryConfig)
     observability: ObservabilityConfig = msgspec.field(default_factory=ObservabilityConfig)
+    batch: BatchConfig = msgspec.field(default_factory=BatchConfig)
     data_dir: str = "var"
 
 

@@ -98,6 +98,7 @@ class RequestContext:
     client_request_id: str | None = None  # the client's own x-request-id (echoed, recorded, never a key)
     response_id: str | None = None  # the upstream's completion id (chatcmpl-..., cmpl-...)
     finish_reasons: tuple[str, ...] = ()  # per choice, in order, as the upstream reported them
+    batch: dict[str, Any] | None = None  # a batch line: {batch_id, line, custom_id}; set only by gateway/batch
 
     @property
     def zero_retention(self) -> bool:

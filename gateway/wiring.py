@@ -26,6 +26,7 @@ def wire(gw: Gateway) -> None:
     _wire_routing(gw)
     _wire_evidence(gw)
     _wire_observability(gw)
+    _wire_batch(gw)
 
 
 def _replace_stage(gw: Gateway, name: str, stage: Any) -> None:
@@ -217,6 +218,25 @@ def _wire_routing(gw: Gateway) -> None:
     gw.pipeline.stages = gw.stages
     gw.router = stage  # type: ignore[attr-defined]
     gw.extra_routes.append(routing_admin_route(gw, stage))
+
+
+def _wire_batch(gw: Gateway) -> None:
+    """OpenAI Files and Batch API (/v1/files, /v1/batches) and the batch lane that runs their lines through this
+    pipeline at priority `batch` in spare capacity (gateway/batch, docs/batch.md)."""
+    if not gw.config.raw.batch.enabled or gw.identity is None:
+        return
+    from gateway.batch.api import batch_routes
+    from gateway.batch.service import BatchService
+
+    svc = BatchService(gw)
+    gw.services.append(svc)
+    gw.batch = svc  # type: ignore[attr-defined]
+    gw.extra_routes.extend(batch_routes(svc))
+
+    async def batch_admin(request: Request, principal: Any) -> Response:
+        return JSONResponse(svc.snapshot())
+
+    gw.extra_routes.append(gateway_guard(gw).route("/admin/batch", batch_admin, ["GET"], (PLATFORM_ADMIN,)))
 
 
 def check_config(cfg: Config) -> None:

@@ -128,6 +128,7 @@ def build_record(ctx: RequestContext, *, capture_content: bool = False,
     rec: dict[str, Any] = {
         "request_id": ctx.request_id,
         "client_request_id": ctx.client_request_id,
+        "batch": _plain(ctx.batch),
         "ts": datetime.fromtimestamp(ctx.received_wall, timezone.utc).isoformat(),
         "endpoint": ctx.endpoint,
         "model": ctx.model,

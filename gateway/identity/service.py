@@ -272,6 +272,36 @@ class IdentityService:
             p = dataclasses.replace(p, end_user=clean_end_user(eu))
         return p
 
+    async def recheck(self, p: Principal, valid_until: float | None = None) -> Principal:
+        """The current Principal of a principal authenticated earlier (a batch job's owner), re-checked now
+        without its credential: a stored key must still exist, be unrevoked, unexpired and a data key (its
+        labels are re-read); a static key must still be in the config; a JWT principal holds until its
+        token's expiry (`valid_until`). Raises the same 401/403 a request with that credential would get."""
+        now = time.time()
+        if p.kind == "static_key":
+            for sp in self._static.values():
+                if sp.id == p.id:
+                    return sp
+            raise GatewayError(401, "The static key that created this batch is no longer configured.",
+                               code="invalid_api_key")
+        if p.kind in ("api_key", "partner") and p.key_id and not p.id.startswith("jwt:"):
+            entry = self._keys.get(p.key_id)
+            if entry is None or time.monotonic() >= entry.fresh_until:
+                entry = await self._load_key(p.key_id)
+            k = entry.key
+            if k is None or entry.principal is None:
+                raise invalid_key()
+            if k.revoked_at is not None and k.revoked_at <= now:
+                raise GatewayError(401, f"API key {k.id} has been revoked.", code="revoked_api_key")
+            if k.expires_at is not None and k.expires_at <= now:
+                raise GatewayError(401, f"API key {k.id} has expired.", code="expired_api_key")
+            if k.purpose != "data":
+                raise GatewayError(403, "Admin keys cannot call the model API.", code="wrong_plane")
+            return dataclasses.replace(entry.principal, end_user=p.end_user) if p.end_user else entry.principal
+        if valid_until is not None and now >= valid_until:
+            raise GatewayError(401, "The token that created this batch has expired.", code="expired_api_key")
+        return p
+
     async def authenticate_admin(self, headers: Mapping[str, str], client_addr: str = "") -> Principal:
         """Principal for the admin plane: role "admin" (config admin key) or "tenant_admin" (stored admin key)."""
         self.limiter.check(client_addr)

@@ -31,7 +31,12 @@ class AuthStage:
         self.service = service
 
     async def run(self, ctx: RequestContext) -> None:
-        p = await self.service.authenticate(ctx.headers, ctx.client_addr)
+        if ctx.batch is not None and ctx.principal is not None:
+            # a batch line runs as its job's owner, re-checked now (a revoked key stops its batch). ctx.batch
+            # is set only in-process by the batch lane (gateway/batch), never from a client's request.
+            p = await self.service.recheck(ctx.principal, ctx.batch.get("principal_valid_until"))
+        else:
+            p = await self.service.authenticate(ctx.headers, ctx.client_addr)
         ctx.principal = p
         ctx.evidence["principal"] = p.to_evidence()
         if not model_allowed(p, ctx.model, ctx.model_chain):

@@ -1,0 +1,278 @@
+"""OpenAI Files and Batch API routes: /v1/files and /v1/batches, shaped so the official SDK works unchanged.
+
+Every route authenticates like the data plane (the same IdentityService) and scopes everything to the owner:
+the tenant, team and project of the caller. Another principal asking for an id it does not own gets 404, the
+same answer as for an id that does not exist.
+"""
+from __future__ import annotations
+
+import email.parser
+import email.policy
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from gateway.batch.jsonl import ENDPOINTS, parse_input
+from gateway.errors import GatewayError
+from gateway.types import Principal
+
+if TYPE_CHECKING:
+    from gateway.batch.service import BatchService
+
+log = logging.getLogger("gateway.batch")
+
+COMPLETION_WINDOWS = {"24h": 86400.0}
+METADATA_MAX_KEYS = 16
+
+
+def owner_of(p: Principal) -> str:
+    """Files and batches belong to the tenant, team and project that created them."""
+    return f"{p.tenant}/{p.team or '-'}/{p.project or '-'}"
+
+
+def new_id(prefix: str) -> str:
+    return prefix + os.urandom(12).hex()
+
+
+def file_object(row: dict[str, Any]) -> dict[str, Any]:
+    return {"id": row["id"], "object": "file", "bytes": int(row["bytes"]), "created_at": int(row["created_at"]),
+            "filename": row["filename"], "purpose": row["purpose"], "status": "processed",
+            "expires_at": int(row["expires_at"]) if row.get("expires_at") else None, "status_details": None}
+
+
+def _ts(v: Any) -> int | None:
+    return int(v) if v is not None else None
+
+
+def batch_object(job: dict[str, Any]) -> dict[str, Any]:
+    total = int(job["total"])
+    obj = {
+        "id": job["id"], "object": "batch", "endpoint": job["endpoint"], "errors": job["errors"],
+        "input_file_id": job["input_file_id"], "completion_window": job["completion_window"],
+        "status": job["status"], "output_file_id": job["output_file_id"], "error_file_id": job["error_file_id"],
+        "created_at": _ts(job["created_at"]), "in_progress_at": _ts(job["in_progress_at"]),
+        "expires_at": _ts(job["expires_at"]), "finalizing_at": _ts(job["finalizing_at"]),
+        "completed_at": _ts(job["completed_at"]), "failed_at": _ts(job["failed_at"]),
+        "expired_at": _ts(job["expired_at"]), "cancelling_at": _ts(job["cancelling_at"]),
+        "cancelled_at": _ts(job["cancelled_at"]),
+        "request_counts": {"total": total, "completed": int(job["completed"]), "failed": int(job["failed"])},
+        "metadata": job["metadata"],
+    }
+    # gateway extension (the SDK keeps unknown fields): what happens to the files of a zero-retention batch
+    obj["retention"] = ({"zero_data_retention": True, "files_deleted_at": _ts(job["delete_files_at"]),
+                         "note": "input deleted when the batch ends; output and error files "
+                                 "deleted at files_deleted_at"}
+                        if job["zero_retention"] else {"zero_data_retention": False})
+    return obj
+
+
+def _err(e: GatewayError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def _not_found(what: str, ident: str) -> GatewayError:
+    return GatewayError(404, f"No such {what}: '{ident[:80]}'.", code="not_found", param="id")
+
+
+def _limit(request: Request, default: int = 20, most: int = 100) -> int:
+    raw = request.query_params.get("limit")
+    if raw is None:
+        return default
+    if not raw.isdigit() or not 1 <= int(raw) <= most:
+        raise GatewayError(400, f"limit must be an integer between 1 and {most}.", code="invalid_request",
+                           param="limit")
+    return int(raw)
+
+
+async def _read_limited(request: Request, limit: int) -> bytes:
+    cl = request.headers.get("content-length")
+    if cl is not None and cl.isdigit() and int(cl) > limit:
+        raise GatewayError(413, f"The upload is larger than the limit of {limit} bytes.", code="file_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise GatewayError(413, f"The upload is larger than the limit of {limit} bytes.", code="file_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_multipart(ctype: str, body: bytes) -> dict[str, tuple[str | None, bytes]]:
+    """multipart/form-data -> {field: (filename, bytes)} with the standard library's MIME parser."""
+    msg = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
+        b"Content-Type: " + ctype.encode("latin-1") + b"\r\nMIME-Version: 1.0\r\n\r\n" + body)
+    if not msg.is_multipart():
+        raise GatewayError(400, "The upload must be multipart/form-data with fields 'file' and 'purpose'.",
+                           code="invalid_request")
+    out: dict[str, tuple[str | None, bytes]] = {}
+    for part in msg.iter_parts():
+        name = part.get_param("name", header="content-disposition")
+        if not name:
+            continue
+        data = part.get_payload(decode=True) or b""
+        out[str(name)] = (part.get_filename(), data)
+    return out
+
+
+def batch_routes(svc: "BatchService") -> list[Route]:
+    cfg = lambda: svc.gw.config.raw.batch  # noqa: E731
+
+    async def principal(request: Request) -> Principal:
+        client = request.client.host if request.client else ""
+        return await svc.gw.identity.authenticate(request.headers, client)
+
+    def guarded(handler: Any) -> Any:
+        async def run(request: Request) -> Response:
+            try:
+                p = await principal(request)
+                return await handler(request, p)
+            except GatewayError as e:
+                return _err(e)
+        return run
+
+    # ------------------------------------------------------------------ files
+    async def files_create(request: Request, p: Principal) -> Response:
+        c = cfg()
+        ctype = request.headers.get("content-type", "")
+        if not ctype.lower().startswith("multipart/form-data"):
+            raise GatewayError(415, "Upload files as multipart/form-data with fields 'file' and 'purpose'.",
+                               code="unsupported_media_type")
+        raw = await _read_limited(request, c.max_file_bytes + 65536)
+        form = parse_multipart(ctype, raw)
+        purpose = form.get("purpose", (None, b""))[1].decode("utf-8", "replace").strip()
+        if purpose != "batch":
+            raise GatewayError(400, "purpose must be 'batch' (the only purpose this gateway stores files for).",
+                               code="invalid_request", param="purpose")
+        if "file" not in form:
+            raise GatewayError(400, "The upload has no 'file' field.", code="invalid_request", param="file")
+        filename, data = form["file"]
+        if len(data) > c.max_file_bytes:
+            raise GatewayError(413, f"The file is {len(data)} bytes, over the limit of {c.max_file_bytes} bytes.",
+                               code="file_too_large", param="file")
+        parse_input(data, c.max_lines, c.max_line_bytes)  # 400 naming the first bad line
+        row = {"id": new_id("file-"), "owner": owner_of(p), "tenant": p.tenant, "purpose": "batch",
+               "filename": (filename or "input.jsonl")[:256], "bytes": len(data), "created_at": time.time(),
+               "content": data}
+        await svc.store.insert_file(row)
+        return JSONResponse(file_object(row))
+
+    async def files_list(request: Request, p: Principal) -> Response:
+        limit = _limit(request, 10000, 10000)
+        rows = await svc.store.list_files(owner_of(p), request.query_params.get("purpose"),
+                                          request.query_params.get("after"), limit + 1)
+        data = [file_object(r) for r in rows[:limit]]
+        return JSONResponse({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                             "last_id": data[-1]["id"] if data else None, "has_more": len(rows) > limit})
+
+    async def file_get(request: Request, p: Principal) -> Response:
+        fid = request.path_params["file_id"]
+        row = await svc.store.get_file(fid, owner_of(p))
+        if row is None:
+            raise _not_found("file", fid)
+        if request.method == "DELETE":
+            await svc.store.delete_file(fid, owner_of(p))
+            return JSONResponse({"id": fid, "object": "file", "deleted": True})
+        return JSONResponse(file_object(row))
+
+    async def file_content(request: Request, p: Principal) -> Response:
+        fid = request.path_params["file_id"]
+        data = await svc.store.file_content(fid, owner_of(p))
+        if data is None:
+            raise _not_found("file", fid)
+        return Response(data, media_type="application/octet-stream")
+
+    # ------------------------------------------------------------------ batches
+    async def batches_create(request: Request, p: Principal) -> Response:
+        try:
+            body = await request.json()
+        except Exception:
+            raise GatewayError(400, "The body must be a JSON object.", code="invalid_request") from None
+        if not isinstance(body, dict):
+            raise GatewayError(400, "The body must be a JSON object.", code="invalid_request")
+        endpoint = body.get("endpoint")
+        if endpoint not in ENDPOINTS:
+            raise GatewayError(400, f"endpoint must be one of {', '.join(ENDPOINTS)}.", code="invalid_request",
+                               param="endpoint")
+        window = body.get("completion_window")
+        if window not in COMPLETION_WINDOWS:
+            raise GatewayError(400, "completion_window must be '24h'.", code="invalid_request",
+                               param="completion_window")
+        meta = body.get("metadata")
+        if meta is not None and (not isinstance(meta, dict) or len(meta) > METADATA_MAX_KEYS or not all(
+                isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
+                for k, v in meta.items())):
+            raise GatewayError(400, f"metadata must map at most {METADATA_MAX_KEYS} strings (keys <= 64 chars) to "
+                               "strings (<= 512 chars).", code="invalid_request", param="metadata")
+        fid = body.get("input_file_id")
+        if not isinstance(fid, str) or await svc.store.get_file(fid, owner_of(p)) is None:
+            raise GatewayError(404 if isinstance(fid, str) else 400,
+                               f"No such file: '{str(fid)[:80]}'." if isinstance(fid, str) else
+                               "input_file_id must be the id of an uploaded file.",
+                               code="not_found" if isinstance(fid, str) else "invalid_request",
+                               param="input_file_id")
+        now = time.time()
+        job = {"id": new_id("batch_"), "owner": owner_of(p), "tenant": p.tenant, "principal": principal_row(p),
+               "principal_valid_until": svc.principal_valid_until(request.headers, p), "endpoint": endpoint,
+               "input_file_id": fid, "completion_window": window, "metadata": meta, "created_at": now,
+               "expires_at": now + COMPLETION_WINDOWS[window],
+               "zero_retention": await svc.zero_retention(p, fid, owner_of(p))}
+        await svc.store.insert_job(job)
+        svc.kick()
+        got = await svc.store.get_job(job["id"], owner_of(p))
+        return JSONResponse(batch_object(got))
+
+    async def batches_list(request: Request, p: Principal) -> Response:
+        limit = _limit(request)
+        rows = await svc.store.list_jobs(owner_of(p), request.query_params.get("after"), limit + 1)
+        data = [batch_object(r) for r in rows[:limit]]
+        return JSONResponse({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                             "last_id": data[-1]["id"] if data else None, "has_more": len(rows) > limit})
+
+    async def batch_get(request: Request, p: Principal) -> Response:
+        bid = request.path_params["batch_id"]
+        job = await svc.store.get_job(bid, owner_of(p))
+        if job is None:
+            raise _not_found("batch", bid)
+        return JSONResponse(batch_object(job))
+
+    async def batch_cancel(request: Request, p: Principal) -> Response:
+        bid = request.path_params["batch_id"]
+        job = await svc.store.get_job(bid, owner_of(p))
+        if job is None:
+            raise _not_found("batch", bid)
+        if job["status"] not in ("validating", "in_progress", "cancelling"):
+            raise GatewayError(409, f"Batch {bid} is {job['status']}; only a validating or in-progress batch can be "
+                               "cancelled.", code="batch_not_cancellable")
+        job = await svc.store.cancel_job(bid, owner_of(p), time.time())
+        svc.kick()
+        return JSONResponse(batch_object(job))
+
+    return [
+        Route("/v1/files", guarded(files_create), methods=["POST"]),
+        Route("/v1/files", guarded(files_list), methods=["GET"]),
+        Route("/v1/files/{file_id}", guarded(file_get), methods=["GET", "DELETE"]),
+        Route("/v1/files/{file_id}/content", guarded(file_content), methods=["GET"]),
+        Route("/v1/batches", guarded(batches_create), methods=["POST"]),
+        Route("/v1/batches", guarded(batches_list), methods=["GET"]),
+        Route("/v1/batches/{batch_id}", guarded(batch_get), methods=["GET"]),
+        Route("/v1/batches/{batch_id}/cancel", guarded(batch_cancel), methods=["POST"]),
+    ]
+
+
+def principal_row(p: Principal) -> dict[str, Any]:
+    """What the job keeps of its owner: enough to rebuild the Principal and to re-check it per line."""
+    return {"id": p.id, "kind": p.kind, "tenant": p.tenant, "team": p.team, "project": p.project,
+            "key_id": p.key_id, "partner": p.partner, "end_user": p.end_user, "labels": dict(p.labels),
+            "scopes": list(p.scopes), "allowed_models": list(p.allowed_models)}
+
+
+def principal_from(row: dict[str, Any]) -> Principal:
+    return Principal(id=row["id"], kind=row["kind"], tenant=row["tenant"], team=row.get("team"),
+                     project=row.get("project"), key_id=row.get("key_id"), partner=row.get("partner"),
+                     end_user=row.get("end_user"), labels=dict(row.get("labels") or {}),
+                     scopes=tuple(row.get("scopes") or ()), allowed_models=tuple(row.get("allowed_models") or ()))

@@ -1,0 +1,23 @@
+"""Config section `batch:` (owned by the batch lane, gateway/batch)."""
+from __future__ import annotations
+
+import msgspec
+
+
+class BatchConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The batch lane: OpenAI Files and Batch API, run in the fleet's spare capacity (docs/batch.md)."""
+
+    enabled: bool = True  # serve /v1/files and /v1/batches and run batch jobs
+    sqlite_path: str | None = None  # job, line and file state; null: batch.db beside identity.sqlite_path (Postgres when identity.store is postgres)
+    max_file_bytes: int = 104857600  # largest upload; a larger one is refused with 413 (OpenAI: 200 MB)
+    max_lines: int = 50000  # most request lines in one batch input file (OpenAI's limit)
+    max_line_bytes: int = 1048576  # largest single request line
+    lease_s: float = 15.0  # a dispatched line's lease; a crashed replica's lines are taken over after it lapses
+    max_attempts: int = 3  # tries per line for retryable upstream failures (502/503/504) before it fails
+    min_concurrency: int = 1  # lines in flight per replica when the fleet has room, at the least
+    max_concurrency: int = 64  # at the most (the controller moves between these, additive up, halving down)
+    realtime_ttft_target_ms: float | None = None  # target realtime must keep; null: routing.default_ttft_slo_ms, else 1000
+    headroom: float = 0.5  # batch lines are started only while the best predicted upper TTFT is below headroom x target
+    tick_s: float = 0.05  # scheduler period
+    zero_retention_delete_after_s: float = 3600.0  # a zero-retention batch's files are deleted this long after it ends
+    prefix_chars: int = 256  # lines whose prompts share this many leading characters are dispatched together

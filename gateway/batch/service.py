@@ -1,0 +1,328 @@
+"""The batch lane's service: validates jobs, runs their lines through the realtime pipeline at priority
+`batch` in the fleet's spare capacity, and finalizes output and error files.
+
+A line is an ordinary request of the job's owner: the authenticate stage re-checks the owner's principal
+(a revoked key stops the batch), then policy, budget (reserve per line, settle per line, batch prices),
+routing (residency filters, admission with the batch headroom) and the dispatcher run exactly as for a
+realtime request, and the evidence recorder writes one audit record per line naming its batch and line.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import time
+from typing import Any
+
+import orjson
+
+from gateway.batch.api import principal_from
+from gateway.batch.jsonl import ENDPOINTS, parse_input, prompt_prefix
+from gateway.batch.scheduler import Pacer, pick_jobs
+from gateway.batch.store import BatchStore, Line, PostgresBatchStore, SqliteBatchStore, error_line
+from gateway.errors import GatewayError
+from gateway.pipeline import Pipeline, RequestContext, RequestHeaders
+
+log = logging.getLogger("gateway.batch")
+
+# refusals that mean "not now" (the fleet or a rate window is full): the line goes back, nothing is recorded
+DEFER_CODES = {"ttft_slo_unattainable", "request_shed", "rate_limit_exceeded", "budget_store_unavailable",
+               "auth_rate_limited"}
+RETRY_STATUSES = {502, 503, 504}
+STOP_CODES = {"revoked_api_key", "expired_api_key", "invalid_api_key", "wrong_plane"}
+
+
+def make_store(config: Any) -> BatchStore:
+    """Postgres when the identity store is Postgres (replicas share jobs), else SQLite beside the identity DB."""
+    ic, bc = config.raw.identity, config.raw.batch
+    if ic.store == "postgres":
+        dsn = ic.postgres_dsn or (os.environ.get(ic.postgres_dsn_env) if ic.postgres_dsn_env else None)
+        return PostgresBatchStore(dsn, schema=ic.postgres_schema)
+    if bc.sqlite_path:
+        return SqliteBatchStore(config.resolve_path(bc.sqlite_path))
+    return SqliteBatchStore(config.resolve_path(ic.sqlite_path).parent / "batch.db")
+
+
+class BatchPriorityStage:
+    """Runs after `decide` in the batch lane's own pipeline only: the line's decision gets priority `batch`
+    (routing then holds it to the batch headroom, and the engine's scheduler runs it after realtime)."""
+
+    name = "batch_priority"
+
+    async def run(self, ctx: RequestContext) -> None:
+        d = ctx.decision
+        if ctx.batch is not None and d is not None and d.priority != "batch":
+            ctx.decision = dataclasses.replace(d, priority="batch")
+            if isinstance(ctx.evidence.get("decision"), dict):
+                ctx.evidence["decision"]["priority"] = "batch"
+
+    async def finish(self, ctx: RequestContext) -> None:
+        return None
+
+
+class BatchService:
+    def __init__(self, gw: Any, store: BatchStore | None = None) -> None:
+        self.gw = gw
+        self.store = store or make_store(gw.config)
+        self.worker = "w_" + os.urandom(6).hex()  # this replica's lease owner id
+        self.pacer = Pacer(gw.config.raw.batch)
+        self.inflight: dict[tuple[str, int], asyncio.Task] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._closing = False
+        self._rr = 0
+        self.stats = {"dispatched": 0, "completed": 0, "failed": 0, "deferred": 0, "retried": 0, "discarded": 0}
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        await self.store.open()
+        await self.store.migrate()
+        self._task = asyncio.create_task(self._loop())
+
+    async def close(self) -> None:
+        self._closing = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        tasks = list(self.inflight.values())
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        await self.store.close()
+
+    def kick(self) -> None:
+        self._wake.set()
+
+    # ------------------------------------------------------------------ API helpers
+    def principal_valid_until(self, headers: Any, p: Any) -> float | None:
+        """A JWT principal holds until its token expires (the identity cache knows when); keys are re-checked."""
+        if p.kind not in ("jwt", "partner") or not p.id.startswith("jwt:"):
+            return None
+        auth = headers.get("authorization") or ""
+        token = auth.partition(" ")[2].strip() or (headers.get("x-api-key") or "").strip()
+        hit = getattr(self.gw.identity, "_jwt_cache", {}).get(token)
+        return hit.valid_until if hit is not None else time.time() + 300.0
+
+    async def zero_retention(self, p: Any, file_id: str, owner: str) -> bool:
+        """Whether policy says zero retention for this owner and any model the input file names."""
+        data = await self.store.file_content(file_id, owner)
+        policy = getattr(self.gw, "policy", None)
+        if data is None or policy is None:
+            return False
+        bc = self.gw.config.raw.batch
+        try:
+            lines = parse_input(data, bc.max_lines, bc.max_line_bytes)
+        except GatewayError:
+            return False
+        from gateway.policy.model import RequestAttrs
+
+        prov = policy.provider()
+        for model in sorted({ln.body["model"] for ln in lines}):
+            attrs = RequestAttrs(model=model, headers={}, max_tokens=None, stream=False, now=time.time())
+            adecide = getattr(prov, "adecide", None)
+            d = await adecide(p, attrs) if adecide is not None else prov.decide(p, attrs)
+            if d.retention == "zero":
+                return True
+        return p.labels.get("retention") == "zero"
+
+    # ------------------------------------------------------------------ the loop
+    async def _loop(self) -> None:
+        last_maint = last_renew = 0.0
+        while not self._closing:
+            bc = self.gw.config.raw.batch
+            try:
+                now = time.time()
+                if now - last_renew >= bc.lease_s / 3:
+                    last_renew = now
+                    await self.store.renew(self.worker, now, bc.lease_s)
+                if now - last_maint >= 0.25 or self._wake.is_set():
+                    last_maint = now
+                    self._wake.clear()
+                    await self._maintain(now)
+                await self._dispatch()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("batch loop step failed")
+                await asyncio.sleep(1.0)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), bc.tick_s)
+
+    async def _maintain(self, now: float) -> None:
+        bc = self.gw.config.raw.batch
+        self.jobs = await self.store.jobs_in(("validating", "in_progress", "cancelling"))
+        for job in self.jobs:
+            if job["status"] == "validating":
+                await self._validate(job, now)
+            elif job["status"] == "in_progress" and now >= job["expires_at"] and not job["stop_reason"]:
+                await self.store.expire(job["id"], now)
+                for key, t in list(self.inflight.items()):
+                    if key[0] == job["id"]:
+                        t.cancel()
+            if job["status"] in ("in_progress", "cancelling"):
+                final = await self.store.finalize(job, now, lambda kind, data, j=job: self._file_row(j, kind, data),
+                                                  bc.zero_retention_delete_after_s)
+                if final is not None:
+                    log.info("batch %s %s", job["id"], final)
+        await self.store.purge_expired_files(now)
+        self.jobs = [j for j in self.jobs if j["status"] == "in_progress" and not j["stop_reason"]]
+
+    def _file_row(self, job: dict[str, Any], kind: str, data: bytes) -> dict[str, Any]:
+        return {"id": "file-" + os.urandom(12).hex(), "owner": job["owner"], "tenant": job["tenant"],
+                "purpose": "batch_output", "filename": f"{job['id']}_{kind}.jsonl", "bytes": len(data),
+                "created_at": time.time(), "content": data}
+
+    async def _validate(self, job: dict[str, Any], now: float) -> None:
+        bc = self.gw.config.raw.batch
+        data = await self.store.file_content(job["input_file_id"], job["owner"])
+        if data is None:
+            await self.store.fail_job(job["id"], [{"code": "file_not_found", "message": "The input file was deleted.",
+                                                   "param": "input_file_id", "line": None}], now)
+            return
+        try:
+            lines = parse_input(data, bc.max_lines, bc.max_line_bytes)
+        except GatewayError as e:
+            await self.store.fail_job(job["id"], [{"code": e.code, "message": e.message, "param": "input_file_id",
+                                                   "line": e.extra.get("line")}], now)
+            return
+        bad = [ln for ln in lines if ln.url != job["endpoint"]]
+        if bad:
+            errs = [{"code": "mismatched_endpoint", "message": f"Line {ln.line_no}: url {ln.url} does not match the "
+                     f"batch's endpoint {job['endpoint']}.", "param": "url", "line": ln.line_no} for ln in bad[:100]]
+            await self.store.fail_job(job["id"], errs, now)
+            return
+        rows = [(ln.line_no, ln.custom_id, ln.body, prompt_prefix(ln.body, bc.prefix_chars)) for ln in lines]
+        if await self.store.start_job(job["id"], rows, now):
+            log.info("batch %s in progress: %d lines", job["id"], len(rows))
+
+    async def _dispatch(self) -> None:
+        jobs = getattr(self, "jobs", [])
+        if not jobs:
+            return
+        room = self.pacer.allowance(self.gw, jobs, len(self.inflight))
+        if room <= 0:
+            return
+        bc = self.gw.config.raw.batch
+        order, self._rr = pick_jobs(jobs, self._rr)
+        share = max(1, -(-room // len({j["tenant"] for j in order})))  # each tenant's turn, this tick
+        now = time.time()
+        for job in order:
+            if room <= 0:
+                break
+            lines = await self.store.claim(job["id"], self.worker, now, bc.lease_s, min(room, share, 16))
+            for ln in lines:
+                key = (ln.batch_id, ln.line_no)
+                if key in self.inflight:  # our own lease lapsed and we took it again: the running task records
+                    continue
+                room -= 1
+                self.stats["dispatched"] += 1
+                self.inflight[key] = asyncio.create_task(self._run_line(job, ln))
+                self.inflight[key].add_done_callback(lambda _t, k=key: self.inflight.pop(k, None))
+
+    # ------------------------------------------------------------------ one line
+    async def _run_line(self, job: dict[str, Any], ln: Line) -> None:
+        bc = self.gw.config.raw.batch
+        try:
+            status, body, rid, err = await self.execute(job, ln)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("batch %s line %d failed in the gateway", ln.batch_id, ln.line_no)
+            status, body, rid, err = 500, {"error": {"message": "Internal gateway error.", "type": "server_error",
+                                                     "code": "internal_error"}}, None, None
+        now = time.time()
+        code = err.code if err is not None else None
+        if err is not None and code in DEFER_CODES:
+            self.stats["deferred"] += 1
+            self.pacer.pressure()
+            await self.store.release(ln, self.worker, retried=False)
+            return
+        if err is not None and code in STOP_CODES:  # the owner's credential is gone: the whole job stops
+            await self.store.release(ln, self.worker, retried=False)
+            await self.store.stop_job(ln.batch_id, now, code, err.message, status="failed",
+                                      response={"status_code": err.status, "request_id": rid, "body": err.body()})
+            self.kick()
+            return
+        if status in RETRY_STATUSES and ln.tries + 1 < bc.max_attempts:
+            self.stats["retried"] += 1
+            await self.store.release(ln, self.worker, retried=True)
+            return
+        ok = status == 200
+        result = {"id": "batch_req_" + os.urandom(12).hex(), "custom_id": ln.custom_id,
+                  "response": {"status_code": status, "request_id": rid, "body": body}, "error": None}
+        if await self.store.record(ln, self.worker, ok, result, now):
+            self.stats["completed" if ok else "failed"] += 1
+        else:
+            self.stats["discarded"] += 1  # our lease lapsed and another replica took the line: its answer counts
+        if code == "insufficient_quota":  # the budget ran out: stop dispatching this job, say why per line
+            await self.store.stop_job(ln.batch_id, now, code, err.message if err else "budget exhausted",
+                                      response={"status_code": 429, "request_id": None,
+                                                "body": err.body() if err else None})
+            self.kick()
+
+    async def execute(self, job: dict[str, Any], ln: Line) -> tuple[int, Any, str | None, GatewayError | None]:
+        """Run one line through the realtime pipeline and dispatcher as its owner, at priority `batch`.
+        Returns (status, response body, the gateway request id, the refusal if one)."""
+        from gateway.api.parse import PARSERS
+        from gateway.app import new_request_id, prompt_token_bound
+        from gateway.proxy.forward import JsonResult, response_facts, usage_from
+
+        gw = self.gw
+        endpoint = ENDPOINTS[job["endpoint"]]
+        body = ln.body
+        ctx = RequestContext(request_id=new_request_id(), endpoint=endpoint, headers=RequestHeaders(), body=body,
+                             client_addr="batch")
+        ctx.principal = principal_from(job["principal"])
+        ctx.batch = {"batch_id": ln.batch_id, "line": ln.line_no, "custom_id": ln.custom_id,
+                     "principal_valid_until": job.get("principal_valid_until")}
+        stages = list(gw.pipeline.stages)
+        names = [getattr(s, "name", "") for s in stages]
+        stages.insert(names.index("decide") + 1 if "decide" in names else len(stages), BatchPriorityStage())
+        pipeline = Pipeline(stages)
+        try:
+            parsed = PARSERS[endpoint](body)
+        except GatewayError as e:
+            return e.status, e.body(), ctx.request_id, e
+        raw = orjson.dumps(body)
+        ctx.model = parsed.model
+        ctx.stream = False
+        ctx.max_tokens = parsed.max_tokens
+        ctx.prompt_tokens_est = max(1, parsed.prompt_chars // 4)
+        ctx.prompt_tokens_max = prompt_token_bound(raw, body, parsed.prompt_chars)
+        ctx.model_chain = gw.config.resolve_model(parsed.model)
+        started: list[Any] = []
+        try:
+            try:
+                started = await pipeline.run(ctx)
+                result = await gw.dispatcher.open(ctx)
+            except GatewayError as e:
+                ctx.status, ctx.error = e.status, e.code
+                return e.status, e.body(), ctx.request_id, e
+            if not isinstance(result, JsonResult):  # a stream (the body asked for none): read it to the end
+                ctx.status, ctx.error = 502, "upstream_stream"
+                with contextlib.suppress(Exception):
+                    await result.response.aclose()
+                err = GatewayError(502, "The upstream answered a batch line with a stream.", code="upstream_error")
+                return 502, err.body(), ctx.request_id, None
+            ctx.status = result.status
+            try:
+                obj = orjson.loads(result.body)
+            except orjson.JSONDecodeError:
+                ctx.status, ctx.error = 502, "upstream_bad_json"
+                err = GatewayError(502, "Upstream answered with invalid JSON.", code="upstream_error")
+                return 502, err.body(), ctx.request_id, None
+            if result.status == 200:
+                ctx.usage = usage_from(obj)
+                response_facts(ctx, obj)
+            return result.status, obj, ctx.request_id, None
+        finally:
+            if started:
+                await asyncio.shield(Pipeline.finish(ctx, started))
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"worker": self.worker, "inflight": len(self.inflight), **self.pacer.snapshot(), **self.stats}

@@ -1,0 +1,247 @@
+"""End to end: the official `openai` SDK against a real gateway process in front of a simulated vLLM fleet.
+
+Files and batches through the SDK unchanged (files.create, batches.create, retrieve, list with pagination,
+cancel, files.content), output/error lines in OpenAI's format with custom_id, malformed JSONL refused naming
+the line, another tenant's (and another project's) access refused with 404, every line's audit record naming
+its batch and line at priority batch, and a revoked key stopping its batch.
+"""
+from __future__ import annotations
+
+import io
+import json
+import time
+import uuid
+
+import httpx
+import pytest
+from openai import NotFoundError, OpenAI
+
+from backends.sim.fleet import FleetProcess
+from tests.support.procs import free_port, start_gateway
+
+pytestmark = pytest.mark.e2e
+ADMIN = "batch-e2e-admin-0123456789"
+
+
+def _admin(base: str, method: str, path: str, body: dict | None = None) -> httpx.Response:
+    return httpx.request(method, base + path, json=body, headers={"authorization": f"Bearer {ADMIN}"}, timeout=10)
+
+
+def new_key(base: str, tenant: str, team: str | None = None, project: str | None = None) -> tuple[str, str]:
+    if _admin(base, "GET", f"/admin/tenants/{tenant}").status_code == 404:
+        assert _admin(base, "POST", "/admin/tenants", {"id": tenant}).status_code == 201
+    if team and _admin(base, "GET", f"/admin/tenants/{tenant}/teams/{team}").status_code == 404:
+        assert _admin(base, "POST", f"/admin/tenants/{tenant}/teams", {"id": team}).status_code == 201
+    if project:
+        r = _admin(base, "POST", "/admin/projects", {"tenant": tenant, "team": team, "id": project})
+        assert r.status_code in (201, 409), r.text
+    body = {"tenant": tenant, **({"team": team} if team else {}), **({"project": project} if project else {})}
+    r = _admin(base, "POST", "/admin/keys", body)
+    assert r.status_code == 201, r.text
+    return r.json()["id"], r.json()["key"]
+
+
+def write_config(tmp, engines, port: int, extra: dict | None = None) -> object:
+    backends = [{"name": e["name"], "kind": "sim", "url": e["url"], "models": ["sim-model"],
+                 "kv_events": e["kv_events"], "replay": e["replay"], "metrics": e["metrics"],
+                 "location": {"country": "DE"}, "retention": "zero"} for e in engines]
+    cfg = {"server": {"host": "127.0.0.1", "port": port}, "backends": backends, "admin": {"key": ADMIN},
+           "identity": {"sqlite_path": str(tmp / "gateway.db"), "cache_ttl_s": 0.5,
+                        "auth_fail_limit_per_minute": 100000},
+           "policy": {"audit_path": str(tmp / "audit.jsonl")},
+           "budgets": {"sqlite_path": str(tmp / "budgets.db"), "spool_path": str(tmp / "spool.jsonl")},
+           "telemetry": {"scrape_interval_s": 0.2}, "observability": {"log_level": "warning"},
+           "batch": {"lease_s": 2.0}, **(extra or {})}
+    path = tmp / "gateway.yaml"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("batch")
+    fleet = FleetProcess(["--engines", "2", "--profile", "h200-8b", "--base-port", "0"], tmp / "fleet.json")
+    man = fleet.start()
+    try:
+        port = free_port()
+        gw, _ = start_gateway(write_config(tmp, man["engines"], port))
+        try:
+            yield {"base": f"http://127.0.0.1:{port}", "tmp": tmp, "gw": gw}
+        finally:
+            gw.stop()
+    finally:
+        fleet.stop()
+
+
+def lines(n: int, prefix: str = "Summarise clause", endpoint: str = "/v1/chat/completions") -> bytes:
+    out = []
+    for i in range(n):
+        out.append(json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": endpoint,
+                               "body": {"model": "sim-model", "max_tokens": 3,
+                                        "messages": [{"role": "user", "content": f"{prefix} {i}"}]}}))
+    return ("\n".join(out) + "\n").encode()
+
+
+def client(base: str, key: str) -> OpenAI:
+    return OpenAI(base_url=base + "/v1", api_key=key, max_retries=0, timeout=30)
+
+
+def wait_done(c: OpenAI, bid: str, limit_s: float = 60.0):
+    deadline = time.monotonic() + limit_s
+    while True:
+        b = c.batches.retrieve(bid)
+        if b.status in ("completed", "failed", "expired", "cancelled"):
+            return b
+        assert time.monotonic() < deadline, f"batch {bid} still {b.status}: {b.request_counts}"
+        time.sleep(0.2)
+
+
+def test_sdk_round_trip_output_in_openai_format(stack):
+    base = stack["base"]
+    _, key = new_key(base, "acme", "search", "p1")
+    c = client(base, key)
+    f = c.files.create(file=("in.jsonl", io.BytesIO(lines(12))), purpose="batch")
+    assert f.object == "file" and f.purpose == "batch" and f.bytes > 0 and f.id.startswith("file-")
+    assert c.files.retrieve(f.id).filename == "in.jsonl"
+    assert c.files.content(f.id).content == lines(12)
+    b = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
+                         metadata={"job": "nightly"})
+    assert b.status == "validating" and b.metadata == {"job": "nightly"} and b.endpoint == "/v1/chat/completions"
+    done = wait_done(c, b.id)
+    assert done.status == "completed", done
+    assert done.request_counts.total == 12 and done.request_counts.completed == 12 and done.request_counts.failed == 0
+    assert done.in_progress_at and done.completed_at and done.finalizing_at and done.error_file_id is None
+    out = [json.loads(x) for x in c.files.content(done.output_file_id).text.splitlines()]
+    assert sorted(o["custom_id"] for o in out) == sorted(f"req-{i}" for i in range(12))
+    for o in out:
+        assert set(o) == {"id", "custom_id", "response", "error"} and o["error"] is None
+        assert o["response"]["status_code"] == 200 and o["response"]["request_id"].startswith("req_")
+        assert o["response"]["body"]["object"] == "chat.completion"
+    # every line's audit record names its batch and line, at priority batch, as the owner's principal
+    rid = out[0]["response"]["request_id"]
+    rec = _admin(base, "GET", f"/admin/decisions/{rid}")
+    for _ in range(50):
+        if rec.status_code == 200:
+            break
+        time.sleep(0.1)
+        rec = _admin(base, "GET", f"/admin/decisions/{rid}")
+    rec = rec.json()
+    assert rec["batch"]["batch_id"] == b.id and rec["batch"]["custom_id"] == out[0]["custom_id"]
+    assert rec["batch"]["line"] == int(out[0]["custom_id"].split("-")[1]) + 1
+    assert rec["decision"]["priority"] == "batch" and rec["principal"]["tenant"] == "acme"
+    assert rec["principal"]["project"] == "p1"
+
+
+def test_list_is_paginated_newest_first(stack):
+    base = stack["base"]
+    _, key = new_key(base, "pager")
+    c = client(base, key)
+    f = c.files.create(file=("in.jsonl", io.BytesIO(lines(1))), purpose="batch")
+    ids = [c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h").id
+           for _ in range(3)]
+    page = c.batches.list(limit=2)
+    assert [b.id for b in page.data] == ids[::-1][:2] and page.has_more
+    rest = c.batches.list(limit=2, after=page.data[-1].id)
+    assert [b.id for b in rest.data] == [ids[0]] and not rest.has_more
+    assert [b.id for b in c.batches.list(limit=2)] == ids[::-1]
+
+
+def test_malformed_jsonl_is_refused_naming_the_line(stack):
+    base = stack["base"]
+    _, key = new_key(base, "malformed")
+    c = client(base, key)
+    bad = lines(3).replace(b'"custom_id": "req-1"', b'"custom_id": 7')
+    with pytest.raises(Exception) as e:
+        c.files.create(file=("in.jsonl", io.BytesIO(bad)), purpose="batch")
+    assert e.value.status_code == 400 and "Line 2" in str(e.value)
+    broken = lines(2) + b"{not json\n"
+    r = httpx.post(base + "/v1/files", headers={"authorization": f"Bearer {key}"}, data={"purpose": "batch"},
+                   files={"file": ("x.jsonl", broken)})
+    assert r.status_code == 400 and r.json()["error"]["line"] == 3 and "Line 3" in r.json()["error"]["message"]
+    dup = lines(2) + lines(1)
+    r = httpx.post(base + "/v1/files", headers={"authorization": f"Bearer {key}"}, data={"purpose": "batch"},
+                   files={"file": ("x.jsonl", dup)})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "duplicate_custom_id"
+    r = httpx.post(base + "/v1/files", headers={"authorization": f"Bearer {key}"}, data={"purpose": "fine-tune"},
+                   files={"file": ("x.jsonl", lines(1))})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "purpose"
+    # a file whose lines target another endpoint than the batch's: the batch fails, the error names the line
+    f = c.files.create(file=("in.jsonl", io.BytesIO(lines(2, endpoint="/v1/completions"))), purpose="batch")
+    b = wait_done(c, c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                      completion_window="24h").id)
+    assert b.status == "failed" and b.errors.data[0].line == 1 and b.errors.data[0].code == "mismatched_endpoint"
+    with pytest.raises(Exception) as e:
+        c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="1h")
+    assert e.value.status_code == 400
+
+
+def test_another_tenant_or_project_gets_404(stack):
+    base = stack["base"]
+    _, owner_key = new_key(base, "owner-t", "team", "pa")
+    _, other_tenant = new_key(base, "other-t")
+    _, other_project = new_key(base, "owner-t", "team", "pb")
+    c = client(base, owner_key)
+    f = c.files.create(file=("in.jsonl", io.BytesIO(lines(2))), purpose="batch")
+    b = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    for key in (other_tenant, other_project):
+        o = client(base, key)
+        for call in (lambda: o.batches.retrieve(b.id), lambda: o.batches.cancel(b.id),
+                     lambda: o.files.retrieve(f.id), lambda: o.files.content(f.id), lambda: o.files.delete(f.id),
+                     lambda: o.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                              completion_window="24h")):
+            with pytest.raises(NotFoundError) as e:
+                call()
+            assert e.value.status_code == 404
+        assert b.id not in [x.id for x in o.batches.list().data]
+        assert f.id not in [x.id for x in o.files.list().data]
+    r = httpx.get(base + f"/v1/batches/{b.id}")
+    assert r.status_code == 401 and r.json()["error"]["code"] == "missing_api_key"
+    assert wait_done(c, b.id).status == "completed"
+    assert c.files.delete(f.id).deleted is True
+    with pytest.raises(NotFoundError):
+        c.files.retrieve(f.id)
+
+
+def test_cancel_ends_cancelled_with_partial_results(stack):
+    base = stack["base"]
+    _, key = new_key(base, "canceller")
+    c = client(base, key)
+    f = c.files.create(file=("in.jsonl", io.BytesIO(lines(400, "long " * 50))), purpose="batch")
+    b = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    time.sleep(0.3)
+    cb = c.batches.cancel(b.id)
+    assert cb.status in ("cancelling", "cancelled") and cb.cancelling_at
+    done = wait_done(c, b.id)
+    assert done.status == "cancelled" and done.cancelled_at
+    n = done.request_counts
+    assert n.total == 400 and n.completed + n.failed == 400 and n.completed < 400
+    errs = [json.loads(x) for x in c.files.content(done.error_file_id).text.splitlines()]
+    assert errs and all(e["error"]["code"] == "batch_cancelled" and e["response"] is None for e in errs)
+    with pytest.raises(Exception) as e:
+        c.batches.cancel(b.id)
+    assert e.value.status_code == 409
+
+
+def test_revoked_key_stops_its_batch(stack):
+    base = stack["base"]
+    kid, key = new_key(base, "revokee")
+    c = client(base, key)
+    f = c.files.create(file=("in.jsonl", io.BytesIO(lines(600, "slow " * 80))), purpose="batch")
+    b = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    deadline = time.monotonic() + 30
+    while c.batches.retrieve(b.id).request_counts.completed < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert _admin(base, "DELETE", f"/admin/keys/{kid}").status_code in (200, 204)
+    # the revoked key can no longer read anything; another key of the same owner scope (tenant) can
+    _, key2 = new_key(base, "revokee")
+    c2 = client(base, key2)
+    done = wait_done(c2, b.id)
+    assert done.status == "failed" and done.errors.data[0].code == "revoked_api_key"
+    n = done.request_counts
+    assert n.total == 600 and n.completed + n.failed == 600 and n.failed > 0
+    errs = [json.loads(x) for x in c2.files.content(done.error_file_id).text.splitlines()]
+    assert all(e["error"]["code"] == "revoked_api_key" for e in errs)
+    assert len({e["custom_id"] for e in errs}) == n.failed
+    out = [json.loads(x) for x in c2.files.content(done.output_file_id).text.splitlines()]
+    assert len(out) == n.completed and not ({o["custom_id"] for o in out} & {e["custom_id"] for e in errs})
