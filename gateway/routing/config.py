@@ -22,6 +22,7 @@ class RoutingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cache_salt_secret_env: str | None = None  # keys the per-tenant cache_salt; default: a fixed gateway secret
     cold_margin: float = 0.5  # upper = mean x (1 + cold_margin) until an engine has min_samples observations
     # the engines' chunked-prefill token budget per step (vLLM --max-num-batched-tokens): the view drains queued
-    # prefill in chunks of this size; per backend name, else the default
-    prefill_token_budget: int = 8192
-    prefill_token_budgets: dict[str, int] = msgspec.field(default_factory=dict)
+    # prefill in chunks of this size. Per backend name when configured, else learned from the engine's KV events,
+    # else the default (shown as "assumed" in /admin/routing until the engine showed its budget)
+    prefill_token_budget: int = 8192  # assumed until learned from the engine's KV events
+    prefill_token_budgets: dict[str, int] = msgspec.field(default_factory=dict)  # per backend; wins over learned
