@@ -73,11 +73,12 @@ def stack(tmp_path_factory):
         fleet.stop()
 
 
-def lines(n: int, prefix: str = "Summarise clause", endpoint: str = "/v1/chat/completions") -> bytes:
+def lines(n: int, prefix: str = "Summarise clause", endpoint: str = "/v1/chat/completions",
+          max_tokens: int = 3) -> bytes:
     out = []
     for i in range(n):
         out.append(json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": endpoint,
-                               "body": {"model": "sim-model", "max_tokens": 3,
+                               "body": {"model": "sim-model", "max_tokens": max_tokens,
                                         "messages": [{"role": "user", "content": f"{prefix} {i}"}]}}))
     return ("\n".join(out) + "\n").encode()
 
