@@ -81,6 +81,13 @@ class HealthCheck(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     open_s: float = 5.0  # how long the circuit stays open before a half-open probe
 
 
+class DnsDiscovery(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One backend per address a DNS name resolves to (gateway/discovery.py), e.g. a headless Service's pods."""
+    dns: str  # name whose A records are the replicas (a Kubernetes headless Service: <svc>.<ns>.svc.cluster.local)
+    port: int | None = None  # port of each replica's url; null: the url's own port
+    refresh_s: float = 10.0  # how often the name is resolved again; a changed address set reloads the config
+
+
 class BackendConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     name: str
     url: str
@@ -108,6 +115,7 @@ class BackendConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     context_window: int | None = None
     capabilities: list[str] = msgspec.field(default_factory=lambda: ["chat", "completions"])
     weight: float = 1.0
+    discovery: DnsDiscovery | None = None  # expand into one backend `<name>-<a-b-c-d>` per resolved address (url, kv_events, replay, metrics pointed at it)
 
     @property
     def retention_days(self) -> int | None:
@@ -300,6 +308,26 @@ def _fail(source: str, marks: dict[str, int], key: str, problem: str) -> ConfigE
 _COUNTRY = re.compile(r"[A-Z]{2}")
 
 
+def _expand_discovered(raw: GatewayConfigRaw, models: dict[str, list[str]], source: str,
+                       path: Path | None) -> tuple[GatewayConfigRaw, dict[str, list[str]]]:
+    """Discovery templates become one backend per address resolved so far (gateway/discovery.py); a model
+    served only by a group with no address yet stays known, with no backend."""
+    from gateway import discovery
+
+    backends = discovery.expand(list(raw.backends), str(path) if path is not None else None)
+    if backends is raw.backends or all(b.discovery is None for b in raw.backends):
+        return raw, models
+    names = [b.name for b in backends]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise ConfigError(f"{source}: backends: discovered backend names collide with configured ones: {dup}")
+    served: dict[str, list[str]] = {m: [] for m in models}
+    for b in backends:
+        for m in b.models:
+            served.setdefault(m, []).append(b.name)
+    return msgspec.structs.replace(raw, backends=backends), served
+
+
 def parse_config(text: str, source: str = "<config>", base_dir: Path | None = None, path: Path | None = None,
                  env: dict[str, str] | None = None) -> Config:
     """Validate config text into a snapshot, or raise ConfigError naming file:line: key."""
@@ -351,8 +379,16 @@ def parse_config(text: str, source: str = "<config>", base_dir: Path | None = No
         for tname in ("connect_s", "first_token_s", "idle_s", "total_s"):
             if getattr(b.timeouts, tname) <= 0:
                 raise _fail(source, marks, f"{k}.timeouts.{tname}", "must be > 0")
+        if b.discovery is not None:
+            if not b.discovery.dns.strip():
+                raise _fail(source, marks, f"{k}.discovery.dns", "must be a DNS name")
+            if b.discovery.refresh_s <= 0:
+                raise _fail(source, marks, f"{k}.discovery.refresh_s", "must be > 0 (seconds)")
+            if b.discovery.port is not None and not 0 < b.discovery.port < 65536:
+                raise _fail(source, marks, f"{k}.discovery.port", "must be between 1 and 65535")
         for m in b.models:
             models.setdefault(m, []).append(b.name)
+    raw, models = _expand_discovered(raw, models, source, path)
     aliases: dict[str, tuple[str, ...]] = {}
     for i, a in enumerate(raw.aliases):
         if a.name in models:

@@ -27,6 +27,15 @@ def wire(gw: Gateway) -> None:
     _wire_evidence(gw)
     _wire_observability(gw)
     _wire_batch(gw)
+    _wire_discovery(gw)  # last: its first resolution reloads the config into services already started
+
+
+def _wire_discovery(gw: Gateway) -> None:
+    """Backends with `discovery: {dns}` become one backend per resolved address, refreshed (gateway/discovery.py).
+    Always wired (idle without templates), so a reload that adds a discovery backend is served too."""
+    from gateway.discovery import DiscoveryService
+
+    gw.services.append(DiscoveryService(gw))
 
 
 def _replace_stage(gw: Gateway, name: str, stage: Any) -> None:
