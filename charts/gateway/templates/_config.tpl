@@ -15,6 +15,7 @@ Every key here exists in gateway/config.py (forbid_unknown_fields); tests/charts
 {{- $mml := default $v.engines.maxModelLen $e.maxModelLen -}}
 {{- if $mml -}}{{- $_ := set $b "context_window" (int $mml) -}}{{- end -}}
 {{- if $e.weight -}}{{- $_ := set $b "weight" $e.weight -}}{{- end -}}
+{{- if gt (int (default 1 $e.replicas)) 1 -}}{{- $_ := set $b "discovery" (dict "dns" $host "refresh_s" $v.engines.discoveryRefreshSeconds) -}}{{- end -}}
 {{- $backends = append $backends $b -}}
 {{- end -}}
 {{- range $b := $v.gateway.backends -}}
