@@ -7,7 +7,8 @@ gateway's default `telemetry.tokenizer: auto` without a local tokenizer). Two ga
 (`predicted_ttft`, admission on, every routing default) and `least_loaded` without admission, run one after the
 other on the same fleet (prefix caches reset before each run).
 
-Phases (each run on one gateway, then on the other, before the next phase), each measured from the client and from the audit records (evidence) of the gateway:
+Phases (each run on one gateway, then on the other, before the next phase), each measured from the client and
+from the audit records (evidence) of the gateway:
   ladder-R  shared-prefix traffic at R req/s (Poisson; R = 8, 16, 32): 2500-token system prompts of groups
             that keep appearing (a new group every 0.5 s, requests spread over the 4 newest), so requests keep
             arriving while their prefix is still being prefilled somewhere; no TTFT target;
@@ -311,7 +312,8 @@ def print_tables(names: list[str], results: dict, snaps: dict, args: argparse.Na
     print(f"admission counters: {snap.get('admission')}; errors ours "
           f"{sum(p['errors'] for p in ours['phases'].values())}, least-loaded "
           f"{sum(p['errors'] for p in ll['phases'].values())}; bursts: {args.bursts} x {args.burst_size} unique "
-          f"1500-token prompts at {args.burst_rate:g} req/s, x-ttft-slo-ms cycling {args.slo_ms}, {args.burst_gap_s} s apart; "
+          f"1500-token prompts at {args.burst_rate:g} req/s, x-ttft-slo-ms cycling {args.slo_ms}, "
+          f"{args.burst_gap_s} s apart; "
           f"ladder steps {args.step_s} s, {SYSTEM_TOKENS}-token system prompts")
 
 

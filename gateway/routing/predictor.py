@@ -18,11 +18,11 @@ upper bound admission uses. Everything is pure and synchronous with an injectabl
 
 Guard against degenerate fits (a burst the features cannot explain can pin the prefill rate at its bound and put
 seconds into the overhead): every coefficient is boxed in physical bounds (`lower`, `upper`: at most 500k
-prefill tokens/s, at most 0.5 s of fixed overhead), and when the out-of-sample error explodes (median
-ln(actual / predicted) over the last `guard_window` observations beyond ± `guard_log_error`, judged once the fit has `refit_min` observations of its
-own, so never on the cold-start prior) the learner resets:
-the fit restarts from the prior plus those last observations, the residual quantile and the drain's per-token
-cost start over, and the reset is counted (`guard` in /admin/routing).
+prefill tokens/s, at most 0.5 s of fixed overhead), and when the out-of-sample error explodes one-sidedly
+(median ln(actual / predicted) over the last `guard_window` observations beyond +-`guard_log_error`, judged once
+the fit has `refit_min` observations of its own, so never on the cold-start prior) the learner resets: the fit
+restarts from the prior plus those of the last observations it got wrong, the residual quantile and the drain's
+per-token cost start over, and the reset is counted (`guard` in /admin/routing).
 """
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from gateway.errors import GatewayError, retry_headers
 from gateway.pipeline import RequestContext
 from gateway.policy.residency import backend_allowed
 from gateway.proxy.health import Health
-from gateway.routing.admission import BatchQueue, QueueFull, decide, slo_ms
+from gateway.routing.admission import Admission, BatchQueue, QueueFull, decide, slo_ms
 from gateway.routing.pending import PendingCache
 from gateway.routing.plan import Candidate, RoutePlan
 from gateway.routing.plugins import ApproxPrefixIndex, EngineView, Scored, Strategy, build_strategy, text_blocks
@@ -140,7 +140,7 @@ def last_chunk_from(n_tokens: int, cached: int, budget: int, block_size: int | N
     return max(0, end // block_size - held)
 
 
-def early_refusal(target: float, lower_uppers_ms: list[float], lower_means_ms: list[float]):
+def early_refusal(target: float, lower_uppers_ms: list[float], lower_means_ms: list[float]) -> Admission | None:
     """The admission decision on lower bounds of every own engine's prediction (see
     PredictiveRouteStage._refuse_early): the Admission when it is a refusal, else None (decide after tokenizing).
     Realtime/standard traffic without a spill target only: batch queues and spills need the full prediction."""
@@ -155,7 +155,8 @@ def _unattainable(best: Candidate, target: float, retry_after_s: float, lower_bo
     at_least = "at least " if lower_bound else ""
     return GatewayError(
         429, f"No allowed engine is predicted to meet the TTFT target of {target:g} ms "
-             f"(best predicted {at_least}{best.predicted_ttft_ms:.0f} ms, upper {best.predicted_ttft_upper_ms:.0f} ms).",
+             f"(best predicted {at_least}{best.predicted_ttft_ms:.0f} ms, "
+             f"upper {best.predicted_ttft_upper_ms:.0f} ms).",
         code="ttft_slo_unattainable",
         headers={**retry_headers(retry_after_s), "x-predicted-ttft-ms": f"{best.predicted_ttft_ms:.0f}",
                  "x-predicted-ttft-upper-ms": f"{best.predicted_ttft_upper_ms:.0f}",
