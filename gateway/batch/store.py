@@ -281,12 +281,17 @@ class BatchStore:
                                   "stop_reason IS NULL", batch_id)
             if not live:
                 return []
+            # pick first, then lease exactly those rows (Postgres may re-run a LIMIT subquery inside IN)
+            picked = await tx.fetch(
+                "SELECT line_no FROM batch_lines WHERE batch_id = ? AND (state = 'pending' OR (state = 'leased' "
+                f"AND lease_until < ?)) ORDER BY prefix_key, line_no LIMIT ?{self.skip_locked}", batch_id, now, n)
+            if not picked:
+                return []
+            marks = ", ".join("?" for _ in picked)
             rows = await tx.fetch(
                 "UPDATE batch_lines SET state = 'leased', lease_owner = ?, lease_until = ?, dispatches = dispatches + 1 "
-                "WHERE batch_id = ? AND line_no IN (SELECT line_no FROM batch_lines WHERE batch_id = ? AND "
-                "(state = 'pending' OR (state = 'leased' AND lease_until < ?)) ORDER BY prefix_key, line_no LIMIT ?"
-                f"{self.skip_locked}) RETURNING line_no, custom_id, body, tries, dispatches",
-                owner, now + lease_s, batch_id, batch_id, now, n)
+                f"WHERE batch_id = ? AND line_no IN ({marks}) RETURNING line_no, custom_id, body, tries, dispatches",
+                owner, now + lease_s, batch_id, *[r["line_no"] for r in picked])
         rows.sort(key=lambda r: r["line_no"])
         return [Line(batch_id, r["line_no"], r["custom_id"], _l(r["body"]), r["tries"], r["dispatches"]) for r in rows]
 

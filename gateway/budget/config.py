@@ -9,6 +9,8 @@ class ModelPrice(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cached_input: float | None = None  # per million cached prompt tokens; None = same as input
     output: float = 0.0
     gpu_second: float | None = None  # self-hosted: price per GPU-second of the engine that served it
+    batch_input: float | None = None  # per million input tokens of batch-lane lines (docs/batch.md); None = input
+    batch_output: float | None = None  # per million output tokens of batch-lane lines; None = output
     currency: str = "EUR"
 
 

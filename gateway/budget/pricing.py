@@ -4,24 +4,32 @@ from __future__ import annotations
 
 from typing import Mapping
 
+import msgspec
+
 from gateway.budget.config import ModelPrice
 from gateway.pipeline import Usage
 
 
-def find_price(model: str, prices: Mapping[str, ModelPrice], backend: str | None = None) -> ModelPrice | None:
-    """`backend:model` wins over `model`, so one model can be priced differently per engine or partner."""
-    if backend is not None:
-        p = prices.get(f"{backend}:{model}")
-        if p is not None:
-            return p
-    return prices.get(model)
+def find_price(model: str, prices: Mapping[str, ModelPrice], backend: str | None = None,
+               batch: bool = False) -> ModelPrice | None:
+    """`backend:model` wins over `model`, so one model can be priced differently per engine or partner. With
+    `batch` (a batch-lane line) the price's batch_input/batch_output replace input/output where set."""
+    p = prices.get(f"{backend}:{model}") if backend is not None else None
+    if p is None:
+        p = prices.get(model)
+    if batch and p is not None and (p.batch_input is not None or p.batch_output is not None):
+        bi = p.input if p.batch_input is None else p.batch_input
+        ci = None if p.cached_input is None else min(p.cached_input, bi)
+        p = msgspec.structs.replace(p, input=bi, cached_input=ci,
+                                    output=p.output if p.batch_output is None else p.batch_output)
+    return p
 
 
 def cost(model: str, usage: Usage, prices: Mapping[str, ModelPrice], gpu_seconds: float | None = None,
-         backend: str | None = None) -> float:
+         backend: str | None = None, batch: bool = False) -> float:
     """Money for `usage` of `model`; 0.0 for an unpriced model. Cached prompt tokens are billed at
     cached_input (input when unset); GPU-seconds add gpu_second * seconds when both are known."""
-    p = find_price(model, prices, backend)
+    p = find_price(model, prices, backend, batch)
     if p is None:
         return 0.0
     cached = min(max(usage.cached_tokens or 0, 0), usage.prompt_tokens)

@@ -228,13 +228,14 @@ class BudgetService:
             self._period_cache[window] = ref
         return ref.ref
 
-    def _price(self, models: tuple[str, ...]) -> tuple[float, float, float]:
+    def _price(self, models: tuple[str, ...], batch: bool = False) -> tuple[float, float, float]:
         """Worst-case (input, output, fixed) nano-units (per token; fixed per request) over every (backend,
         model) the request may be charged at: each model of the chain with each backend serving any of them
         (the route is not planned yet, and retries or spills may land on any of them), each pair priced as
         settle prices it (`<backend>:<model>`, else `<model>`). A model no configured backend serves is also
         priced without a backend. Cached per chain until the next config swap."""
-        hit = self._price_cache.get(models)
+        ck = (*models, "\x00batch") if batch else models
+        hit = self._price_cache.get(ck)
         if hit is not None:
             return hit
         cfg = self.cfg
@@ -246,7 +247,7 @@ class BudgetService:
         pin = pout = fixed = 0.0
         for m in models:
             for b in (backends if m in serving else (*backends, None)):
-                p: ModelPrice | None = find_price(m, cfg.prices, b)
+                p: ModelPrice | None = find_price(m, cfg.prices, b, batch)
                 if p is None:
                     continue
                 fx = convert(1.0, p.currency, cfg.currency, cfg.fx_rates)
@@ -257,21 +258,21 @@ class BudgetService:
         out = (pin, pout, fixed)
         if len(self._price_cache) > 10_000:
             self._price_cache.clear()
-        self._price_cache[models] = out
+        self._price_cache[ck] = out
         return out
 
     # ------------------------------------------------------------------------------------ reserve
 
     async def reserve(self, rid: str, principal: Principal, budgets: tuple[BudgetSpec, ...],
                       models: tuple[str, ...], prompt_tokens: int, max_tokens: int | None,
-                      max_tokens_cap: int | None = None) -> ReserveOutcome:
+                      max_tokens_cap: int | None = None, batch: bool = False) -> ReserveOutcome:
         """Reserve the worst case over every scope x window, or raise GatewayError 429/503."""
         cfg = self.cfg
         now = self.clock()
         default_cap = _min(cfg.default_max_tokens, max_tokens_cap)
         max_c = max_tokens if max_tokens is not None else default_cap
         min_c = max_c if max_tokens is not None else min(cfg.min_completion_tokens, max_c)
-        pin, pout, pfixed = self._price(models)
+        pin, pout, pfixed = self._price(models, batch)
         store_name, store, scale = "primary", self.primary, 1.0
         if now < self._down_until:
             store_name, store, scale = self._fallback(now)
@@ -317,7 +318,7 @@ class BudgetService:
     # ------------------------------------------------------------------------------------ settle
 
     async def settle(self, resv: Reservation, usage: Usage, model: str, backend: str | None = None,
-                     gpu_seconds: float | None = None) -> SettleOutcome:
+                     gpu_seconds: float | None = None, batch: bool = False) -> SettleOutcome:
         """Replace the hold with actual usage. Never loses spend: a failed primary settle is queued and replayed.
 
         A GPU-second-priced model served by `backend` without `gpu_seconds` given is charged the wall time
@@ -326,11 +327,11 @@ class BudgetService:
             raise RuntimeError(f"reservation {resv.rid} settled twice")
         resv.settled = True
         now = self.clock()
-        p = find_price(model, self.cfg.prices, backend)
+        p = find_price(model, self.cfg.prices, backend, batch)
         if gpu_seconds is None and backend is not None and p is not None and p.gpu_second is not None:
             gpu_seconds = max(0.0, round(now - resv.args.now, 3))
         ccy = self.cfg.currency
-        amount = cost(model, usage, self.cfg.prices, gpu_seconds, backend)
+        amount = cost(model, usage, self.cfg.prices, gpu_seconds, backend, batch)
         if p is not None:
             amount = convert(amount, p.currency, ccy, self.cfg.fx_rates)
         # the in-process fail-open store cannot lose a reply: no marker there (it would never be purged)
@@ -362,12 +363,13 @@ class BudgetService:
             return "", 0
         return f"{self.cfg.key_prefix}:settled:{rid}", int(self.cfg.reservation_ttl_s) + 300
 
-    def price(self, model: str, usage: Usage, backend: str | None = None, gpu_seconds: float | None = None) -> float:
+    def price(self, model: str, usage: Usage, backend: str | None = None, gpu_seconds: float | None = None,
+              batch: bool = False) -> float:
         """Cost of `usage` in the budget currency (for requests without a reservation)."""
-        p = find_price(model, self.cfg.prices, backend)
+        p = find_price(model, self.cfg.prices, backend, batch)
         if p is None:
             return 0.0
-        return convert(cost(model, usage, self.cfg.prices, gpu_seconds, backend), p.currency, self.cfg.currency,
+        return convert(cost(model, usage, self.cfg.prices, gpu_seconds, backend, batch), p.currency, self.cfg.currency,
                        self.cfg.fx_rates)
 
     async def _flush_pending(self) -> None:

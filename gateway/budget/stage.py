@@ -31,7 +31,7 @@ class BudgetStage:
         try:
             out = await self.service.reserve(ctx.request_id, ctx.principal, d.budgets, models,
                                              max(ctx.prompt_tokens_est, ctx.prompt_tokens_max), ctx.max_tokens,
-                                             d.max_tokens_cap)
+                                             d.max_tokens_cap, batch=ctx.batch is not None)
         except _NoLimits:
             return
         except Exception as e:
@@ -82,7 +82,8 @@ class BudgetStage:
             usage = Usage(ctx.prompt_tokens_est if dispatched else 0, ctx.delivered_completion_tokens)
         svc = self.service
         model = self._price_model(ctx)
-        price = find_price(model, svc.cfg.prices, ctx.backend)
+        batch = ctx.batch is not None  # a batch-lane line: batch prices (docs/batch.md)
+        price = find_price(model, svc.cfg.prices, ctx.backend, batch)
         gpu_s = None
         if price is not None and price.gpu_second is not None and ctx.backend is not None:
             # the gateway's wall time for the request so far (arrival to now, the end of the response): what
@@ -90,13 +91,14 @@ class BudgetStage:
             total = ctx.total_s if ctx.total_s is not None else time.perf_counter() - ctx.received_at
             gpu_s = round(max(0.0, total), 3)
         if resv is not None:
-            out = await svc.settle(resv, usage, model, ctx.backend, gpu_s)
+            out = await svc.settle(resv, usage, model, ctx.backend, gpu_s, batch)
             amount, ccy = out.cost, out.currency
         else:
-            amount, ccy = svc.price(model, usage, ctx.backend, gpu_s), svc.cfg.currency
+            amount, ccy = svc.price(model, usage, ctx.backend, gpu_s, batch), svc.cfg.currency
         ctx.evidence["cost"] = {"amount": amount, "currency": ccy, "model": model,
                                 "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-                                "cached_tokens": usage.cached_tokens, "gpu_seconds": gpu_s}
+                                "cached_tokens": usage.cached_tokens, "gpu_seconds": gpu_s,
+                                **({"priced_as": "batch"} if batch else {})}
         p = ctx.principal
         svc.ledger.enqueue({
             "request_id": ctx.request_id, "ts": ctx.received_wall, "principal_id": p.id if p else None,

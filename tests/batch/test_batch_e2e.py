@@ -64,7 +64,15 @@ def stack(tmp_path_factory):
     man = fleet.start()
     try:
         port = free_port()
-        gw, _ = start_gateway(write_config(tmp, man["engines"], port))
+        (tmp / "policy.yaml").write_text(json.dumps({"version": 1, "rules": [
+            {"id": "budgeted-tokens", "match": {"tenant": "budgeted"}, "budgets": [{"window": "day", "tokens": 600}]},
+            {"id": "zdr", "match": {"tenant": "zdr"}, "require": {"retention": "zero"}}]}))
+        extra = {"policy": {"files": [str(tmp / "policy.yaml")], "audit_path": str(tmp / "audit.jsonl")},
+                 "budgets": {"sqlite_path": str(tmp / "budgets.db"), "spool_path": str(tmp / "spool.jsonl"),
+                             "prices": {"sim-model": {"input": 1.0, "output": 2.0, "batch_input": 0.5,
+                                                      "batch_output": 1.0}}},
+                 "batch": {"lease_s": 2.0, "zero_retention_delete_after_s": 3.0}}
+        gw, _ = start_gateway(write_config(tmp, man["engines"], port, extra))
         try:
             yield {"base": f"http://127.0.0.1:{port}", "tmp": tmp, "gw": gw}
         finally:
@@ -81,6 +89,15 @@ def lines(n: int, prefix: str = "Summarise clause", endpoint: str = "/v1/chat/co
                                "body": {"model": "sim-model", "max_tokens": max_tokens,
                                         "messages": [{"role": "user", "content": f"{prefix} {i}"}]}}))
     return ("\n".join(out) + "\n").encode()
+
+
+def decision(base: str, rid: str) -> dict:
+    for _ in range(50):
+        r = _admin(base, "GET", f"/admin/decisions/{rid}")
+        if r.status_code == 200:
+            return r.json()
+        time.sleep(0.1)
+    raise AssertionError(f"no audit record for {rid}")
 
 
 def client(base: str, key: str) -> OpenAI:
@@ -119,14 +136,7 @@ def test_sdk_round_trip_output_in_openai_format(stack):
         assert o["response"]["status_code"] == 200 and o["response"]["request_id"].startswith("req_")
         assert o["response"]["body"]["object"] == "chat.completion"
     # every line's audit record names its batch and line, at priority batch, as the owner's principal
-    rid = out[0]["response"]["request_id"]
-    rec = _admin(base, "GET", f"/admin/decisions/{rid}")
-    for _ in range(50):
-        if rec.status_code == 200:
-            break
-        time.sleep(0.1)
-        rec = _admin(base, "GET", f"/admin/decisions/{rid}")
-    rec = rec.json()
+    rec = decision(base, out[0]["response"]["request_id"])
     assert rec["batch"]["batch_id"] == b.id and rec["batch"]["custom_id"] == out[0]["custom_id"]
     assert rec["batch"]["line"] == int(out[0]["custom_id"].split("-")[1]) + 1
     assert rec["decision"]["priority"] == "batch" and rec["principal"]["tenant"] == "acme"
@@ -246,3 +256,53 @@ def test_revoked_key_stops_its_batch(stack):
     assert len({e["custom_id"] for e in errs}) == n.failed
     out = [json.loads(x) for x in c2.files.content(done.output_file_id).text.splitlines()]
     assert len(out) == n.completed and not ({o["custom_id"] for o in out} & {e["custom_id"] for e in errs})
+
+
+def test_budget_runs_out_lines_fail_with_the_reason_and_batch_prices_apply(stack):
+    base = stack["base"]
+    _, key = new_key(base, "budgeted")
+    c = client(base, key)
+    f = c.files.create(file=("in.jsonl", io.BytesIO(lines(60))), purpose="batch")
+    done = wait_done(c, c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                         completion_window="24h").id)
+    n = done.request_counts
+    assert done.status == "completed" and n.total == 60 and n.completed > 0 and n.failed > 0
+    assert n.completed + n.failed == 60
+    errs = [json.loads(x) for x in c.files.content(done.error_file_id).text.splitlines()]
+    out = [json.loads(x) for x in c.files.content(done.output_file_id).text.splitlines()]
+    assert len(errs) == n.failed and len(out) == n.completed
+    assert {e["custom_id"] for e in errs} | {o["custom_id"] for o in out} == {f"req-{i}" for i in range(60)}
+    for e in errs:  # which line failed and why: the 429 insufficient_quota the budget answered
+        code = (e["error"] or {}).get("code") or e["response"]["body"]["error"]["code"]
+        assert code == "insufficient_quota" and e["response"]["status_code"] == 429
+    rec = decision(base, out[0]["response"]["request_id"])
+    cost, usage = rec["cost"], rec["usage"]
+    assert cost["priced_as"] == "batch" and rec["budget"] is not None
+    expect = (usage["prompt_tokens"] * 0.5 + usage["completion_tokens"] * 1.0) / 1e6
+    assert abs(cost["amount"] - expect) < 1e-12
+
+
+def test_zero_retention_files_are_deleted_after_delivery(stack):
+    base = stack["base"]
+    _, key = new_key(base, "zdr")
+    c = client(base, key)
+    f = c.files.create(file=("in.jsonl", io.BytesIO(lines(3))), purpose="batch")
+    b = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert b.model_extra["retention"]["zero_data_retention"] is True
+    done = wait_done(c, b.id)
+    assert done.status == "completed"
+    ret = done.model_extra["retention"]
+    assert ret["zero_data_retention"] is True and ret["files_deleted_at"] >= done.completed_at
+    with pytest.raises(NotFoundError):  # the input is gone as soon as the batch ended
+        c.files.retrieve(f.id)
+    assert len(c.files.content(done.output_file_id).text.splitlines()) == 3  # delivered
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            c.files.retrieve(done.output_file_id)
+        except NotFoundError:
+            break
+        assert time.monotonic() < deadline, "output file of a zero-retention batch was not deleted"
+        time.sleep(0.2)
+    with pytest.raises(NotFoundError):
+        c.files.content(done.output_file_id)
