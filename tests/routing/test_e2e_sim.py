@@ -140,3 +140,28 @@ async def test_overload_is_refused_early_with_headers(stack):
     rec = _decision(base, "shed-1")
     assert rec["status"] == 429 and rec["route"]["admission"] == "reject"
     assert rec["route"]["decided_us"] < 50_000
+
+
+def test_admin_routing_shows_each_engines_learned_chunk_budget_and_prediction_quality(stack):
+    """Issue 17a/d: the gateway is told no chunk budget; /admin/routing shows each engine's as learned from its
+    KV events (h200-8b 8192, l40s-8b 4096 in the sim's profiles), with the guard state, MdARE and calibration."""
+    base = stack["base"]
+    budgets = {"h200-8b": 8192, "l40s-8b": 4096}
+    with httpx.Client(timeout=60) as c:  # a prompt of several chunks straight to each engine
+        for e in stack["engines"]:
+            r = c.post(e["url"] + "/completions", json={"model": "sim-model", "max_tokens": 1,
+                                                         "prompt": " ".join(f"c{j}" for j in range(12000))})
+            assert r.status_code == 200
+    want = {e["name"]: budgets[e["profile"]] for e in stack["engines"]}
+    for _ in range(50):
+        snap = httpx.get(base + "/admin/routing", headers={"authorization": f"Bearer {ADMIN}"}).json()
+        facts = {n: snap["engines"].get(n, {}).get("facts", {}) for n in want}
+        if all(f.get("chunk_budget_source") == "learned" for f in facts.values()):
+            break
+        time.sleep(0.1)
+    assert {n: (f["chunk_budget"], f["chunk_budget_source"]) for n, f in facts.items()} == \
+        {n: (b, "learned") for n, b in want.items()}
+    assert all(f["block_size"] == 16 and f["kv_capacity_blocks"] for f in facts.values())
+    served = [e for e in snap["engines"].values() if e.get("samples")]
+    assert served and all("mdare" in e and "calibration" in e and e["calibration_target"] == 0.9
+                          and "resets" in e["guard"] for e in served)
