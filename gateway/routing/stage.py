@@ -366,7 +366,10 @@ class PredictiveRouteStage:
         return {"chunk_budget": budget, "chunk_budget_source": src,
                 "block_size": bs, "block_size_source": "kv events / metrics" if bs else "unknown",
                 "kv_capacity_blocks": cap, "kv_capacity_source": "metrics (cache_config_info)" if cap else "unknown",
-                "pending_blocks": self.pending.blocks(name)}
+                "pending_blocks": self.pending.blocks(name),
+                # what one request the engine's metrics count as waiting weighs in the view (view.engine_view)
+                "mean_uncached_prompt": round(self.avg_uncached.get(name, 512.0), 1),
+                "mean_uncached_prompt_source": "observed" if name in self.avg_uncached else "assumed"}
 
     async def _prompt(self, ctx: RequestContext, cands: list[Candidate], salt: str | None
                       ) -> tuple[int, dict[str, int], str, list[int], dict[str, tuple[int, list[int]]]]:

@@ -162,6 +162,8 @@ def test_admin_routing_shows_each_engines_learned_chunk_budget_and_prediction_qu
     assert {n: (f["chunk_budget"], f["chunk_budget_source"]) for n, f in facts.items()} == \
         {n: (b, "learned") for n, b in want.items()}
     assert all(f["block_size"] == 16 and f["kv_capacity_blocks"] for f in facts.values())
+    assert {f["mean_uncached_prompt_source"] for n, f in facts.items() if snap["engines"][n].get("samples")} \
+        <= {"observed"}
     served = [e for e in snap["engines"].values() if e.get("samples")]
     assert served and all("mdare" in e and "calibration" in e and e["calibration_target"] == 0.9
                           and "resets" in e["guard"] for e in served)
