@@ -450,3 +450,10 @@ def test_engine_replicas_must_be_positive(helm: str) -> None:
     out = render(helm, "-f", str(CHART / "ci" / "engines-values.yaml"), "--set", "engines.list[0].replicas=0",
                  check=False)
     assert out.returncode != 0 and "replicas" in out.stderr
+
+
+def test_the_chart_readme_covers_every_top_level_value() -> None:
+    readme = (CHART / "README.md").read_text()
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    missing = [k for k in values if f"`{k}`" not in readme]
+    assert not missing, f"charts/gateway/README.md does not mention: {missing}"
