@@ -11,10 +11,12 @@ holds the block (`extend` drops the pending entries the index has caught up with
 The tail: a prompt that needs several chunks stores them step by step, and the engine schedules a waiting request
 in the first step with budget left after the running prefills, i.e. alongside the earlier request's last (partial)
 chunk. A request arriving before that last step started finds only the full chunks cached, one arriving after it
-finds everything. The gateway sees which: the last step has started once the index holds every block before the
-tail (the previous step's BlockStored arrived), or, when events lag (a busy gateway or engine), once the time
-the prediction gives for it has passed. So `add` marks the last chunk's blocks as the tail with that time, and
-`extend` walks into a tail only when the index already holds everything before it or that time has come.
+finds everything. The gateway sees which: the last step has started once at most one chunk of the prompt is
+left uncomputed, i.e. once the index holds its first (prompt - budget) tokens (the previous step's BlockStored
+arrived; this holds also when the earlier request's chunks were shifted by sharing steps with others), or, when
+events lag (a busy gateway or engine), once the time the prediction gives for it has passed. So `add` marks the
+last chunk's blocks as the tail with that block count (`tail_trigger`) and time, and `extend` walks into a tail
+only when the index holds that many blocks or that time has come.
 """
 from __future__ import annotations
 
@@ -24,15 +26,17 @@ from typing import Sequence
 class PendingCache:
     def __init__(self) -> None:
         self._by_engine: dict[str, dict[int, int]] = {}  # engine -> own key -> requests that will store it
-        # engine -> own key in a multi-chunk prompt's last chunk -> (requests, earliest time that step starts)
+        # engine -> own key in a multi-chunk prompt's last chunk -> [requests, earliest time that step starts,
+        # fewest index-held blocks that show it started]
         self._tail: dict[str, dict[int, list[float]]] = {}
         self._by_rid: dict[str, tuple[str, list[int], list[int]]] = {}
 
     def add(self, rid: str, engine: str, keys: Sequence[int], tail_from: int | None = None,
-            tail_at: float = float("inf")) -> None:
+            tail_at: float = float("inf"), tail_trigger: int = 0) -> None:
         """Request `rid` was dispatched to `engine` with these own keys not yet in the index; keys[tail_from:]
-        are computed in its last prefill step (None: no earlier step, see the module docstring), predicted to
-        start at `tail_at` (the caller's clock)."""
+        are computed in its last prefill step (None: no earlier step, see the module docstring), which has
+        started once the index holds `tail_trigger` leading blocks of the prompt, or is predicted to start at
+        `tail_at` (the caller's clock)."""
         if not keys:
             return
         self.remove(rid)
@@ -45,10 +49,11 @@ class PendingCache:
             for k in tail:
                 e = tl.get(k)
                 if e is None:
-                    tl[k] = [1, tail_at]
+                    tl[k] = [1, tail_at, tail_trigger]
                 else:
                     e[0] += 1
                     e[1] = min(e[1], tail_at)
+                    e[2] = min(e[2], tail_trigger)
         self._by_rid[rid] = (engine, list(keys), tail)
 
     def remove(self, rid: str) -> None:
@@ -94,7 +99,7 @@ class PendingCache:
         n = held
         while n < limit and keys[n] in pend:
             t = tail.get(keys[n])
-            if t is not None and n > held and keys[n - 1] not in tail and now < t[1]:
+            if t is not None and n > held and keys[n - 1] not in tail and now < t[1] and held < t[2]:
                 break  # the earlier request's last chunk: not started yet, shares this request's step
             n += 1
         return n

@@ -552,7 +552,8 @@ class PredictiveRouteStage:
             tail = last_chunk_from(n_tokens, pick.cached_tokens or 0, budget, bs, held)
             # the tail's fallback time (when KV events lag): the predicted first token, by which the last step
             # has started; before it only the index says so (it holds every block before the tail)
-            self.pending.add(ctx.request_id, name, keys[held:], tail, fl.started + fl.predicted_s)
+            self.pending.add(ctx.request_id, name, keys[held:], tail, fl.started + fl.predicted_s,
+                             max(0, (n_tokens - budget) // bs) if bs else 0)
         self.flights.setdefault(name, {})[ctx.request_id] = fl
         self._by_rid[ctx.request_id] = fl
         if fl.telemetry:

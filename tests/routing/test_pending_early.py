@@ -166,9 +166,14 @@ def test_the_last_chunk_of_a_multi_chunk_prompt_is_seen_only_once_the_steps_befo
     assert last_chunk_from(2558, 320, 2048, 16, 20) == (320 + 2048) // 16 - 20
     p = PendingCache()
     keys = list(range(100, 260))  # a's 160 blocks, none stored yet; blocks 128.. are its last chunk
-    p.add("a", "e", keys, tail_from=128, tail_at=10.0)
+    p.add("a", "e", keys, tail_from=128, tail_at=10.0, tail_trigger=(2558 - 2048) // 16)
     assert p.extend("e", keys, 0, 159, now=9.0) == 128  # a's last step has not started: only the first chunk
     assert p.extend("e", keys, 0, 159, now=10.5) == 159  # its predicted start passed (events may lag)
     assert p.extend("e", keys, 128, 159, now=9.0) == 159  # the first chunk's BlockStored arrived: it runs
     p.remove("a")
     assert p.extend("e", keys, 0, 159) == 0
+    # a's first step was shorter (it shared the step with another request's last chunk): 20 blocks stored leave
+    # more than a chunk; 100 leave less than one chunk, so its last step runs now
+    p.add("a", "e", keys, tail_from=128, tail_at=10.0, tail_trigger=(2558 - 2048) // 16)
+    assert p.extend("e", keys, 20, 159, now=9.0) == 128
+    assert p.extend("e", keys, 100, 159, now=9.0) == 159
