@@ -103,9 +103,20 @@ def cmd_config_check(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"{args.file}: ok ({len(cfg.backends)} backends, {len(cfg.models)} models, {len(cfg.aliases)} aliases)")
+    _print_discovery(cfg)
     if getattr(args, "probe", False):
         return _probe_kv_events(cfg, args.probe_timeout)
     return 0
+
+
+def _print_discovery(cfg) -> None:  # type: ignore[no-untyped-def]
+    """What each discovery backend resolves to from here (the server resolves again at start and on refresh)."""
+    from gateway import discovery
+
+    for t in discovery.TEMPLATES.get(str(cfg.path) if cfg.path is not None else None, ()):
+        addrs = discovery.resolve_a(t.discovery.dns)
+        found = ", ".join(discovery.backend_name(t.name, a) for a in addrs) if addrs else "no address yet"
+        print(f"discovery: {t.name}: {t.discovery.dns} -> {found}")
 
 
 def _probe_kv_events(cfg, timeout_s: float) -> int:  # type: ignore[no-untyped-def]

@@ -116,3 +116,18 @@ async def test_names_are_resolved_only_when_due(tmp_path):
     now["t"] = 0.6  # past refresh_s
     await svc.refresh()
     assert seen == ["eng.test", "eng.test"]
+
+
+def test_config_check_says_what_each_discovery_name_resolves_to(tmp_path, capsys):
+    from gateway.cli import main
+
+    p = tmp_path / "gateway.yaml"
+    p.write_text(TEMPLATE % "localhost" + """  - name: nowhere
+    url: http://x.invalid:1/v1
+    models: [m]
+    discovery: {dns: no-such-host.invalid}
+""")
+    assert main(["config", "check", str(p)]) == 0
+    out = capsys.readouterr().out
+    assert "discovery: eng: localhost -> eng-127-0-0-1" in out
+    assert "discovery: nowhere: no-such-host.invalid -> no address yet" in out
