@@ -73,6 +73,7 @@ class BatchService:
         self._task: asyncio.Task | None = None
         self._closing = False
         self._rr = 0
+        self._hold: dict[str, float] = {}  # batch id -> monotonic time before which it gets no new lines
         self.stats = {"dispatched": 0, "completed": 0, "failed": 0, "deferred": 0, "retried": 0, "discarded": 0}
 
     # ------------------------------------------------------------------ lifecycle
@@ -201,7 +202,8 @@ class BatchService:
             log.info("batch %s in progress: %d lines", job["id"], len(rows))
 
     async def _dispatch(self) -> None:
-        jobs = getattr(self, "jobs", [])
+        mono = time.monotonic()
+        jobs = [j for j in getattr(self, "jobs", []) if self._hold.get(j["id"], 0.0) <= mono]
         if not jobs:
             return
         room = self.pacer.allowance(self.gw, jobs, len(self.inflight))
@@ -240,6 +242,11 @@ class BatchService:
         if err is not None and code in DEFER_CODES:
             self.stats["deferred"] += 1
             self.pacer.pressure()
+            try:  # the job waits as long as the refusal said (Retry-After), at least half a second
+                wait = float(err.headers.get("retry-after-ms", 0)) / 1000
+            except ValueError:
+                wait = 0.0
+            self._hold[ln.batch_id] = time.monotonic() + min(60.0, max(0.5, wait))
             await self.store.release(ln, self.worker, retried=False)
             return
         if err is not None and code in STOP_CODES:  # the owner's credential is gone: the whole job stops
