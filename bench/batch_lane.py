@@ -112,7 +112,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--slow-factor", type=float, default=4.0)
     ap.add_argument("--slo-ms", type=float, default=1500.0)
-    ap.add_argument("--headroom", type=float, default=0.5, help="batch.headroom (lines start below headroom x SLO)")
+    ap.add_argument("--headroom", type=float, default=0.25, help="batch.headroom (lines start below headroom x SLO)")
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args()
     rng = random.Random(args.seed)

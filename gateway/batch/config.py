@@ -17,7 +17,7 @@ class BatchConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     min_concurrency: int = 1  # lines in flight per replica when the fleet has room, at the least
     max_concurrency: int = 64  # at the most (the controller moves between these, additive up, halving down)
     realtime_ttft_target_ms: float | None = None  # target realtime must keep; null: routing.default_ttft_slo_ms, else 1000
-    headroom: float = 0.5  # batch lines are started only while the best predicted upper TTFT is below headroom x target
+    headroom: float = 0.25  # batch lines are started only while the best predicted upper TTFT is below headroom x target (bench/batch_lane.py: 0.5 tripled realtime p90)
     tick_s: float = 0.05  # scheduler period
     zero_retention_delete_after_s: float = 3600.0  # a zero-retention batch's files are deleted this long after it ends
     prefix_chars: int = 256  # lines whose prompts share this many leading characters are dispatched together

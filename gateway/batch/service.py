@@ -157,6 +157,7 @@ class BatchService:
     async def _maintain(self, now: float) -> None:
         bc = self.gw.config.raw.batch
         self.jobs = await self.store.jobs_in(("validating", "in_progress", "cancelling"))
+        ended: set[str] = set()
         for job in self.jobs:
             if job["status"] == "validating":
                 await self._validate(job, now)
@@ -169,9 +170,11 @@ class BatchService:
                 final = await self.store.finalize(job, now, lambda kind, data, j=job: self._file_row(j, kind, data),
                                                   bc.zero_retention_delete_after_s)
                 if final is not None:
+                    ended.add(job["id"])
                     log.info("batch %s %s", job["id"], final)
         await self.store.purge_expired_files(now)
-        self.jobs = [j for j in self.jobs if j["status"] == "in_progress" and not j["stop_reason"]]
+        self.jobs = [j for j in self.jobs if j["status"] == "in_progress" and not j["stop_reason"]
+                     and j["id"] not in ended and now < j["expires_at"]]
 
     def _file_row(self, job: dict[str, Any], kind: str, data: bytes) -> dict[str, Any]:
         return {"id": "file-" + os.urandom(12).hex(), "owner": job["owner"], "tenant": job["tenant"],

@@ -18,7 +18,7 @@ def _gw(**batch) -> Gateway:
         "backends": [{"name": f"e{i}", "kind": "openai", "url": f"http://127.0.0.1:{9900 + i}/v1",
                       "models": ["m"], "location": {"country": "DE"}} for i in range(2)],
         "routing": {"default_ttft_slo_ms": 1000},
-        "batch": {"min_concurrency": 1, "max_concurrency": 8, **batch}}))
+        "batch": {"min_concurrency": 1, "max_concurrency": 8, "headroom": 0.5, **batch}}))
     gw = Gateway(cfg)
     gw.router = PredictiveRouteStage(lambda: gw.config, gw.health)
     return gw
