@@ -150,6 +150,17 @@ def early_refusal(target: float, lower_uppers_ms: list[float], lower_means_ms: l
     return adm if adm.action == "reject" else None
 
 
+def kv_view_evidence(stale: list[str], kv_view: Callable[[str], dict | None] | None) -> dict[str, dict]:
+    """{engine: {stale, reason}} for the stale candidates' KV views (route.kv_views in the audit record).
+    `kv_view` is TelemetryService.kv_view; an engine it has no state for (or a service without it) is
+    recorded stale with reason None, since is_stale said so."""
+    out: dict[str, dict] = {}
+    for name in stale:
+        v = kv_view(name) if kv_view is not None else None
+        out[name] = {"stale": True, "reason": v.get("reason") if v else None}
+    return out
+
+
 def _unattainable(best: Candidate, target: float, retry_after_s: float, lower_bound: bool = False) -> GatewayError:
     """429 ttft_slo_unattainable with the best engine's prediction (a lower bound when refused before tokenizing)."""
     at_least = "at least " if lower_bound else ""
@@ -604,10 +615,11 @@ class PredictiveRouteStage:
                                  "decided_us": round((time.perf_counter() - t_start) * 1e6, 1),
                                  "since_arrival_ms": round((time.perf_counter() - ctx.received_at) * 1000, 3)}
         tel = self.telemetry
-        if tel is not None:  # predictions made on a KV view being rebuilt after lost events say so
+        if tel is not None:  # predictions made on a stale KV view say so, with why (silent, wrong topic, gap)
             stale = [c.backend.name for c in cands if self._telemetry_for(c) and tel.is_stale(c.backend.name)]
             if stale:
                 ctx.evidence["route"]["stale_kv_views"] = stale
+                ctx.evidence["route"]["kv_views"] = kv_view_evidence(stale, getattr(tel, "kv_view", None))
 
     async def finish(self, ctx: RequestContext) -> None:
         fl = self._by_rid.pop(ctx.request_id, None)

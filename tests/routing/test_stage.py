@@ -102,6 +102,7 @@ async def test_a_prediction_made_on_a_stale_kv_view_says_so_in_the_evidence():
             c = _ctx(spill=False, prompt_tokens=10, model="sim-model", eea=False)
             await st.run(c)
             assert c.evidence["route"]["stale_kv_views"] == [stale]
+            assert c.evidence["route"]["kv_views"] == {stale: {"stale": True, "reason": "gap"}}
             await st.finish(c)
             # the block counts /admin/fleet and /metrics show are counted off the loop, and equal the index's
             async with httpx.AsyncClient(timeout=10) as client:  # some blocks on an engine, straight to it
@@ -168,3 +169,14 @@ async def test_own_engines_down_or_excluded_never_open_partners_without_spill(st
         await stage.run(c)
     assert ei.value.status == 503 and "spill_to_partner" in ei.value.message
     assert {d["backend"] for d in c.evidence["dropped"] if d["filter"] == "spill"} == {"partner-se", "partner-us"}
+
+
+def test_kv_view_evidence_names_each_stale_engine_with_its_reason():
+    from gateway.routing.stage import kv_view_evidence
+
+    views = {"a": {"stale": True, "reason": "wrong_topic", "detail": "x", "batches": 0},
+             "b": {"stale": True, "reason": "no_events", "detail": "y", "batches": 0}}
+    assert kv_view_evidence(["a", "b", "c"], views.get) == {
+        "a": {"stale": True, "reason": "wrong_topic"}, "b": {"stale": True, "reason": "no_events"},
+        "c": {"stale": True, "reason": None}}
+    assert kv_view_evidence(["a"], None) == {"a": {"stale": True, "reason": None}}

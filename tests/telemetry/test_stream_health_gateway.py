@@ -69,6 +69,7 @@ async def test_served_requests_without_kv_events_are_reported_no_events(tmp_path
                 rid = r.headers["x-request-id"]
                 rec = await _poll(c, f"{base}/admin/decisions/{rid}", lambda r: r.json().get("backend"))
                 assert rec.json()["route"]["stale_kv_views"] == ["e0"]
+                assert rec.json()["route"]["kv_views"] == {"e0": {"stale": True, "reason": "no_events"}}
             assert gw.log().count("KV view is stale (no_events)") == 1  # one warning for the one change
         finally:
             await asyncio.to_thread(gw.stop)
