@@ -71,6 +71,14 @@ def batch_object(job: dict[str, Any]) -> dict[str, Any]:
     return obj
 
 
+def _store_error(e: BaseException) -> bool:
+    """The state store failed (SQLite file locked or gone, Postgres down or dropping the connection)."""
+    import sqlite3
+
+    return isinstance(e, (OSError, TimeoutError, sqlite3.OperationalError)) or \
+        type(e).__module__.split(".")[0] == "asyncpg"
+
+
 def _err(e: GatewayError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
@@ -133,6 +141,12 @@ def batch_routes(svc: "BatchService") -> list[Route]:
                 return await handler(request, p)
             except GatewayError as e:
                 return _err(e)
+            except Exception as e:
+                if not _store_error(e):
+                    raise
+                log.warning("batch store unavailable on %s: %s", request.url.path, type(e).__name__)
+                return _err(GatewayError(503, "The batch store is unavailable; retry shortly.",
+                                         code="batch_store_unavailable", headers={"retry-after": "1"}))
         return run
 
     # ------------------------------------------------------------------ files
@@ -209,7 +223,11 @@ def batch_routes(svc: "BatchService") -> list[Route]:
             raise GatewayError(400, f"metadata must map at most {METADATA_MAX_KEYS} strings (keys <= 64 chars) to "
                                "strings (<= 512 chars).", code="invalid_request", param="metadata")
         fid = body.get("input_file_id")
-        if not isinstance(fid, str) or await svc.store.get_file(fid, owner_of(p)) is None:
+        frow = await svc.store.get_file(fid, owner_of(p)) if isinstance(fid, str) else None
+        if frow is not None and frow["purpose"] != "batch":
+            raise GatewayError(400, f"File {fid} has purpose {frow['purpose']!r}; a batch needs a file uploaded with "
+                               "purpose 'batch'.", code="invalid_request", param="input_file_id")
+        if frow is None:
             raise GatewayError(404 if isinstance(fid, str) else 400,
                                f"No such file: '{str(fid)[:80]}'." if isinstance(fid, str) else
                                "input_file_id must be the id of an uploaded file.",

@@ -131,6 +131,10 @@ def test_sdk_round_trip_output_in_openai_format(stack):
     assert done.in_progress_at and done.completed_at and done.finalizing_at and done.error_file_id is None
     out = [json.loads(x) for x in c.files.content(done.output_file_id).text.splitlines()]
     assert sorted(o["custom_id"] for o in out) == sorted(f"req-{i}" for i in range(12))
+    assert c.files.retrieve(done.output_file_id).purpose == "batch_output"
+    with pytest.raises(Exception) as e:  # an output file is not a batch input
+        c.batches.create(input_file_id=done.output_file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert e.value.status_code == 400
     for o in out:
         assert set(o) == {"id", "custom_id", "response", "error"} and o["error"] is None
         assert o["response"]["status_code"] == 200 and o["response"]["request_id"].startswith("req_")
