@@ -94,6 +94,10 @@ class BatchService:
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
+        with contextlib.suppress(Exception):
+            n = await self.store.release_all(self.worker)
+            if n:
+                log.info("batch lane stopped: %d line(s) in flight returned to pending", n)
         await self.store.close()
 
     def kick(self) -> None:
@@ -205,6 +209,8 @@ class BatchService:
             log.info("batch %s in progress: %d lines", job["id"], len(rows))
 
     async def _dispatch(self) -> None:
+        if getattr(self.gw, "draining", False):  # shutting down: start nothing new
+            return
         mono = time.monotonic()
         jobs = [j for j in getattr(self, "jobs", []) if self._hold.get(j["id"], 0.0) <= mono]
         if not jobs:

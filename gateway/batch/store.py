@@ -322,6 +322,14 @@ class BatchStore:
                              f"tries = tries + {1 if retried else 0} WHERE batch_id = ? AND line_no = ? AND "
                              "state = 'leased' AND lease_owner = ?", line.batch_id, line.line_no, owner)
 
+    async def release_all(self, owner: str) -> int:
+        """Shutdown: every line this worker still holds goes back to pending (no result was recorded for it),
+        so a restart resumes at once instead of after the lease."""
+        async with self._tx() as tx:
+            rows = await tx.fetch("UPDATE batch_lines SET state = 'pending', lease_owner = NULL, lease_until = NULL "
+                                  "WHERE lease_owner = ? AND state = 'leased' RETURNING line_no", owner)
+        return len(rows)
+
     async def unfinished(self, batch_id: str) -> int:
         async with self._tx() as tx:
             rows = await tx.fetch("SELECT COUNT(*) AS n FROM batch_lines WHERE batch_id = ? AND state IN "

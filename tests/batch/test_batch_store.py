@@ -82,6 +82,15 @@ async def test_lease_lapses_to_another_worker_and_only_the_holder_records(store)
     assert job["completed"] == 1 and job["failed"] == 0
 
 
+async def test_release_all_returns_a_stopping_workers_lines(store):
+    bid = await _job(store, 3)
+    got = await store.claim(bid, "wa", 1000.0, 60.0, 2)
+    assert await store.record(got[0], "wa", True, {"x": 1}, 1001.0)
+    assert await store.release_all("wa") == 1  # the recorded line stays done
+    again = await store.claim(bid, "wb", 1002.0, 60.0, 5)
+    assert sorted(x.line_no for x in again) == sorted({1, 2, 3} - {got[0].line_no})
+
+
 async def test_renew_keeps_a_running_line(store):
     bid = await _job(store, 1)
     (ln,) = await store.claim(bid, "wa", 1000.0, 5.0, 1)
