@@ -26,6 +26,7 @@ from gateway.config import Config, ConfigError, load_config
 from gateway.errors import GatewayError, retry_headers
 from gateway.metrics import Metrics
 from gateway.observability.logs import current_request
+from gateway.observability.semconv import operation_name, provider_name
 from gateway.pipeline import Pipeline, RequestContext, RequestHeaders, Stage
 from gateway.proxy.forward import Dispatcher, JsonResult, response_facts, stream_body, usage_from
 from gateway.proxy.health import Health, probe_loop
@@ -92,13 +93,17 @@ class ObserveStage:
         c = m.child
         model = ctx.model if ctx.model in gw.config.models or ctx.model in gw.config.aliases else "unknown"
         c(m.requests, ctx.endpoint, model, backend, status, tclass).inc()
-        bmodel = ctx.backend_model or "unknown"
-        c(m.duration, ctx.endpoint, bmodel, backend, status).observe(ctx.total_s)
+        genai = (operation_name(ctx.endpoint), self._provider(ctx.backend), model, ctx.backend_model or "")
+        c(m.duration, *genai, backend, error_type(ctx)).observe(ctx.total_s)
         if ctx.ttft_s is not None and ctx.backend:
-            c(m.ttft, bmodel, backend).observe(ctx.ttft_s)
-        if ctx.usage is not None and ctx.backend_model:
-            c(m.tokens, ctx.backend_model, "input").observe(ctx.usage.prompt_tokens)
-            c(m.tokens, ctx.backend_model, "output").observe(ctx.usage.completion_tokens)
+            c(m.ttft, *genai, backend).observe(ctx.ttft_s)
+        u = ctx.usage
+        if u is not None and ctx.backend_model:
+            c(m.tokens, *genai, "input").observe(u.prompt_tokens)
+            c(m.tokens, *genai, "output").observe(u.completion_tokens)
+            if ctx.stream and ctx.ttft_s is not None and u.completion_tokens > 1 and ctx.total_s > ctx.ttft_s:
+                # decode time spread over the tokens after the first (what vLLM calls inter-token latency)
+                c(m.tpot, *genai, backend).observe((ctx.total_s - ctx.ttft_s) / (u.completion_tokens - 1))
         for st, us in ctx.stage_timings_us.items():
             c(m.stage_seconds, st).observe(us / 1e6)
         for hook in gw.finish_hooks:
@@ -106,6 +111,29 @@ class ObserveStage:
                 await hook(ctx)
             except Exception:
                 log.exception("finish hook failed for %s", ctx.request_id)
+
+
+    def _provider(self, backend: str | None) -> str:
+        if not backend:
+            return ""
+        try:
+            return provider_name(self.gw.config.backend(backend).kind)
+        except KeyError:  # a backend removed by a reload while the request ran
+            return ""
+
+
+_ERROR_TYPE = re.compile(r"^[a-z0-9_.]{1,64}$")
+
+
+def error_type(ctx: RequestContext) -> str:
+    """The semconv `error.type` of a finished request: "" on success, else the gateway's error code (bounded:
+    a code-shaped string, else `_OTHER`), or the HTTP status when the upstream's error carried no code."""
+    status = ctx.status or 200
+    if status < 400 and not ctx.error:
+        return ""
+    if ctx.error:
+        return ctx.error if _ERROR_TYPE.match(ctx.error) else "_OTHER"
+    return str(status)
 
 
 class Gateway:

@@ -1,7 +1,14 @@
 """Prometheus metrics of the gateway (prometheus-client), on a registry of its own.
 
-Label cardinality is bounded: model, backend, status class and tenant class, never key ids or tenants by
-default. Histogram buckets follow the OpenTelemetry GenAI semantic conventions' advice.
+The GenAI metrics follow the OpenTelemetry GenAI semantic conventions rendered Prometheus-style (dots become
+underscores, the unit `s` becomes `_seconds`): `gen_ai.client.token.usage` -> `gen_ai_client_token_usage`,
+`gen_ai.client.operation.duration` -> `gen_ai_client_operation_duration_seconds`,
+`gen_ai.server.time_to_first_token` -> `gen_ai_server_time_to_first_token_seconds`,
+`gen_ai.server.time_per_output_token` -> `gen_ai_server_time_per_output_token_seconds`, with the conventions'
+attribute names as labels (`gen_ai_operation_name`, `gen_ai_provider_name`, `gen_ai_request_model`,
+`gen_ai_response_model`, `gen_ai_token_type`, `error_type`) and their bucket advice. Everything else is
+`gateway_*`. Label cardinality is bounded: model, backend, status class and tenant class, never key ids or
+tenants.
 """
 from __future__ import annotations
 
@@ -10,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 # GenAI semconv bucket advice
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864)
 
 
@@ -19,11 +27,16 @@ class Metrics:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("gateway_requests_total", "Requests by outcome", ["endpoint", "model", "backend",
                                 "status", "tenant_class"], registry=r)
-        self.ttft = Histogram("gen_ai_server_time_to_first_token_seconds", "Time to first token seen by the gateway",
-                              ["model", "backend"], buckets=TTFT_BUCKETS, registry=r)
-        self.duration = Histogram("gen_ai_client_operation_duration_seconds", "Request duration end to end",
-                                  ["operation", "model", "backend", "status"], buckets=DURATION_BUCKETS, registry=r)
-        self.tokens = Histogram("gen_ai_client_token_usage", "Tokens per request", ["model", "token_type"],
+        genai = ["gen_ai_operation_name", "gen_ai_provider_name", "gen_ai_request_model", "gen_ai_response_model"]
+        self.ttft = Histogram("gen_ai_server_time_to_first_token_seconds", "Time to first token seen by the gateway "
+                              "(streamed requests)", [*genai, "backend"], buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("gen_ai_server_time_per_output_token_seconds", "Time per output token after the first "
+                              "(streamed requests with usage and > 1 output token)", [*genai, "backend"],
+                              buckets=TPOT_BUCKETS, registry=r)
+        self.duration = Histogram("gen_ai_client_operation_duration_seconds", "Request duration end to end "
+                                  "(error_type empty on success)", [*genai, "backend", "error_type"],
+                                  buckets=DURATION_BUCKETS, registry=r)
+        self.tokens = Histogram("gen_ai_client_token_usage", "Tokens per request", [*genai, "gen_ai_token_type"],
                                 buckets=TOKEN_BUCKETS, registry=r)
         self.in_flight = Gauge("gateway_in_flight_requests", "Requests being served", ["backend"], registry=r)
         self.rejections = Counter("gateway_rejections_total", "Refused requests by stage and code",

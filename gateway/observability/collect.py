@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterator
 
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 log = logging.getLogger("gateway.metrics")
@@ -77,6 +77,15 @@ class GatewayStateCollector(Collector):
                                 "Token agreement over the recent window", labels=["engine"])
         req = GaugeMetricFamily("gateway_kv_index_request_agreement_ratio",
                                 "Share of requests whose predicted cached tokens matched exactly", labels=["engine"])
+        # the agreement's all-time sums as counters (rate() over them gives the agreement of any range)
+        apred = CounterMetricFamily("gateway_kv_predicted_cached_tokens", "Cached tokens the KV index predicted",
+                                    labels=["engine"])
+        aact = CounterMetricFamily("gateway_kv_actual_cached_tokens", "Cached tokens the engine reported",
+                                   labels=["engine"])
+        aagr = CounterMetricFamily("gateway_kv_agreed_cached_tokens", "min(predicted, actual) cached tokens",
+                                   labels=["engine"])
+        areq = CounterMetricFamily("gateway_kv_agreement_requests", "Requests compared (result: exact or differ)",
+                                   labels=["engine", "result"])
         for name, e in sorted(engines.items()):
             load = e.get("load") or {}
             if load:
@@ -96,11 +105,18 @@ class GatewayStateCollector(Collector):
                 if ke.get("last_batch_age_s") is not None:
                     sage.add_metric([name], float(ke["last_batch_age_s"]))
             a = e.get("agreement") or {}
+            apred.add_metric([name], float(a.get("predicted_tokens") or 0))
+            aact.add_metric([name], float(a.get("actual_tokens") or 0))
+            aagr.add_metric([name], float(a.get("agreed_tokens") or 0))
+            exact = float(a.get("requests_exact") or 0)
+            areq.add_metric([name, "exact"], exact)
+            areq.add_metric([name, "differ"], float(a.get("requests") or 0) - exact)
             if a.get("requests"):
                 tok.add_metric([name], float(a["token_agreement"]))
                 win.add_metric([name], float(a["window_token_agreement"]))
                 req.add_metric([name], float(a["request_agreement"]))
-        yield from (running, waiting, kv, inflight, blocks, stale, sstale, sbatches, sother, sage, tok, win, req)
+        yield from (running, waiting, kv, inflight, blocks, stale, sstale, sbatches, sother, sage, tok, win, req,
+                    apred, aact, aagr, areq)
 
     def _router(self) -> Iterator[GaugeMetricFamily]:
         router = getattr(self.gw, "router", None)

@@ -126,6 +126,40 @@ class PlainRedactingFormatter(logging.Formatter):
         return redact(super().format(record))
 
 
+# Paths load balancers, kubelets and Prometheus poll: their access lines are DEBUG, not one INFO line per probe.
+PROBE_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+# Loggers of the HTTP clients the gateway polls engines and partners with (health probes, /metrics scrapes,
+# /tokenize, JWKS): httpx logs every request at INFO ("HTTP Request: GET ... 200 OK").
+CLIENT_LOGGERS = ("httpx", "httpcore", "aiohttp.client")
+
+
+def _demote(record: logging.LogRecord) -> bool:
+    """Turn an INFO record into a DEBUG one; keep it only when DEBUG is on for its logger."""
+    record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+    return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+
+class ProbeAccessFilter(logging.Filter):
+    """On uvicorn.access: a probe's or scrape's line (PROBE_PATHS, query string ignored) is DEBUG; every other
+    request keeps its INFO line. uvicorn's args are (client, method, path, http version, status)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if record.levelno == logging.INFO and isinstance(args, tuple) and len(args) >= 3:
+            path = str(args[2]).split("?", 1)[0]
+            if path in PROBE_PATHS:
+                return _demote(record)
+        return True
+
+
+class ClientRequestFilter(logging.Filter):
+    """On the HTTP client loggers: their per-request INFO lines (the gateway's own polling of engines' /metrics,
+    health, /tokenize) are DEBUG; warnings and errors pass unchanged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _demote(record) if record.levelno == logging.INFO else True
+
+
 def configure_logging(level: str = "info", json_logs: bool = True, stream: TextIO | None = None) -> logging.Handler:
     """One handler on the root logger: JSON (or plain) lines, request ids, secrets masked."""
     root = logging.getLogger()
@@ -140,4 +174,14 @@ def configure_logging(level: str = "info", json_logs: bool = True, stream: TextI
         lg = logging.getLogger(name)
         lg.handlers = []
         lg.propagate = True
+        lg.setLevel(logging.NOTSET)  # the configured level, not one a uvicorn log_config left behind
+    _install(logging.getLogger("uvicorn.access"), ProbeAccessFilter)
+    for name in CLIENT_LOGGERS:
+        _install(logging.getLogger(name), ClientRequestFilter)
     return h
+
+
+def _install(logger: logging.Logger, kind: type[logging.Filter]) -> None:
+    """Add one filter of this kind to the logger (configure_logging may run more than once)."""
+    if not any(isinstance(f, kind) for f in logger.filters):
+        logger.addFilter(kind())

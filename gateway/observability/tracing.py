@@ -32,12 +32,11 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcess
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from gateway.observability.semconv import OPERATION, PROVIDER  # shared with gateway.metrics
 from gateway.pipeline import RequestContext
 
 log = logging.getLogger("gateway.tracing")
 
-OPERATION = {"chat": "chat", "completions": "text_completion", "embeddings": "embeddings"}
-PROVIDER = {"vllm": "vllm", "sim": "vllm", "openai": "openai"}
 # pipeline stage name -> span name (the vocabulary)
 STAGE_SPANS = {"authenticate": "auth", "decide": "policy", "reserve": "budget", "route": "route"}
 _PROPAGATOR = TraceContextTextMapPropagator()

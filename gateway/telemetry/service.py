@@ -2,10 +2,9 @@
 
 Owns the KV index, one KVEventSubscriber per engine with kv_events, one metrics scrape loop per engine, the
 token source, the gateway's own in-flight accounting, and the agreement between predicted and actual cached
-tokens (in /admin/fleet, and at /metrics as the gateway_kv_index_*agreement_ratio gauges that
-gateway.observability.collect reads from fleet_snapshot()). The gateway_kv_*_cached_tokens and
-gateway_kv_agreement_requests counters below sit on prometheus-client's default registry, which /metrics does not
-serve (it renders gateway.metrics.Metrics' own registry).
+tokens (in /admin/fleet, and at /metrics as the gateway_kv_index_*agreement_ratio gauges and the
+gateway_kv_*_cached_tokens_total / gateway_kv_agreement_requests_total counters, which
+gateway.observability.collect reads from fleet_snapshot()'s per-engine Agreement at scrape time).
 
 Silence is an alarm: the service tells each subscriber's StreamWatch when its engine did work that must
 produce KV events (a request served there with >= one block of uncached prompt, via the gateway's finish
@@ -22,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 import httpx
-from prometheus_client import Counter
 
 from gateway.config import BackendConfig, Config
 from gateway.telemetry.index import CachedPrefix, KVIndex, RequestKeys
@@ -30,23 +28,10 @@ from gateway.telemetry.scraper import EngineLoad, scrape
 from gateway.telemetry.subscriber import KVEventSubscriber
 from gateway.telemetry.tokens import TokenSource
 
-_METRICS: dict[str, Counter] = {}
 BLOCK_COUNTS_MAX_AGE_S = 2.0  # fleet_snapshot uses an off-loop count this fresh, else counts inline
 # Block size assumed for "did the engine fill a block?" while neither events nor /metrics told it: larger than
 # vLLM's defaults (16 on GPU, 128 on CPU), so an unknown engine needs more evidence, never less.
 UNKNOWN_BLOCK_SIZE = 1024
-
-
-def _metrics() -> dict[str, Counter]:
-    if not _METRICS:
-        _METRICS["pred"] = Counter("gateway_kv_predicted_cached_tokens", "Cached tokens the KV index predicted",
-                                   ["engine"])
-        _METRICS["actual"] = Counter("gateway_kv_actual_cached_tokens", "Cached tokens the engine reported",
-                                     ["engine"])
-        _METRICS["agreed"] = Counter("gateway_kv_agreed_cached_tokens", "min(predicted, actual) cached tokens",
-                                     ["engine"])
-        _METRICS["req"] = Counter("gateway_kv_agreement_requests", "Requests compared", ["engine", "result"])
-    return _METRICS
 
 
 @dataclass
@@ -302,11 +287,6 @@ class TelemetryService:
         a.actual_tokens += actual
         a.agreed_tokens += min(predicted, actual)
         a.window.append((predicted, actual))
-        m = _metrics()
-        m["pred"].labels(engine).inc(predicted)
-        m["actual"].labels(engine).inc(actual)
-        m["agreed"].labels(engine).inc(min(predicted, actual))
-        m["req"].labels(engine, "exact" if predicted == actual else "differ").inc()
         sub = self.subscribers.get(engine)
         if sub is not None and sub.stale:
             bs = self.index.block_size(engine)

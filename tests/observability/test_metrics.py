@@ -67,11 +67,11 @@ async def test_metrics_after_real_traffic(tmp_path: Path, fleet) -> None:
         b0 = ok[0]
         assert buckets(fams, "gen_ai_server_time_to_first_token_seconds", backend=b0) == SEMCONV_TTFT
         assert buckets(fams, "gen_ai_client_operation_duration_seconds", backend=b0) == SEMCONV_DURATION
-        assert buckets(fams, "gen_ai_client_token_usage", token_type="input") == SEMCONV_TOKENS
+        assert buckets(fams, "gen_ai_client_token_usage", gen_ai_token_type="input") == SEMCONV_TOKENS
         ttft_count = sum(s.value for s in fams["gen_ai_server_time_to_first_token_seconds"].samples
                          if s.name.endswith("_count"))
         assert ttft_count == 3  # streamed requests only: a JSON answer has no first token of its own
-        assert value(fams, "gen_ai_client_token_usage", "gen_ai_client_token_usage_count", token_type="output") == 4
+        assert value(fams, "gen_ai_client_token_usage", "gen_ai_client_token_usage_count", gen_ai_token_type="output") == 4
 
         assert value(fams, "gateway_admission_rejections", "gateway_admission_rejections_total",
                      reason="ttft_slo_unattainable") == 1
