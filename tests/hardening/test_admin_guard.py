@@ -25,6 +25,7 @@ TABLE: dict[tuple[str, str], frozenset[str]] = {
     ("POST", "/admin/reload"): PLATFORM,
     ("GET", "/admin/fleet"): PLATFORM,
     ("GET", "/admin/routing"): PLATFORM,
+    ("GET", "/admin/batch"): PLATFORM,
     ("GET", "/admin/ui"): frozenset({PUBLIC}),
     ("GET", "/admin/ui/data"): PLATFORM,
     ("GET", "/admin/decisions/{request_id}"): BOTH,
