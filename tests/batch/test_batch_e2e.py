@@ -3,7 +3,9 @@
 Files and batches through the SDK unchanged (files.create, batches.create, retrieve, list with pagination,
 cancel, files.content), output/error lines in OpenAI's format with custom_id, malformed JSONL refused naming
 the line, another tenant's (and another project's) access refused with 404, every line's audit record naming
-its batch and line at priority batch, and a revoked key stopping its batch.
+its batch and line at priority batch, a revoked key stopping its batch, an exhausted budget stopping a job
+with the reason per line (batch prices applied), zero-retention files deleted after delivery, and the order
+lines get the fleet in (tenants round-robin, earliest deadline first within a tenant).
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import io
 import json
 import time
 import uuid
+from datetime import datetime
 
 import httpx
 import pytest
@@ -310,3 +313,31 @@ def test_zero_retention_files_are_deleted_after_delivery(stack):
         time.sleep(0.2)
     with pytest.raises(NotFoundError):
         c.files.content(done.output_file_id)
+
+
+def _audit(stack, bid: str) -> list[dict]:
+    time.sleep(0.6)  # the recorder's writer flushes
+    recs = [json.loads(x) for x in (stack["tmp"] / "audit.jsonl").read_text().splitlines()]
+    return [r for r in recs if r.get("batch") and r["batch"]["batch_id"] == bid]
+
+
+def test_tenants_take_turns_and_a_tenants_jobs_go_earliest_deadline_first(stack):
+    base = stack["base"]
+    _, ka = new_key(base, "fair-a")
+    _, kb = new_key(base, "fair-b")
+    ca, cb = client(base, ka), client(base, kb)
+    big = ca.files.create(file=("a.jsonl", io.BytesIO(lines(300, "tenant a " * 30, max_tokens=100))), purpose="batch")
+    small = ca.files.create(file=("a2.jsonl", io.BytesIO(lines(10, "tenant a later"))), purpose="batch")
+    a1 = ca.batches.create(input_file_id=big.id, endpoint="/v1/chat/completions", completion_window="24h")
+    a2 = ca.batches.create(input_file_id=small.id, endpoint="/v1/chat/completions", completion_window="24h")
+    fb = cb.files.create(file=("b.jsonl", io.BytesIO(lines(20, "tenant b"))), purpose="batch")
+    b1 = cb.batches.create(input_file_id=fb.id, endpoint="/v1/chat/completions", completion_window="24h")
+    done_b = wait_done(cb, b1.id, 120)
+    assert done_b.status == "completed"
+    # tenant b did not wait behind tenant a's 300 lines: round-robin across tenants
+    assert ca.batches.retrieve(a1.id).status == "in_progress"
+    assert wait_done(ca, a1.id, 180).status == "completed" and wait_done(ca, a2.id).status == "completed"
+    # within tenant a, the earlier deadline (a1, created first) got every line before a2 got any
+    t1 = [datetime.fromisoformat(r["ts"]) for r in _audit(stack, a1.id)]
+    t2 = [datetime.fromisoformat(r["ts"]) for r in _audit(stack, a2.id)]
+    assert len(t1) >= 300 and len(t2) >= 10 and min(t2) >= max(t1)
