@@ -21,7 +21,7 @@ from gateway.identity.config import IdentityConfig
 from gateway.policy.config import PolicyConfig
 from gateway.policy.eea import country_error
 from gateway.routing.config import RoutingConfig
-from gateway.batch.config import BatchConfig
+from gateway.batch.config import BatchConfig, batch_error
 from gateway.telemetry.config import TelemetryConfig
 
 
@@ -412,6 +412,9 @@ def parse_config(text: str, source: str = "<config>", base_dir: Path | None = No
         raise _fail(source, marks, "server.port", "must be between 0 and 65535")
     if raw.server.max_body_bytes <= 0:
         raise _fail(source, marks, "server.max_body_bytes", "must be > 0")
+    bad_batch = batch_error(raw.batch)
+    if bad_batch is not None:
+        raise _fail(source, marks, f"batch.{bad_batch[0]}", bad_batch[1])
     for i, tp in enumerate(raw.server.trusted_proxies):
         try:
             ipaddress.ip_network(tp, strict=False)

@@ -21,3 +21,21 @@ class BatchConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tick_s: float = 0.05  # scheduler period
     zero_retention_delete_after_s: float = 3600.0  # a zero-retention batch's files are deleted this long after it ends
     prefix_chars: int = 256  # lines whose prompts share this many leading characters are dispatched together
+
+
+def batch_error(bc: BatchConfig) -> tuple[str, str] | None:
+    """(field, why) for the first value of `batch:` that cannot work, else None (gateway.config reports it
+    with file:line)."""
+    for name in ("max_file_bytes", "max_lines", "max_line_bytes", "max_attempts", "min_concurrency", "prefix_chars"):
+        if getattr(bc, name) < 1:
+            return name, "must be >= 1"
+    if bc.max_concurrency < bc.min_concurrency:
+        return "max_concurrency", f"must be >= min_concurrency ({bc.min_concurrency})"
+    for name in ("lease_s", "tick_s", "headroom"):
+        if not getattr(bc, name) > 0:
+            return name, "must be > 0"
+    if bc.realtime_ttft_target_ms is not None and not bc.realtime_ttft_target_ms > 0:
+        return "realtime_ttft_target_ms", "must be > 0 (milliseconds) or null"
+    if bc.zero_retention_delete_after_s < 0:
+        return "zero_retention_delete_after_s", "must be >= 0 (seconds)"
+    return None

@@ -68,3 +68,16 @@ def test_only_max_concurrency_bounds_without_a_router():
     for _ in range(5):
         p.allowance(gw, [], int(p.conc))
     assert int(p.conc) == 3 and p.allowance(gw, [], 1) == 2
+
+
+def test_unworkable_batch_settings_are_refused_naming_file_line_and_key():
+    import pytest
+
+    from gateway.config import ConfigError
+
+    for text, key in (("batch:\n  lease_s: 0\n", "batch.lease_s"),
+                      ("batch:\n  min_concurrency: 4\n  max_concurrency: 2\n", "batch.max_concurrency"),
+                      ("batch:\n  headroom: -1\n", "batch.headroom")):
+        with pytest.raises(ConfigError) as e:
+            parse_config(text, source="g.yaml")
+        assert str(e.value).startswith("g.yaml:") and key in str(e.value)
