@@ -87,6 +87,11 @@ def _not_found(what: str, ident: str) -> GatewayError:
     return GatewayError(404, f"No such {what}: '{ident[:80]}'.", code="not_found", param="id")
 
 
+def _bad_cursor(what: str) -> GatewayError:
+    return GatewayError(400, f"after must be the id of a {what} in this list (the last_id of the previous page).",
+                        code="invalid_request", param="after")
+
+
 def _limit(request: Request, default: int = 20, most: int = 100) -> int:
     raw = request.query_params.get("limit")
     if raw is None:
@@ -177,8 +182,11 @@ def batch_routes(svc: "BatchService") -> list[Route]:
 
     async def files_list(request: Request, p: Principal) -> Response:
         limit = _limit(request, 10000, 10000)
-        rows = await svc.store.list_files(owner_of(p), request.query_params.get("purpose"),
-                                          request.query_params.get("after"), limit + 1)
+        try:
+            rows = await svc.store.list_files(owner_of(p), request.query_params.get("purpose"),
+                                              request.query_params.get("after"), limit + 1)
+        except LookupError:
+            raise _bad_cursor("file") from None
         data = [file_object(r) for r in rows[:limit]]
         return JSONResponse({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                              "last_id": data[-1]["id"] if data else None, "has_more": len(rows) > limit})
@@ -246,7 +254,10 @@ def batch_routes(svc: "BatchService") -> list[Route]:
 
     async def batches_list(request: Request, p: Principal) -> Response:
         limit = _limit(request)
-        rows = await svc.store.list_jobs(owner_of(p), request.query_params.get("after"), limit + 1)
+        try:
+            rows = await svc.store.list_jobs(owner_of(p), request.query_params.get("after"), limit + 1)
+        except LookupError:
+            raise _bad_cursor("batch") from None
         data = [batch_object(r) for r in rows[:limit]]
         return JSONResponse({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                              "last_id": data[-1]["id"] if data else None, "has_more": len(rows) > limit})

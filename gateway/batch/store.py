@@ -164,6 +164,8 @@ class BatchStore:
                 args.append(purpose)
             if after:
                 cur = await tx.fetch("SELECT created_at FROM batch_files WHERE id = ? AND owner = ?", after, owner)
+                if not cur:
+                    raise LookupError(after)
                 if cur:
                     where += " AND (created_at < ? OR (created_at = ? AND id < ?))"
                     args += [cur[0]["created_at"], cur[0]["created_at"], after]
@@ -201,6 +203,8 @@ class BatchStore:
             where, args = "owner = ?", [owner]
             if after:
                 cur = await tx.fetch("SELECT created_at FROM batch_jobs WHERE id = ? AND owner = ?", after, owner)
+                if not cur:
+                    raise LookupError(after)
                 if cur:
                     where += " AND (created_at < ? OR (created_at = ? AND id < ?))"
                     args += [cur[0]["created_at"], cur[0]["created_at"], after]

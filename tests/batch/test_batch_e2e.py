@@ -341,3 +341,45 @@ def test_tenants_take_turns_and_a_tenants_jobs_go_earliest_deadline_first(stack)
     t1 = [datetime.fromisoformat(r["ts"]) for r in _audit(stack, a1.id)]
     t2 = [datetime.fromisoformat(r["ts"]) for r in _audit(stack, a2.id)]
     assert len(t1) >= 300 and len(t2) >= 10 and min(t2) >= max(t1)
+
+
+def test_bad_requests_get_openai_shaped_4xx_never_5xx(stack):
+    base = stack["base"]
+    _, key = new_key(base, "garbage")
+    h = {"authorization": f"Bearer {key}"}
+    f = client(base, key).files.create(file=("in.jsonl", io.BytesIO(lines(1))), purpose="batch")
+    cases = [
+        ("POST", "/v1/batches", {"content": b"{not json", "headers": {"content-type": "application/json"}}),
+        ("POST", "/v1/batches", {"json": [1, 2]}),
+        ("POST", "/v1/batches", {"json": {"input_file_id": f.id, "endpoint": "/v1/images", "completion_window": "24h"}}),
+        ("POST", "/v1/batches", {"json": {"input_file_id": 5, "endpoint": "/v1/embeddings", "completion_window": "24h"}}),
+        ("POST", "/v1/batches", {"json": {"input_file_id": f.id, "endpoint": "/v1/chat/completions",
+                                          "completion_window": "24h", "metadata": {"k": 1}}}),
+        ("POST", "/v1/batches", {"json": {"input_file_id": f.id, "endpoint": "/v1/chat/completions",
+                                          "completion_window": "24h", "metadata": {f"k{i}": "v" for i in range(17)}}}),
+        ("GET", "/v1/batches?limit=0", {}), ("GET", "/v1/batches?limit=abc", {}), ("GET", "/v1/batches?limit=101", {}),
+        ("GET", "/v1/batches?after=batch_nope", {}), ("GET", "/v1/batches/batch_nope", {}),
+        ("POST", "/v1/batches/batch_nope/cancel", {}), ("GET", "/v1/files/file-nope", {}),
+        ("GET", "/v1/files/file-nope/content", {}), ("DELETE", "/v1/files/file-nope", {}),
+        ("POST", "/v1/files", {"content": b"x", "headers": {"content-type": "application/json"}}),
+        ("POST", "/v1/files", {"content": b"garbage", "headers": {"content-type": "multipart/form-data; boundary=zz"}}),
+        ("POST", "/v1/files", {"content": b"--zz--", "headers": {"content-type": "multipart/form-data"}}),
+        ("POST", "/v1/files", {"data": {"purpose": "batch"}, "files": {"other": ("x", b"1")}}),
+        ("POST", "/v1/files", {"data": {"purpose": "batch"}, "files": {"file": ("x.jsonl", b"")}}),
+        ("POST", "/v1/files", {"data": {"purpose": "batch"}, "files": {"file": ("x.jsonl", b"\xff\xfe\x00\n")}}),
+        ("PUT", "/v1/batches", {}), ("DELETE", "/v1/batches/x", {}),
+    ]
+    for method, path, kw in cases:
+        r = httpx.request(method, base + path, headers={**h, **kw.pop("headers", {})}, timeout=10, **kw)
+        assert 400 <= r.status_code < 500, (method, path, r.status_code, r.text)
+        err = r.json()["error"]
+        assert set(err) >= {"message", "type", "code"} and err["message"], (method, path, r.text)
+    # an upload announcing more than batch.max_file_bytes is refused before its body is read
+    import socket
+
+    host, port = base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(f"POST /v1/files HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {key}\r\n"
+                  "content-type: multipart/form-data; boundary=zz\r\ncontent-length: 1000000000000\r\n\r\n".encode())
+        head = s.recv(65536).decode("latin-1")
+    assert head.startswith("HTTP/1.1 413") and "file_too_large" in head
