@@ -264,13 +264,53 @@ async def send_bytes(send, status: int, body: bytes, headers: dict[str, str], co
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
+SDK_MAX_RETRY_AFTER_S = 60.0  # the openai SDKs honour Retry-After up to this; above it they retry after ~1 s
+
+
 def error_headers(err: GatewayError, rid: str, extra: dict[str, str] | None = None) -> dict[str, str]:
     """Headers of an error response: every 429 and 503 carries Retry-After and retry-after-ms (1 s when the
-    refusing stage named no better time), so a client or partner aggregator can fail over at once."""
+    refusing stage named no better time), so a client or partner aggregator can fail over at once.
+
+    `x-should-retry: false` (read first by the openai SDKs' retry logic) where retrying cannot help: every 403
+    (a permission or residency answer does not change by asking again), `residency_unsatisfiable`, and a
+    429/503 whose Retry-After is beyond the 60 s the SDKs honour (they would otherwise ignore it and retry at
+    once, e.g. a monthly quota refused again and again)."""
     h = {"x-request-id": rid, **(extra or {}), **err.headers}
-    if err.status in (429, 503) and "retry-after" not in {k.lower() for k in h}:
+    lower = {k.lower(): v for k, v in h.items()}
+    if err.status in (429, 503) and "retry-after" not in lower:
         h.update(retry_headers(1.0))
+        lower = {k.lower(): v for k, v in h.items()}
+    if "x-should-retry" not in lower and (err.status == 403 or err.code == "residency_unsatisfiable"
+                                          or (err.status in (429, 503) and _retry_after_s(lower) > SDK_MAX_RETRY_AFTER_S)):
+        h["x-should-retry"] = "false"
     return h
+
+
+def _retry_after_s(lower: dict[str, str]) -> float:
+    """The retry delay a response announces (retry-after-ms first, as the SDKs read it), 0 when none."""
+    try:
+        if "retry-after-ms" in lower:
+            return float(lower["retry-after-ms"]) / 1000
+        return float(lower.get("retry-after", 0))
+    except ValueError:  # an HTTP-date Retry-After: the gateway never sends one
+        return 0.0
+
+
+def server_timing(ctx: RequestContext | None, since: float, dispatched: float | None = None,
+                  answered: float | None = None) -> str:
+    """The Server-Timing value of a response: `gw` is the gateway's own time (ms) from the parsed body (or the
+    start of the request, for a refusal before one) to the response headers, the upstream's wait excluded;
+    `upstream` the dispatcher's wait for the backend (attempts and fallbacks included, a stream's first bytes
+    only); then each pipeline stage's own time."""
+    now = time.perf_counter()
+    if dispatched is None:
+        parts = [f"gw;dur={(now - since) * 1000:.3f}"]
+    else:
+        up = (answered if answered is not None else now) - dispatched
+        parts = [f"gw;dur={(now - since - up) * 1000:.3f}", f"upstream;dur={up * 1000:.3f}"]
+    if ctx is not None:
+        parts += [f"{st};dur={us / 1000:.3f}" for st, us in ctx.stage_timings_us.items()]
+    return ", ".join(parts)
 
 
 async def send_error(send, err: GatewayError, rid: str, extra: dict[str, str] | None = None) -> None:
@@ -317,11 +357,12 @@ class CompletionEndpoint:
         # The client's x-request-id is echoed, never trusted as a key: budgets (reservation, settle marker),
         # the spend ledger, routing's in-flight table and the audit record are keyed by an id the gateway
         # generates for every request, so a client reusing an id cannot merge, skip or overwrite them.
+        t0 = time.perf_counter()
         cid = client_request_id(headers)
         rid = cid or new_request_id()
         if scope["method"] != "POST":
             await send_error(send, GatewayError(405, "Method not allowed; use POST.", code="method_not_allowed"), rid,
-                             {"allow": "POST"})
+                             {"allow": "POST", "server-timing": server_timing(None, t0)})
             return
         limit = gw.config.server.max_body_bytes
         try:
@@ -344,7 +385,7 @@ class CompletionEndpoint:
             except TimeoutError:
                 err = GatewayError(408, "Request body not received in time.", code="request_timeout")
                 gw.metrics.rejections.labels("parse", "request_timeout").inc()
-                await send_error(send, err, rid, {"connection": "close"})
+                await send_error(send, err, rid, {"connection": "close", "server-timing": server_timing(None, t0)})
                 return
             try:
                 body = decode_json(raw)
@@ -360,7 +401,10 @@ class CompletionEndpoint:
             gw.metrics.rejections.labels(stage, e.code or "error").inc()
             # a 413 leaves the body unread: close the connection (the server drains a bounded amount first,
             # gateway/server_protocol.py) instead of reading an unbounded body on a kept-alive connection
-            await send_error(send, e, rid, {"connection": "close"} if e.status == 413 else None)
+            extra = {"server-timing": server_timing(None, t0)}
+            if e.status == 413:
+                extra["connection"] = "close"
+            await send_error(send, e, rid, extra)
             return
         except asyncio.CancelledError:
             return
@@ -424,18 +468,26 @@ class CompletionEndpoint:
         gw = self.gw
         started: list[Stage] = []
         finished = False
+        dispatched: float | None = None
+        answered: float | None = None
         try:
             try:
                 started = await gw.pipeline.run(ctx)
+                dispatched = time.perf_counter()
                 result = await gw.dispatcher.open(ctx)
+                answered = time.perf_counter()
             except GatewayError as e:
+                if dispatched is not None:
+                    answered = time.perf_counter()  # the dispatcher refused (no backend answered in time, ...)
                 ctx.status = e.status
                 ctx.error = e.code
                 gw.metrics.rejections.labels(_stage_of(ctx, gw.pipeline.stages), e.code or "error").inc()
                 if started:
                     finished = True
                     await Pipeline.finish(ctx, started)
-                await send_error(send, e, ctx.request_id, ctx.extra_headers)
+                await send_error(send, e, ctx.request_id,
+                                 {**ctx.extra_headers,
+                                  "server-timing": server_timing(ctx, ctx.received_at, dispatched, answered)})
                 return
             hdrs = {"x-request-id": ctx.request_id, **ctx.extra_headers}
             if isinstance(result, JsonResult):
@@ -450,11 +502,14 @@ class CompletionEndpoint:
                         err = GatewayError(502, "Upstream answered with invalid JSON.", code="upstream_error")
                         finished = True
                         await Pipeline.finish(ctx, started)
-                        await send_error(send, err, ctx.request_id, ctx.extra_headers)
+                        await send_error(send, err, ctx.request_id, {
+                            **ctx.extra_headers,
+                            "server-timing": server_timing(ctx, ctx.received_at, dispatched, answered)})
                         return
                     ctx.ttft_s = None
                 finished = True
                 await Pipeline.finish(ctx, started)
+                hdrs["server-timing"] = server_timing(ctx, ctx.received_at, dispatched, answered)
                 await send_bytes(send, result.status, result.body, hdrs)
                 return
             # stream
@@ -472,6 +527,7 @@ class CompletionEndpoint:
                         ctx.error = ctx.error or "client_disconnected"
                     await Pipeline.finish(ctx, started)
 
+            hdrs["server-timing"] = server_timing(ctx, ctx.received_at, dispatched, answered)
             raw = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
                    (b"x-accel-buffering", b"no")]
             raw += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in hdrs.items()]
