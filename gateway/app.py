@@ -757,7 +757,9 @@ def _price(cfg: Config, model: str, backends: list[Any]) -> dict[str, Any] | Non
 def model_catalog(cfg: Config) -> list[dict[str, Any]]:
     """/v1/models entries, each with where it runs and what it keeps (what a partner aggregator lists):
     per-backend locations, jurisdiction ("EEA" only when every inference and storage country is in the EEA),
-    retention (the weakest guarantee over the serving backends), context window, capabilities, prices."""
+    retention (the weakest guarantee over the serving backends), context window (also as `context_length`, the
+    field OpenRouter-style aggregators read: the smallest `context_window` of the serving backends), capabilities,
+    prices."""
     out = []
     created = int(cfg.path.stat().st_mtime) if cfg.path and Path(cfg.path).exists() else 0
     entries: dict[str, dict[str, Any]] = {}
@@ -786,6 +788,7 @@ def model_catalog(cfg: Config) -> list[dict[str, Any]]:
             "retention_by_backend": sorted({b.retention for b in bks}),
             "zero_data_retention": retention == "zero",
             "context_window": min(windows) if windows else None,
+            "context_length": min(windows) if windows else None,  # OpenRouter's name for the same number
             "capabilities": caps,
             "pricing": _price(cfg, model, bks),
         }
@@ -798,5 +801,6 @@ def model_catalog(cfg: Config) -> list[dict[str, Any]]:
                     "jurisdiction": "EEA" if tgt and all(t["jurisdiction"] == "EEA" for t in tgt) else None,
                     "retention": "zero" if tgt and all(t["retention"] == "zero" for t in tgt) else "none",
                     "context_window": min((t["context_window"] for t in tgt if t["context_window"]), default=None),
+                    "context_length": min((t["context_window"] for t in tgt if t["context_window"]), default=None),
                     "capabilities": sorted(set.intersection(*(set(t["capabilities"]) for t in tgt))) if tgt else []})
     return out
