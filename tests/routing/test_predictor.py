@@ -230,3 +230,17 @@ def test_a_cold_engine_is_predicted_like_the_fleet_not_the_prior_and_learns_its_
         p.observe("new", g, true_ttft(g, *fast))
     assert abs(p.predict("new", f)[0] / true_ttft(f, *fast) - 1) < 0.1
     assert p.fleet_theta() is not None and not p.learner("new").cold()
+
+
+def test_the_upper_quantile_is_taken_over_the_most_recent_residuals_only():
+    """The error's spread moves with the load: once the last quantile_window predictions were 50% short, the
+    margin is 50%, however many accurate ones came before them."""
+    lr = EngineLearner(PredictorParams(quantile=0.9, quantile_window=32, window=256))
+    f = Features(ahead_tokens=0.0, uncached_tokens=1000.0, running=0.0)
+    for _ in range(200):
+        lr.observe(f, lr.predict(f))  # exact: residual 0
+    assert lr.margin() == 0.0
+    for _ in range(32):
+        lr.observe(f, lr.predict(f) * 1.5)
+    assert abs(lr.margin() - 0.5) < 1e-9
+    assert len(lr.apes) == 232  # reporting keeps its own, longer window

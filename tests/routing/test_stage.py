@@ -180,3 +180,34 @@ def test_kv_view_evidence_names_each_stale_engine_with_its_reason():
         "a": {"stale": True, "reason": "wrong_topic"}, "b": {"stale": True, "reason": "no_events"},
         "c": {"stale": True, "reason": None}}
     assert kv_view_evidence(["a"], None) == {"a": {"stale": True, "reason": None}}
+
+
+def test_engine_part_is_the_ttft_after_the_prediction():
+    from gateway.routing.stage import engine_part
+
+    assert engine_part(0.250, 0.040) == pytest.approx(0.210)
+    assert engine_part(0.250, -1.0) == pytest.approx(0.250)  # no negative elapsed time
+    assert engine_part(0.010, 0.020) == pytest.approx(1e-4)  # never zero or negative for the learner
+
+
+async def test_time_spent_before_the_prediction_is_added_to_it_and_not_learned(stage):
+    """A request that already spent 0.8 s before routing (parse, policy, tokenize, a busy box) is predicted at
+    least 0.8 s from arrival, so a 1000 ms target is judged on what is left; the learner is fed the TTFT minus
+    that time."""
+    import time
+
+    c = _ctx(spill=False, prompt_tokens=100)
+    await stage.run(c)
+    base = c.route.candidates[0].predicted_ttft_ms
+    c2 = _ctx(spill=False, prompt_tokens=100)
+    c2.request_id = "r-late"
+    c2.received_at = time.perf_counter() - 0.8
+    await stage.run(c2)
+    assert c2.route.candidates[0].predicted_ttft_ms >= base + 800
+    fl = stage._by_rid["r-late"]
+    assert fl.elapsed_s >= 0.8
+    seen: list[float] = []
+    stage.predictor.observe = lambda engine, f, ttft_s, upper_s=None: seen.append(ttft_s) or 0.0
+    c2.backend, c2.status, c2.ttft_s = "own-de", 200, fl.elapsed_s + 0.05
+    await stage.finish(c2)
+    assert seen == [pytest.approx(0.05)]
