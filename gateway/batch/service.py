@@ -220,20 +220,34 @@ class BatchService:
             return
         bc = self.gw.config.raw.batch
         order, self._rr = pick_jobs(jobs, self._rr)
-        share = max(1, -(-room // len({j["tenant"] for j in order})))  # each tenant's turn, this tick
+        tenants = {j["tenant"] for j in order}
+        share = max(1, -(-room // len(tenants)))  # each tenant's turn this tick: an equal part of the free slots
+        left = dict.fromkeys(tenants, share)
+        dry: set[str] = set()  # jobs with no line left to claim
         now = time.time()
-        for job in order:
-            if room <= 0:
-                break
-            lines = await self.store.claim(job["id"], self.worker, now, bc.lease_s, min(room, share, 16))
-            for ln in lines:
-                key = (ln.batch_id, ln.line_no)
-                if key in self.inflight:  # our own lease lapsed and we took it again: the running task records
+        for first_pass in (True, False):  # then what a tenant could not use goes to the others, in the same order
+            for job in order:
+                if room <= 0:
+                    return
+                if job["id"] in dry:
                     continue
-                room -= 1
-                self.stats["dispatched"] += 1
-                self.inflight[key] = asyncio.create_task(self._run_line(job, ln))
-                self.inflight[key].add_done_callback(lambda _t, k=key: self.inflight.pop(k, None))
+                want = min(room, left[job["tenant"]]) if first_pass else room
+                while want > 0:  # a tenant's earliest-deadline job takes its part before its next job gets any
+                    ask = min(want, 32)
+                    lines = await self.store.claim(job["id"], self.worker, now, bc.lease_s, ask)
+                    for ln in lines:
+                        key = (ln.batch_id, ln.line_no)
+                        if key in self.inflight:  # our own lapsed lease taken again: the running task records
+                            continue
+                        room -= 1
+                        want -= 1
+                        left[job["tenant"]] -= 1
+                        self.stats["dispatched"] += 1
+                        self.inflight[key] = asyncio.create_task(self._run_line(job, ln))
+                        self.inflight[key].add_done_callback(lambda _t, k=key: self.inflight.pop(k, None))
+                    if len(lines) < ask:
+                        dry.add(job["id"])
+                        break
 
     # ------------------------------------------------------------------ one line
     async def _run_line(self, job: dict[str, Any], ln: Line) -> None:
