@@ -391,8 +391,9 @@ class BatchStore:
                 f"UPDATE batch_jobs SET status = ?, finalizing_at = ?, {at_col} = ?, output_file_id = ?, "
                 "error_file_id = ?, errors = COALESCE(?, errors), delete_files_at = ? WHERE id = ?",
                 final, now, now, out_id, err_id, errors, delete_at, bid)
-            if job["zero_retention"]:  # content leaves the line rows now; the files go at delete_files_at
-                await tx.execute("UPDATE batch_lines SET body = NULL, result = NULL WHERE batch_id = ?", bid)
+            # the answers now live in the output and error files: the line rows keep only their bookkeeping
+            await tx.execute("UPDATE batch_lines SET body = NULL, result = NULL WHERE batch_id = ?", bid)
+            if job["zero_retention"]:  # the input goes now; the output and error files at delete_files_at
                 await tx.execute("UPDATE batch_files SET deleted = 1, content = NULL WHERE id = ?",
                                  job["input_file_id"])
                 await tx.execute("UPDATE batch_files SET expires_at = ? WHERE id IN (?, ?)", delete_at,
