@@ -69,7 +69,9 @@ def stack(tmp_path_factory):
         port = free_port()
         (tmp / "policy.yaml").write_text(json.dumps({"version": 1, "rules": [
             {"id": "budgeted-tokens", "match": {"tenant": "budgeted"}, "budgets": [{"window": "day", "tokens": 600}]},
-            {"id": "zdr", "match": {"tenant": "zdr"}, "require": {"retention": "zero"}}]}))
+            {"id": "zdr", "match": {"tenant": "zdr"}, "require": {"retention": "zero"}},
+            {"id": "us-only", "match": {"tenant": "us-only"}, "require": {"jurisdiction": ["US"]}},
+            {"id": "no-sim", "match": {"tenant": "denied"}, "deny": {"models": ["sim-*"]}, "reason": "not for you"}]}))
         extra = {"policy": {"files": [str(tmp / "policy.yaml")], "audit_path": str(tmp / "audit.jsonl")},
                  "budgets": {"sqlite_path": str(tmp / "budgets.db"), "spool_path": str(tmp / "spool.jsonl"),
                              "prices": {"sim-model": {"input": 1.0, "output": 2.0, "batch_input": 0.5,
@@ -388,3 +390,23 @@ def test_bad_requests_get_openai_shaped_4xx_never_5xx(stack):
                 break
             got += chunk
     assert got.startswith(b"HTTP/1.1 413") and b"file_too_large" in got
+
+
+def test_residency_and_policy_refusals_land_in_the_error_file_per_line(stack):
+    """Lines get the same residency filter and policy as realtime: a US-only tenant's lines never reach the DE
+    fleet (403 residency_unsatisfiable per line), a denied model is 403 policy_denied per line."""
+    base = stack["base"]
+    for tenant, code in (("us-only", "residency_unsatisfiable"), ("denied", "policy_denied")):
+        _, key = new_key(base, tenant)
+        c = client(base, key)
+        f = c.files.create(file=("in.jsonl", io.BytesIO(lines(3))), purpose="batch")
+        done = wait_done(c, c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                             completion_window="24h").id)
+        assert done.status == "completed" and done.request_counts.failed == 3 and done.output_file_id is None
+        errs = [json.loads(x) for x in c.files.content(done.error_file_id).text.splitlines()]
+        assert [e["custom_id"] for e in errs] == ["req-0", "req-1", "req-2"]
+        for e in errs:
+            assert e["error"] is None and e["response"]["status_code"] == 403
+            assert e["response"]["body"]["error"]["code"] == code
+        rec = decision(base, errs[0]["response"]["request_id"])
+        assert rec["backend"] is None and rec["batch"]["custom_id"] == "req-0" and rec["status"] == 403
