@@ -357,8 +357,11 @@ class BatchStore:
                                    "('pending', 'leased')", bid)
             if int(open_[0]["n"]):
                 return None
-            cur = await tx.fetch("SELECT status, stop_reason FROM batch_jobs WHERE id = ?", bid)
-            if not cur or cur[0]["status"] not in ("in_progress", "cancelling"):
+            # lines only ever leave the open states, so none is open now or later. The conditional UPDATE takes
+            # the job row's lock (Postgres): a second replica finalizing at once waits, then finds it done.
+            cur = await tx.fetch("UPDATE batch_jobs SET finalizing_at = ? WHERE id = ? AND status IN "
+                                 "('in_progress', 'cancelling') RETURNING status, stop_reason", now, bid)
+            if not cur:
                 return None
             stop = _l(cur[0]["stop_reason"]) or {}
             final = ("cancelled" if cur[0]["status"] == "cancelling" else

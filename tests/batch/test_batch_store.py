@@ -177,3 +177,27 @@ def test_batch_prices_replace_input_and_output():
     assert cost("m", u, prices) == (800 * 2.0 + 200 * 1.5 + 500 * 4.0) / 1e6
     assert cost("m", u, prices, batch=True) == (800 * 1.0 + 200 * 1.0 + 500 * 2.0) / 1e6
     assert find_price("plain", prices, batch=True) == prices["plain"]
+
+
+async def test_two_finalizers_at_once_write_one_output(store):
+    """Two replicas finalizing the same job at the same moment: one writes the files, the other finds it done."""
+    import asyncio
+
+    bid = await _job(store, 2)
+    for ln in await store.claim(bid, "wa", 1000.0, 60.0, 2):
+        assert await store.record(ln, "wa", True, {"custom_id": ln.custom_id}, 1001.0)
+    job = await store.get_job(bid)
+    if isinstance(store, PostgresBatchStore):
+        other = PostgresBatchStore(store.dsn, schema=store.schema)
+        await other.open()
+    else:
+        other = store  # one SQLite connection per process; its transactions are serialised anyway
+    try:
+        got = await asyncio.gather(store.finalize(job, 1002.0, _files), other.finalize(job, 1002.0, _files))
+    finally:
+        if other is not store:
+            await other.close()
+    assert sorted(got, key=str) == [None, "completed"]
+    async with store._tx() as tx:
+        n = await tx.fetch("SELECT COUNT(*) AS n FROM batch_files WHERE purpose = 'batch_output'")
+    assert int(n[0]["n"]) == 1
