@@ -119,6 +119,7 @@ class BatchStore:
 
     blob = "BLOB"
     skip_locked = ""  # Postgres: FOR UPDATE SKIP LOCKED (replicas claiming lines at once never block each other)
+    for_update = ""  # Postgres: FOR UPDATE (SQLite transactions are serialised already)
 
     def _tx(self) -> Any:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -266,8 +267,10 @@ class BatchStore:
     async def _end_pending(self, tx: Any, batch_id: str, now: float, code: str, message: str,
                            response: dict[str, Any] | None = None, include_leased: bool = False) -> int:
         states = "('pending', 'leased')" if include_leased else "('pending')"
-        rows = await tx.fetch(f"SELECT line_no, custom_id FROM batch_lines WHERE batch_id = ? AND state IN {states}",
-                              batch_id)
+        # locked (Postgres) so a replica recording or claiming one of these lines meanwhile waits and then finds it
+        # ended, instead of the two writes both counting
+        rows = await tx.fetch(f"SELECT line_no, custom_id FROM batch_lines WHERE batch_id = ? AND state IN {states}"
+                              f"{self.for_update}", batch_id)
         if not rows:
             return 0
         await tx.executemany(
@@ -470,6 +473,7 @@ class PostgresBatchStore(BatchStore):
 
     blob = "BYTEA"
     skip_locked = " FOR UPDATE SKIP LOCKED"
+    for_update = " FOR UPDATE"
 
     def __init__(self, dsn: str, schema: str | None = None) -> None:
         self.dsn = dsn
