@@ -412,6 +412,11 @@ def parse_config(text: str, source: str = "<config>", base_dir: Path | None = No
         raise _fail(source, marks, "server.port", "must be between 0 and 65535")
     if raw.server.max_body_bytes <= 0:
         raise _fail(source, marks, "server.max_body_bytes", "must be > 0")
+    if raw.policy.audit_max_bytes < 0:
+        raise _fail(source, marks, "policy.audit_max_bytes", "must be >= 0 (0: never rotate)")
+    if raw.policy.audit_max_bytes and raw.policy.audit_backups < 1:
+        raise _fail(source, marks, "policy.audit_backups", "must be >= 1 when policy.audit_max_bytes is set "
+                    "(rotating into no backup would delete records)")
     bad_batch = batch_error(raw.batch)
     if bad_batch is not None:
         raise _fail(source, marks, f"batch.{bad_batch[0]}", bad_batch[1])

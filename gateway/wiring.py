@@ -173,7 +173,8 @@ def _wire_evidence(gw: Gateway) -> None:
         from gateway.evidence.postgres import PostgresSink
 
         sink = PostgresSink(os.path.expandvars(pc.audit_postgres_dsn))
-    rec = EvidenceRecorder(cfg.resolve_path(pc.audit_path),
+    rec = EvidenceRecorder(pc.audit_path if pc.audit_path == "-" else cfg.resolve_path(pc.audit_path),
+                           max_bytes=pc.audit_max_bytes, backups=pc.audit_backups,
                            capture_content=cfg.raw.observability.capture_content,
                            backend_lookup=lambda name: _backend_or_none(gw, name), sink=sink,
                            sink_backlog=pc.audit_postgres_backlog)

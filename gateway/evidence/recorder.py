@@ -2,7 +2,9 @@
 
 `build_record` is pure: it turns a finished RequestContext into a JSON-able dict. `EvidenceRecorder.record`
 only builds and enqueues (bounded queue; drops and counts when full, never blocks a request); a background
-task writes JSON lines (and optionally Postgres). Zero-retention requests never carry prompt or completion
+task writes JSON lines (and optionally Postgres): to a file, rotated by size when `max_bytes` is set (whole
+batches, renamed before the write that would pass the limit, so no record is split or lost), or to stdout
+(`path="-"`). Zero-retention requests never carry prompt or completion
 text: content keys are stripped everywhere and any remaining string that quotes the prompt is redacted.
 """
 from __future__ import annotations
@@ -201,8 +203,13 @@ class EvidenceRecorder:
 
     def __init__(self, path: str | Path | None, *, capture_content: bool = False, max_queue: int = 10000,
                  recent: int = 4096, sink: Any = None, backend_lookup: Callable[[str], Any] | None = None,
-                 batch: int = 256, sink_backlog: int = 100000, linger_s: float = 0.05) -> None:
-        self.path = Path(path) if path is not None else None
+                 batch: int = 256, sink_backlog: int = 100000, linger_s: float = 0.05, max_bytes: int = 0,
+                 backups: int = 5) -> None:
+        self.stdout = path == "-"  # JSON lines on fd 1 (then /admin/decisions reads memory and the sink only)
+        self.path = Path(path) if path is not None and not self.stdout else None
+        self.max_bytes = max_bytes  # rotate the file before a write would pass this size; 0 = never
+        self.backups = max(1, backups)
+        self.rotations = 0
         self.capture_content = capture_content
         self.sink = sink  # e.g. PostgresSink: async start(), write_many(records), get(request_id), close()
         self.backend_lookup = backend_lookup
@@ -279,12 +286,12 @@ class EvidenceRecorder:
                 await self._write(recs)
 
     async def _write(self, recs: list[dict[str, Any]]) -> None:
-        if self.path is not None:
+        if self.path is not None or self.stdout:
             data = b"".join(_dumps(r) + b"\n" for r in recs)
             try:
                 await asyncio.to_thread(self._append, data)
             except OSError:
-                log.exception("writing %d audit records to %s failed", len(recs), self.path)
+                log.exception("writing %d audit records to %s failed", len(recs), self.path or "stdout")
         if self.sink is not None:
             await self._write_sink(recs)
         self.written += len(recs)
@@ -318,12 +325,40 @@ class EvidenceRecorder:
                 backlog.popleft()
 
     def _append(self, data: bytes) -> None:
+        """Append one batch (in a worker thread; the writer task runs one at a time, so rotation needs no lock).
+        With max_bytes, a file that would pass it is rotated first: the batch starts the new file whole."""
+        if self.stdout:
+            _write_all(1, data)
+            return
         assert self.path is not None
+        if self.max_bytes:
+            try:
+                size = self.path.stat().st_size
+            except FileNotFoundError:
+                size = 0
+            if size and size + len(data) > self.max_bytes:
+                self._rotate()
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
         try:
-            os.write(fd, data)
+            _write_all(fd, data)
         finally:
             os.close(fd)
+
+    def _rotated(self, i: int) -> Path:
+        assert self.path is not None
+        return self.path.with_name(f"{self.path.name}.{i}")
+
+    def _rotate(self) -> None:
+        """<path> -> <path>.1 -> ... -> <path>.<backups>; the oldest beyond that is removed (renames only: a
+        record is in exactly one file at every moment)."""
+        assert self.path is not None
+        self._rotated(self.backups).unlink(missing_ok=True)
+        for i in range(self.backups - 1, 0, -1):
+            src = self._rotated(i)
+            if src.exists():
+                os.replace(src, self._rotated(i + 1))
+        os.replace(self.path, self._rotated(1))
+        self.rotations += 1
 
     async def close(self) -> None:
         """Flush everything queued, then stop the writer and the sink."""
@@ -353,20 +388,36 @@ class EvidenceRecorder:
                 rec = None
             if rec is not None:
                 return rec
-        if self.path is None or not self.path.exists():
+        if self.path is None:
             return None
         return await asyncio.to_thread(self._scan, request_id)
 
     def _scan(self, request_id: str) -> dict[str, Any] | None:
+        """The current file, then the rotated ones newest first (a gateway id in any wins over a client id)."""
         assert self.path is not None
         quoted = orjson.dumps(request_id)
         needle, client_needle = b'"request_id":' + quoted, b'"client_request_id":' + quoted
-        found = by_client = None
-        with open(self.path, "rb") as f:
-            for line in f:
-                if needle in line:
-                    found = line  # the gateway's own id (unique; the last line wins should one be rewritten)
-                elif client_needle in line:
-                    by_client = line  # the newest with that client x-request-id
-        hit = found or by_client
-        return orjson.loads(hit) if hit else None
+        by_client = None
+        for p in [self.path, *(self._rotated(i) for i in range(1, self.backups + 1))]:
+            found = newest_client = None
+            try:
+                with open(p, "rb") as f:
+                    for line in f:
+                        if needle in line:
+                            found = line  # the gateway's own id (unique; the last line wins if rewritten)
+                        elif client_needle in line:
+                            newest_client = line  # the newest with that client x-request-id in this file
+            except FileNotFoundError:
+                continue
+            if found:
+                return orjson.loads(found)
+            by_client = by_client or newest_client
+        return orjson.loads(by_client) if by_client else None
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """os.write until every byte is written (a pipe such as stdout may take a large batch in parts)."""
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]

@@ -22,7 +22,11 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     files: list[str] = msgspec.field(default_factory=list)  # paths or globs, relative to the config file
     default_allow: bool = True
     opa: OPAConfig | None = None
-    audit_path: str = "var/audit.jsonl"
+    audit_path: str = "var/audit.jsonl"  # "-": JSON lines to stdout (a container's log collector ships them)
+    # Before a write would take the file past audit_max_bytes it is renamed to <path>.1 (.1 to .2, ...; the
+    # oldest beyond audit_backups is removed); the batch starts the new file whole.
+    audit_max_bytes: int = 0  # rotate the audit file by size (bytes); 0 = never
+    audit_backups: int = 5  # rotated files kept (>= 1 when audit_max_bytes is set)
     # Optional second audit store: table audit_decisions in Postgres (${VAR} in the DSN is expanded, so the
     # password can come from a Secret). The JSON-lines file stays the primary record; rows the database could
     # not take are retried until it is back (bounded backlog: audit_postgres_backlog records).
