@@ -144,7 +144,7 @@ class BatchService:
                 now = time.time()
                 if now - last_renew >= bc.lease_s / 3:
                     last_renew = now
-                    await self.store.renew(self.worker, now, bc.lease_s)
+                    await self.store.renew(self.worker, now, bc.lease_s, list(self.inflight))
                 if now - last_maint >= 0.25 or self._wake.is_set():
                     last_maint = now
                     self._wake.clear()
@@ -251,6 +251,14 @@ class BatchService:
 
     # ------------------------------------------------------------------ one line
     async def _run_line(self, job: dict[str, Any], ln: Line) -> None:
+        try:
+            await self._run_line_once(job, ln)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # the store failed after the engine answered: the lease lapses and the line runs again
+            log.exception("batch %s line %d: recording its result failed", ln.batch_id, ln.line_no)
+
+    async def _run_line_once(self, job: dict[str, Any], ln: Line) -> None:
         bc = self.gw.config.raw.batch
         try:
             status, body, rid, err = await self.execute(job, ln)

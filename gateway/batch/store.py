@@ -302,10 +302,18 @@ class BatchStore:
         rows.sort(key=lambda r: r["line_no"])
         return [Line(batch_id, r["line_no"], r["custom_id"], _l(r["body"]), r["tries"], r["dispatches"]) for r in rows]
 
-    async def renew(self, owner: str, now: float, lease_s: float) -> None:
+    async def renew(self, owner: str, now: float, lease_s: float, lines: Sequence[tuple[str, int]]) -> None:
+        """Extend this worker's leases of the lines it is running (only those: a line whose task is gone lapses)."""
+        by_batch: dict[str, list[int]] = {}
+        for bid, n in lines:
+            by_batch.setdefault(bid, []).append(n)
+        if not by_batch:
+            return
         async with self._tx() as tx:
-            await tx.execute("UPDATE batch_lines SET lease_until = ? WHERE lease_owner = ? AND state = 'leased'",
-                             now + lease_s, owner)
+            for bid, nums in by_batch.items():
+                marks = ", ".join("?" for _ in nums)
+                await tx.execute(f"UPDATE batch_lines SET lease_until = ? WHERE lease_owner = ? AND state = 'leased' "
+                                 f"AND batch_id = ? AND line_no IN ({marks})", now + lease_s, owner, bid, *nums)
 
     async def record(self, line: Line, owner: str, ok: bool, result: dict[str, Any], now: float,
                      keep_body: bool = False) -> bool:

@@ -94,7 +94,7 @@ async def test_release_all_returns_a_stopping_workers_lines(store):
 async def test_renew_keeps_a_running_line(store):
     bid = await _job(store, 1)
     (ln,) = await store.claim(bid, "wa", 1000.0, 5.0, 1)
-    await store.renew("wa", 1004.0, 5.0)
+    await store.renew("wa", 1004.0, 5.0, [(bid, ln.line_no)])
     assert await store.claim(bid, "wb", 1006.0, 5.0, 1) == []  # renewed until 1009
     assert await store.record(ln, "wa", True, {"x": 1}, 1007.0)
 
@@ -201,3 +201,11 @@ async def test_two_finalizers_at_once_write_one_output(store):
     async with store._tx() as tx:
         n = await tx.fetch("SELECT COUNT(*) AS n FROM batch_files WHERE purpose = 'batch_output'")
     assert int(n[0]["n"]) == 1
+
+
+async def test_renew_skips_lines_whose_task_is_gone(store):
+    bid = await _job(store, 2)
+    a, b = await store.claim(bid, "wa", 1000.0, 5.0, 2)
+    await store.renew("wa", 1004.0, 5.0, [(bid, a.line_no)])  # b's task died without recording
+    (again,) = await store.claim(bid, "wb", 1006.0, 5.0, 5)
+    assert again.line_no == b.line_no
