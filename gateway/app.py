@@ -181,7 +181,8 @@ class Gateway:
         import httpx
 
         self._probe_client = httpx.AsyncClient(trust_env=False)
-        self._tasks.append(asyncio.create_task(probe_loop(lambda: self.config, self.health, self._probe_client)))
+        self._tasks.append(asyncio.create_task(probe_loop(lambda: self.config, self.health, self._probe_client,
+                                                          self.upstreams.probe_client)))
 
     async def close(self) -> None:
         for t in self._tasks:

@@ -115,6 +115,10 @@ class BackendConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     context_window: int | None = None
     capabilities: list[str] = msgspec.field(default_factory=lambda: ["chat", "completions"])
     weight: float = 1.0
+    # Partner routes behind an egress proxy (opt-in per backend; such a backend uses the httpx client):
+    # trust_env reads HTTPS_PROXY/HTTP_PROXY/ALL_PROXY/NO_PROXY (and SSL_CERT_FILE) from the environment
+    trust_env: bool = False  # honour HTTPS_PROXY / HTTP_PROXY / NO_PROXY for this backend
+    proxy: str | None = None  # an explicit http(s):// proxy URL for this backend (the environment is not read)
     discovery: DnsDiscovery | None = None  # expand into one backend `<name>-<a-b-c-d>` per resolved address (url, kv_events, replay, metrics pointed at it)
 
     @property
@@ -379,6 +383,12 @@ def parse_config(text: str, source: str = "<config>", base_dir: Path | None = No
         for tname in ("connect_s", "first_token_s", "idle_s", "total_s"):
             if getattr(b.timeouts, tname) <= 0:
                 raise _fail(source, marks, f"{k}.timeouts.{tname}", "must be > 0")
+        if b.proxy is not None:
+            if not re.match(r"^https?://[^/\s]+", b.proxy):
+                raise _fail(source, marks, f"backends[{i}].proxy", f"must be an http:// or https:// URL, got {b.proxy!r}")
+            if b.trust_env:
+                raise _fail(source, marks, f"backends[{i}].proxy", "set either proxy or trust_env, not both (an "
+                            "explicit proxy ignores HTTPS_PROXY/NO_PROXY)")
         if b.discovery is not None:
             if not b.discovery.dns.strip():
                 raise _fail(source, marks, f"{k}.discovery.dns", "must be a DNS name")

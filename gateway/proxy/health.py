@@ -97,8 +97,10 @@ class Health:
                 for n, s in self._states.items()}
 
 
-async def probe_loop(get_config: Callable[[], Config], health: Health, client: httpx.AsyncClient) -> None:
-    """Active checks: GET <server_root><health.path> per backend, every interval; feeds the breaker."""
+async def probe_loop(get_config: Callable[[], Config], health: Health, client: httpx.AsyncClient,
+                     client_for: Callable[[BackendConfig], httpx.AsyncClient | None] | None = None) -> None:
+    """Active checks: GET <server_root><health.path> per backend, every interval; feeds the breaker.
+    `client_for` names a backend's own probe client (one behind an egress proxy), else `client` is used."""
     last: dict[str, float] = {}
     while True:
         cfg = get_config()
@@ -107,7 +109,8 @@ async def probe_loop(get_config: Callable[[], Config], health: Health, client: h
         async def one(b: BackendConfig) -> None:
             last[b.name] = time.monotonic()
             try:
-                r = await client.get(b.server_root + b.health.path, timeout=min(2.0, b.health.interval_s))
+                c = (client_for(b) if client_for is not None else None) or client
+                r = await c.get(b.server_root + b.health.path, timeout=min(2.0, b.health.interval_s))
                 if r.status_code < 500:
                     st = health.state(b.name)
                     # an open circuit waits out open_s even when /health answers (passive errors opened it:

@@ -156,8 +156,9 @@ class HttpxTransport:
                               keepalive_expiry=b.limits.keepalive_expiry_s)
         timeout = httpx.Timeout(connect=b.timeouts.connect_s, read=None, write=b.timeouts.idle_s,
                                 pool=b.timeouts.connect_s)
+        # trust_env / proxy: a partner route behind an egress proxy (per backend, opt-in; BackendConfig)
         self._c = httpx.AsyncClient(base_url=b.url.rstrip("/") + "/", limits=limits, timeout=timeout, http1=True,
-                                    http2=False, follow_redirects=False, trust_env=False)
+                                    http2=False, follow_redirects=False, trust_env=b.trust_env, proxy=b.proxy)
 
     async def post(self, path: str, body: bytes, headers: dict[str, str]) -> UpstreamResponse:
         req = self._c.build_request("POST", path, content=body, headers=headers)
@@ -181,7 +182,16 @@ class HttpxTransport:
         await self._c.aclose()
 
 
+def uses_proxy(b: BackendConfig) -> bool:
+    """A backend that opted into an egress proxy (trust_env or proxy): served by httpx, which speaks to HTTP
+    proxies (CONNECT for https, absolute-form for http) and reads HTTPS_PROXY/NO_PROXY; the native and aiohttp
+    clients stay proxy-free for engines on the cluster network."""
+    return b.trust_env or b.proxy is not None
+
+
 def make_transport(kind: str, b: BackendConfig) -> Transport:
+    if uses_proxy(b):
+        return HttpxTransport(b)
     if kind == "native":
         from gateway.proxy.h1client import H1Transport
 

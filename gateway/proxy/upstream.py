@@ -4,8 +4,10 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import httpx
+
 from gateway.config import BackendConfig, Config, read_secret
-from gateway.proxy.transport import Transport, make_transport
+from gateway.proxy.transport import Transport, make_transport, uses_proxy
 
 log = logging.getLogger("gateway.upstream")
 
@@ -18,11 +20,12 @@ class Upstreams:
         self._clients: dict[str, tuple[tuple, Transport]] = {}
         self._auth: dict[str, str | None] = {}
         self._retired: list[Transport] = []
+        self._probe_clients: dict[tuple, httpx.AsyncClient] = {}
         self.swap_config(config)
 
     @staticmethod
     def _identity(b: BackendConfig, kind: str) -> tuple:
-        return (b.url, b.limits, b.timeouts.connect_s, kind)
+        return (b.url, b.limits, b.timeouts.connect_s, kind, b.trust_env, b.proxy)
 
     def swap_config(self, config: Config) -> None:
         new: dict[str, tuple[tuple, Transport]] = {}
@@ -54,6 +57,18 @@ class Upstreams:
         for c in clients:
             asyncio.ensure_future(c.aclose())
 
+    def probe_client(self, b: BackendConfig) -> "httpx.AsyncClient | None":
+        """The client health probes of a proxied backend use (same trust_env/proxy as its requests, so a
+        partner reachable only through the egress proxy is not probed directly and marked down); None for the
+        others (the gateway's shared probe client)."""
+        if not uses_proxy(b):
+            return None
+        key = (b.trust_env, b.proxy)
+        c = self._probe_clients.get(key)
+        if c is None:
+            c = self._probe_clients[key] = httpx.AsyncClient(trust_env=b.trust_env, proxy=b.proxy)
+        return c
+
     def client(self, name: str) -> Transport:
         return self._clients[name][1]
 
@@ -64,3 +79,6 @@ class Upstreams:
         for _, c in self._clients.values():
             await c.aclose()
         self._clients.clear()
+        for pc in self._probe_clients.values():
+            await pc.aclose()
+        self._probe_clients.clear()
