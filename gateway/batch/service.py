@@ -21,7 +21,7 @@ import orjson
 from gateway.batch.api import principal_from
 from gateway.batch.jsonl import ENDPOINTS, parse_input, prompt_prefix
 from gateway.batch.scheduler import Pacer, pick_jobs
-from gateway.batch.store import BatchStore, Line, PostgresBatchStore, SqliteBatchStore, error_line
+from gateway.batch.store import BatchStore, Line, PostgresBatchStore, SqliteBatchStore
 from gateway.errors import GatewayError
 from gateway.pipeline import Pipeline, RequestContext, RequestHeaders
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -345,12 +344,6 @@ class BatchStore:
                                   "WHERE lease_owner = ? AND state = 'leased' RETURNING line_no", owner)
         return len(rows)
 
-    async def unfinished(self, batch_id: str) -> int:
-        async with self._tx() as tx:
-            rows = await tx.fetch("SELECT COUNT(*) AS n FROM batch_lines WHERE batch_id = ? AND state IN "
-                                  "('pending', 'leased')", batch_id)
-        return int(rows[0]["n"])
-
     async def expire(self, batch_id: str, now: float) -> None:
         async with self._tx() as tx:
             await self._end_pending(tx, batch_id, now, "batch_expired",
@@ -515,7 +508,3 @@ class PostgresBatchStore(BatchStore):
         assert self._pool is not None, "batch store not opened"
         async with self._pool.acquire() as conn, conn.transaction():
             yield _PgTx(conn)
-
-
-def now() -> float:
-    return time.time()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import io
 import json
 import time
-import uuid
 from datetime import datetime
 
 import httpx
