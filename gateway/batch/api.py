@@ -173,7 +173,7 @@ def batch_routes(svc: "BatchService") -> list[Route]:
         if len(data) > c.max_file_bytes:
             raise GatewayError(413, f"The file is {len(data)} bytes, over the limit of {c.max_file_bytes} bytes.",
                                code="file_too_large", param="file")
-        parse_input(data, c.max_lines, c.max_line_bytes)  # 400 naming the first bad line
+        parse_input(data, c.max_lines, svc.line_limit())  # 400 naming the first bad line
         row = {"id": new_id("file-"), "owner": owner_of(p), "tenant": p.tenant, "purpose": "batch",
                "filename": (filename or "input.jsonl")[:256], "bytes": len(data), "created_at": time.time(),
                "content": data}

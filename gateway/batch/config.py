@@ -11,7 +11,7 @@ class BatchConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     sqlite_path: str | None = None  # job, line and file state; null: batch.db beside identity.sqlite_path (Postgres when identity.store is postgres)
     max_file_bytes: int = 104857600  # largest upload; a larger one is refused with 413 (OpenAI: 200 MB)
     max_lines: int = 50000  # most request lines in one batch input file (OpenAI's limit)
-    max_line_bytes: int = 1048576  # largest single request line
+    max_line_bytes: int = 1048576  # largest single request line (never above server.max_body_bytes)
     lease_s: float = 15.0  # a dispatched line's lease; a crashed replica's lines are taken over after it lapses
     max_attempts: int = 3  # tries per line for retryable upstream failures (502/503/504) before it fails
     min_concurrency: int = 1  # lines in flight per replica when the fleet has room, at the least

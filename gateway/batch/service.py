@@ -104,6 +104,10 @@ class BatchService:
         self._wake.set()
 
     # ------------------------------------------------------------------ API helpers
+    def line_limit(self) -> int:
+        """The largest request line: batch.max_line_bytes, never above what the realtime API accepts as a body."""
+        return min(self.gw.config.raw.batch.max_line_bytes, self.gw.config.server.max_body_bytes)
+
     def principal_valid_until(self, headers: Any, p: Any) -> float | None:
         """A JWT principal holds until its token expires (the identity cache knows when); keys are re-checked."""
         if p.kind not in ("jwt", "partner") or not p.id.startswith("jwt:"):
@@ -121,7 +125,7 @@ class BatchService:
             return False
         bc = self.gw.config.raw.batch
         try:
-            lines = parse_input(data, bc.max_lines, bc.max_line_bytes)
+            lines = parse_input(data, bc.max_lines, self.line_limit())
         except GatewayError:
             return False
         from gateway.policy.model import RequestAttrs
@@ -193,7 +197,7 @@ class BatchService:
                                                    "param": "input_file_id", "line": None}], now)
             return
         try:
-            lines = parse_input(data, bc.max_lines, bc.max_line_bytes)
+            lines = parse_input(data, bc.max_lines, self.line_limit())
         except GatewayError as e:
             await self.store.fail_job(job["id"], [{"code": e.code, "message": e.message, "param": "input_file_id",
                                                    "line": e.extra.get("line")}], now)
