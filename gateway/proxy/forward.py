@@ -89,9 +89,11 @@ class _StreamState:
 
 def upstream_body(ctx: RequestContext, cand: Candidate) -> bytes:
     """The body sent upstream: the client's, with the upstream model name, usage always requested for
-    streams, policy caps and the routing stage's overrides (cache_salt, priority)."""
+    streams, policy caps and the routing stage's overrides (cache_salt, priority); never the client's
+    `provider` preferences."""
     body = dict(ctx.body)
     body["model"] = cand.backend.upstream_model(cand.model)
+    body.pop("provider", None)  # the client's provider preferences are ours (gateway/policy/provider_prefs.py)
     if ctx.stream:
         so = dict(body.get("stream_options") or {})
         so["include_usage"] = True

@@ -1,0 +1,113 @@
+"""Per-request provider preferences (OpenRouter-style `provider: {...}`), tighten-only, against a real
+`python -m gateway serve` in front of two upstreams: one that keeps data (`retention: none`), one that keeps
+nothing (`retention: zero`). `zdr` / `data_collection: deny` narrow a request to zero retention; nothing in
+`provider` widens what policy decided; the field never reaches a backend; what routing cannot honour yet
+(`only`, `ignore`, `order`, `allow_fallbacks: false`) is a 400, not a silent no-op."""
+from __future__ import annotations
+
+import time
+
+import httpx
+import orjson
+import pytest
+import yaml
+
+from tests.support.procs import free_port, start_gateway, start_upstream
+
+pytestmark = pytest.mark.e2e
+KEY = "prefs-key-0123456789"
+ZR_KEY = "prefs-zr-key-0123456789"
+CANARY = "PREFS-CANARY-5d1e prompt text"
+
+
+@pytest.fixture(scope="module")
+def gw(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("prefs")
+    (keeps, kport), (zr, zport) = start_upstream(tmp), start_upstream(tmp)
+    (tmp / "policy.yaml").write_text(yaml.safe_dump({"version": 1, "rules": [
+        {"id": "zr-tenant", "match": {"tenant": "zr"}, "require": {"retention": "zero"}}]}))
+    port = free_port()
+    cfg = {"server": {"host": "127.0.0.1", "port": port},
+           "backends": [{"name": "keeps", "kind": "openai", "url": f"http://127.0.0.1:{kport}/v1",
+                         "models": ["m", "keeps-only"], "location": {"country": "DE"}, "retention": "none"},
+                        {"name": "zr", "kind": "openai", "url": f"http://127.0.0.1:{zport}/v1",
+                         "models": ["m"], "location": {"country": "DE"}, "retention": "zero"}],
+           "keys": [{"key": KEY, "tenant": "plain", "name": "p"}, {"key": ZR_KEY, "tenant": "zr", "name": "z"}],
+           "policy": {"files": [str(tmp / "policy.yaml")], "audit_path": str(tmp / "audit.jsonl")},
+           "observability": {"capture_content": True},
+           "identity": {"sqlite_path": str(tmp / "id.db")},
+           "budgets": {"sqlite_path": str(tmp / "budgets.db")}}
+    path = tmp / "gw.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    g, _ = start_gateway(path)
+    yield {"base": f"http://127.0.0.1:{port}", "ups": {"keeps": kport, "zr": zport}, "audit": tmp / "audit.jsonl"}
+    g.stop()
+    keeps.stop()
+    zr.stop()
+
+
+def chat(gw, model: str = "m", key: str = KEY, **extra) -> httpx.Response:
+    return httpx.post(gw["base"] + "/v1/chat/completions", headers={"authorization": f"Bearer {key}"}, timeout=10,
+                      json={"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": CANARY}],
+                            **extra})
+
+
+def last_body(gw, backend: str) -> dict:
+    return httpx.get(f"http://127.0.0.1:{gw['ups'][backend]}/stats").json()["last_body"]
+
+
+def record(gw, rid: str) -> dict:
+    """The audit record of `rid` (written off the request path: wait for it, bounded)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for line in gw["audit"].read_bytes().splitlines():
+            r = orjson.loads(line)
+            if r["request_id"] == rid:
+                return r
+        time.sleep(0.05)
+    raise AssertionError(f"no audit record {rid}")
+
+
+def test_without_preferences_the_backend_that_keeps_data_serves(gw):
+    seen = {chat(gw).headers["x-gateway-backend"] for _ in range(8)}
+    assert "keeps" in seen  # the control: retention none is allowed to this tenant, and routing picks it
+    assert chat(gw, model="keeps-only").status_code == 200
+
+
+@pytest.mark.parametrize("prefs", [{"zdr": True}, {"data_collection": "deny"}])
+def test_zdr_and_deny_narrow_to_zero_retention_and_the_field_is_not_forwarded(gw, prefs):
+    for _ in range(8):
+        r = chat(gw, provider=prefs)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-gateway-backend"] == "zr"
+    assert "provider" not in last_body(gw, "zr")
+    rec = record(gw, r.headers["x-request-id"])
+    assert rec["zero_retention"] is True and rec["decision"]["retention"] == "zero"
+    assert rec["evidence"]["provider_preferences"]["applied"] == ["retention: zero"]
+    # zero retention: no captured content, although capture_content is on
+    assert "content" not in rec and CANARY not in orjson.dumps(rec).decode()
+    # nothing left once narrowed: a 403 the SDKs do not retry, never a quiet send to the backend that keeps data
+    r = chat(gw, model="keeps-only", provider=prefs)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "residency_unsatisfiable", r.text
+    assert r.headers["x-should-retry"] == "false"
+
+
+def test_preferences_never_widen_the_policy(gw):
+    for _ in range(6):
+        r = chat(gw, key=ZR_KEY, provider={"zdr": False, "data_collection": "allow", "allow_fallbacks": True})
+        assert r.status_code == 200 and r.headers["x-gateway-backend"] == "zr", r.text
+    r = chat(gw, model="keeps-only", key=ZR_KEY, provider={"data_collection": "allow"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "residency_unsatisfiable"
+
+
+@pytest.mark.parametrize("prefs,param", [({"only": ["keeps"]}, "provider.only"), ({"ignore": ["zr"]}, "provider.ignore"),
+                                         ({"order": ["zr", "keeps"]}, "provider.order"),
+                                         ({"allow_fallbacks": False}, "provider.allow_fallbacks"),
+                                         ({"zdr": "yes"}, "provider.zdr"), ({"sort": "price"}, "provider.sort"),
+                                         ("zr", "provider")])
+def test_what_cannot_be_honoured_is_refused_not_ignored(gw, prefs, param):
+    r = chat(gw, provider=prefs)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "invalid_provider_preferences" and err["param"] == param
+    assert err["type"] == "invalid_request_error"
