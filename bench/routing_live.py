@@ -233,11 +233,12 @@ def oracle(sched: list[tuple[float, float]], tokens: list[int]) -> dict:
     return {"met": met, "shed": shed}
 
 
-def replay_error(client: list[dict], audit: dict[str, dict], names: list[str]) -> float | None:
+def replay_error(client: list[dict], audit: dict[str, dict], names: list[str]) -> tuple[float, float] | None:
     """MdARE of the oracle's fluid model against the TTFT ours measured, replaying ours' own admitted requests on
-    the engines it picked (how far the oracle's notion of 'true TTFT' is from the simulator's)."""
+    the engines it picked (how far the oracle's notion of 'true TTFT' is from the simulator's), and the median of
+    measured / model (> 1: the model, hence the oracle, is optimistic)."""
     until = {n: 0.0 for n in names}
-    errs = []
+    errs, ratios = [], []
     for c in sorted((c for c in client if c["rid"].startswith("burst") and c["status"] == 200
                      and c["ttft_ms"] and c["prompt_tokens"]), key=lambda c: c["at"]):
         a = audit.get(c["rid"]) or {}
@@ -248,7 +249,8 @@ def replay_error(client: list[dict], audit: dict[str, dict], names: list[str]) -
         t = fluid_ttft(until[e], c["at"], c["prompt_tokens"], sp)
         until[e] = max(until[e], c["at"]) + c["prompt_tokens"] * s_per_token(sp)
         errs.append(abs(c["ttft_ms"] - t * 1000) / c["ttft_ms"])
-    return statistics.median(errs) if errs else None
+        ratios.append(c["ttft_ms"] / (t * 1000))
+    return (statistics.median(errs), statistics.median(ratios)) if errs else None
 
 
 def read_audit(path: Path) -> dict[str, dict]:
@@ -288,7 +290,7 @@ def summarize(client: list[dict], audit: dict[str, dict], phase_of, dump=None) -
             p["met"] += 1
         if a is None or not a.get("backend"):
             continue
-        e = eng.setdefault(a["backend"], {"pred": 0, "act": 0, "agreed": 0, "ape": {}, "cal": []})
+        e = eng.setdefault(a["backend"], {"pred": 0, "act": 0, "agreed": 0, "ape": {}, "cal": [], "cal_ph": {}})
         ct = a.get("cached_tokens") or {}
         if ct.get("predicted") is not None and ct.get("actual") is not None:
             e["pred"] += ct["predicted"]
@@ -301,6 +303,7 @@ def summarize(client: list[dict], audit: dict[str, dict], phase_of, dump=None) -
             up = pick[0].get("predicted_ttft_upper_ms") if pick else None
             if up:
                 e["cal"].append(tt["actual"] <= up)
+                e["cal_ph"].setdefault(ph, []).append(tt["actual"] <= up)
             if dump is not None:
                 info = pick[0] if pick else {}
                 dump.write(json.dumps({"phase": ph, "engine": a["backend"], "pred": tt["predicted"],
@@ -473,8 +476,12 @@ def print_tables(names: list[str], results: dict, snaps: dict, args: argparse.Na
         print(f"| {name} | {p.get('met')} | {f(p.get('met', 0) / dur, '{:.2f}')} | {p.get('rejected')} "
               f"| {p.get('rejected_by_slo')} | {p.get('errors')} |")
     print(f"| oracle (fluid model, true backlog) | {orc['met']} | {orc['met'] / dur:.2f} | {orc['shed']} | - | - |")
+    om = snaps.get("oracle_model_mdare")
     print(f"oracle model vs ours' measured TTFT on ours' own dispatches: MdARE "
-          f"{f(snaps.get('oracle_model_mdare') and snaps['oracle_model_mdare'] * 100, '{:.1f}%')}")
+          f"{f(om and om[0] * 100, '{:.1f}%')}, median measured / model {f(om and om[1], '{:.2f}')}")
+    print("calibration per phase (all engines): " + ", ".join(
+        f"{ph} {f(100 * sum(x) / len(x), '{:.0f}%')} ({len(x)})" for ph in phs
+        for x in [[v for e in ours["engines"].values() for v in e["cal_ph"].get(ph, [])]] if x))
     tk = snaps.get("tokenize_ms") or {}
     print(f"\n/tokenize of a {GROUP_TOKENS}-token chat on the idle fleet (client -> sim, before the phases): "
           f"p50 {f(tk.get('p50'), '{:.2f}')} ms, p90 {f(tk.get('p90'), '{:.2f}')} ms")

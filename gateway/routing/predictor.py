@@ -85,6 +85,20 @@ class PredictorParams:
     refit_iters: int = 3  # IRLS passes (Huber weights on relative residuals)
 
 
+def queued(f: Features) -> bool:
+    """The group a request's residual is kept in for the upper bound: prefill work queued ahead of it or not."""
+    return f.ahead_tokens > 0
+
+
+def conformal_quantile(residuals: "deque[float] | list[float]", q: float) -> float:
+    """The split-conformal q quantile of residuals (rank ceil(q (n + 1)) of n, at most the largest), floored at
+    0: a bound that covers at least q of exchangeable new errors."""
+    xs = sorted(residuals)
+    n = len(xs)
+    k = min(n - 1, max(0, math.ceil(q * (n + 1)) - 1))
+    return max(0.0, xs[k])
+
+
 @dataclass
 class EngineLearner:
     """The online fit for one engine. `predict` is the mean TTFT in seconds; `upper` the calibrated quantile."""
@@ -105,7 +119,10 @@ class EngineLearner:
     budget: int = 8192  # the engine's chunked-prefill token budget per step (set by `Predictor.drain`)
     pf_time: float = 0.0  # decayed sums for the drain's prefill cost per token (see observe)
     pf_tokens: float = 0.0
-    _q_cache: tuple[int, float] | None = None
+    _q_cache: dict[object, tuple[int, float]] = field(default_factory=dict)
+    # the same residuals split by whether prefill work was queued ahead (a Mondrian conformal bound: the error's
+    # spread differs between an idle engine and one working off a queue)
+    residuals_by: dict[bool, deque[float]] = field(default_factory=dict)
     # the batch refit's window, a ring of the last refit_window observations (order does not matter to a
     # least-squares fit, so rows are overwritten in place: no per-refit copy of a Python deque into numpy)
     win_x: np.ndarray | None = None  # feature vectors, one row per observation
@@ -128,6 +145,8 @@ class EngineLearner:
         if not self.P:
             self.P = [[p.prior_var[i] if i == j else 0.0 for j in range(_N)] for i in range(_N)]
         self.residuals = deque(self.residuals, maxlen=max(p.min_samples, p.quantile_window))
+        self.residuals_by = {k: deque(self.residuals_by.get(k, ()), maxlen=self.residuals.maxlen)
+                             for k in (False, True)}
         self.recent_log_err = deque(self.recent_log_err, maxlen=max(1, p.guard_window))
         self.apes = deque(self.apes, maxlen=p.window)
         self.calib = deque(self.calib, maxlen=p.window)
@@ -147,20 +166,26 @@ class EngineLearner:
         th = theta if theta is not None else self.batch_theta if self.batch_theta is not None else self.theta
         return max(self.params.floor_s, sum(min(max(t, lo[i]), hi[i]) * xi for i, (t, xi) in enumerate(zip(th, x))))
 
-    def margin(self) -> float:
-        """Relative margin of the upper quantile over the mean prediction."""
+    def margin(self, f: Features | None = None) -> float:
+        """Relative margin of the upper quantile over the mean prediction: the quantile of the recent residuals
+        of requests like `f` (work queued ahead or not, `queued`), or of all recent ones while that group holds
+        fewer than min_samples (and without `f`)."""
         p = self.params
         if len(self.residuals) < p.min_samples:  # cold: also right after a guard reset
             return p.cold_margin
-        n = len(self.residuals)
-        if self._q_cache is None or self._q_cache[0] != self.samples:
-            xs = sorted(self.residuals)
-            k = min(n - 1, max(0, math.ceil(p.quantile * (n + 1)) - 1))  # split-conformal rank: >= q covered
-            self._q_cache = (self.samples, max(0.0, xs[k]))
-        return self._q_cache[1]
+        key: object = "all"
+        res = self.residuals
+        if f is not None:
+            grp = self.residuals_by.get(queued(f))
+            if grp is not None and len(grp) >= p.min_samples:
+                key, res = queued(f), grp
+        c = self._q_cache.get(key)
+        if c is None or c[0] != self.samples:
+            c = self._q_cache[key] = (self.samples, conformal_quantile(res, p.quantile))
+        return c[1]
 
     def upper(self, f: Features) -> float:
-        return self.predict(f) * (1.0 + self.margin())
+        return self.predict(f) * (1.0 + self.margin(f))
 
     # ---------------------------------------------------------------- learning
     def observe(self, f: Features, ttft_s: float, upper_s: float | None = None) -> float:
@@ -182,6 +207,7 @@ class EngineLearner:
             self.calib_n += 1
             self.calib_hit += ok
         self.residuals.append(ttft_s / pred - 1.0)
+        self.residuals_by[queued(f)].append(ttft_s / pred - 1.0)
         self.recent_log_err.append(math.log(ttft_s / pred))
         if self.batch_theta is None:  # the recursive fit predicts until the batch refit takes over
             self._observe_recursive(f, ttft_s)
@@ -226,7 +252,9 @@ class EngineLearner:
         self.batch_theta = None
         self.residuals.clear()
         self.recent_log_err.clear()
-        self._q_cache = None
+        self._q_cache = {}
+        for d in self.residuals_by.values():
+            d.clear()
         self.pf_time = self.pf_tokens = 0.0
         self.win_len = 0
         for x, y in rows:  # replay the current regime through the recursive fit, back into the window
@@ -440,9 +468,9 @@ class Predictor:
             ft = self.fleet_theta()
             if ft is not None:  # rank it like the fleet; admit on no less than its own (prior) prediction
                 m = lr.predict(f, ft)
-                return m, max(m, lr.predict(f)) * (1.0 + lr.margin())
+                return m, max(m, lr.predict(f)) * (1.0 + lr.margin(f))
         m = lr.predict(f)
-        return m, m * (1.0 + lr.margin())
+        return m, m * (1.0 + lr.margin(f))
 
     def observe(self, engine: str, f: Features, ttft_s: float, upper_s: float | None = None) -> float:
         lr = self.learner(engine)

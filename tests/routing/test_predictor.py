@@ -244,3 +244,28 @@ def test_the_upper_quantile_is_taken_over_the_most_recent_residuals_only():
         lr.observe(f, lr.predict(f) * 1.5)
     assert abs(lr.margin() - 0.5) < 1e-9
     assert len(lr.apes) == 232  # reporting keeps its own, longer window
+
+
+def test_conformal_quantile_rank():
+    from gateway.routing.predictor import conformal_quantile
+
+    xs = [i / 100 for i in range(1, 20)]  # 19 residuals: rank ceil(0.9 * 20) = 18
+    assert conformal_quantile(xs, 0.9) == 0.18
+    assert conformal_quantile([-0.5, -0.2], 0.9) == 0.0  # never a bound under the mean
+    assert conformal_quantile([0.1, 0.3], 0.99) == 0.3  # at most the largest
+
+
+def test_the_upper_bound_of_a_queued_request_comes_from_queued_requests_residuals():
+    """Requests with prefill queued ahead erred by 40%, those on an idle engine by 0: each gets its group's margin;
+    a group with fewer than min_samples residuals falls back to all of them."""
+    lr = EngineLearner(PredictorParams(quantile=0.9, quantile_window=64, min_samples=16))
+    idle = Features(ahead_tokens=0.0, uncached_tokens=1000.0, running=0.0)
+    busy = Features(ahead_tokens=2000.0, uncached_tokens=1000.0, running=0.0)
+    for _ in range(40):
+        lr.observe(idle, lr.predict(idle))
+    assert lr.margin(busy) == 0.0  # no queued residuals yet: all of them
+    for _ in range(20):
+        lr.observe(busy, lr.predict(busy) * 1.4)
+    assert abs(lr.margin(busy) - 0.4) < 1e-9
+    assert lr.margin(idle) == 0.0
+    assert lr.upper(busy) > lr.predict(busy) * 1.39
