@@ -100,7 +100,8 @@ def test_preferences_never_widen_the_policy(gw):
     assert r.status_code == 403 and r.json()["error"]["code"] == "residency_unsatisfiable"
 
 
-@pytest.mark.parametrize("prefs,param", [({"only": ["keeps"]}, "provider.only"), ({"ignore": ["zr"]}, "provider.ignore"),
+@pytest.mark.parametrize("prefs,param", [({"only": ["keeps"]}, "provider.only"),
+                                         ({"ignore": ["zr"]}, "provider.ignore"),
                                          ({"order": ["zr", "keeps"]}, "provider.order"),
                                          ({"allow_fallbacks": False}, "provider.allow_fallbacks"),
                                          ({"zdr": "yes"}, "provider.zdr"), ({"sort": "price"}, "provider.sort"),
