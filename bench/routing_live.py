@@ -331,7 +331,8 @@ def stop(p: subprocess.Popen) -> None:
 async def run(args: argparse.Namespace) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-routing-live-"))
     mpath = tmp / "fleet.json"
-    fleet = start([sys.executable, "-m", "backends.sim", "--engines", "4", "--profile", args.profile, "--base-port", "0",
+    fleet = start([sys.executable, "-m", "backends.sim", "--engines", "4", "--profile", args.profile,
+                   "--base-port", "0",
                    "--max-num-batched-tokens", str(BUDGET), "--manifest", str(mpath), "--locations", "DE"],
                   tmp / "fleet.log")
     results: dict[str, dict] = {}

@@ -13,8 +13,9 @@ clipping of residuals (one outlier moves the fit by a bounded step) and a forget
 Once an engine has `refit_min` observations, predictions come from a batch refit of the same model on its last
 `refit_window` observations (bounded, Huber-IRLS least squares of relative error, every `refit_every`): the
 recursive fit's path dependence under the router's feedback loop cost 2-4x the error under overload.
-An empirical quantile of the last `quantile_window` out-of-sample relative errors (a rolling, conformal-style
-residual quantile per engine) turns the mean prediction into the calibrated upper bound admission uses. Everything is pure and synchronous with an injectable clock.
+The split-conformal quantile of the last `quantile_window` out-of-sample relative errors (per engine, per group:
+prefill queued ahead or not) turns the mean prediction into the calibrated upper bound admission uses.
+Everything is pure and synchronous with an injectable clock.
 
 Guard against degenerate fits (a burst the features cannot explain can pin the prefill rate at its bound and put
 seconds into the overhead): every coefficient is boxed in physical bounds (`lower`, `upper`: at most 500k
