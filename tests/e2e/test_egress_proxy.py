@@ -2,17 +2,26 @@
 upstreams, with a real forward proxy (tests/support/fwdproxy.py) that logs every request it carries.
 `trust_env: true` honours HTTP(S)_PROXY and NO_PROXY from the gateway's environment, `proxy: <url>` names
 one; a backend without either never goes through the proxy, whatever the environment says (engines on the
-cluster network must not)."""
+cluster network must not). An https:// partner goes through HTTPS_PROXY as a CONNECT tunnel."""
 from __future__ import annotations
 
+import datetime
+import ipaddress
+import ssl
 import sys
 import time
 
 import httpx
 import pytest
 import yaml
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 from tests.support.procs import Proc, free_port, start_gateway, start_upstream, wait_http
+
+TLS_PROBE_TIMEOUT_S = 20.0
 
 pytestmark = pytest.mark.e2e
 KEY = "egress-key-0123456789"
@@ -132,3 +141,68 @@ def test_a_dead_proxy_fails_the_opted_in_route_only(setup):
         assert r.status_code in (502, 503) and r.json()["error"]["code"], r.text  # OpenAI-shaped, not a hang
     finally:
         g.stop()
+
+
+def self_signed(tmp) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 (its own issuer) and its key, as PEM files."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+            .sign(key, hashes.SHA256()))
+    cpath, kpath = tmp / "tls.crt", tmp / "tls.key"
+    cpath.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    kpath.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                        serialization.NoEncryption()))
+    return str(cpath), str(kpath)
+
+
+def test_https_partner_is_tunnelled_with_connect_through_https_proxy(setup, tmp_path):
+    """An https:// partner with trust_env: HTTPS_PROXY carries it as a CONNECT tunnel; SSL_CERT_FILE (read
+    under trust_env too) is how the gateway trusts the partner's certificate here."""
+    cert, key = self_signed(tmp_path)
+    port = free_port()
+    tls = Proc([sys.executable, "-m", "tests.support.upstream", "--port", str(port), "--tls-cert", cert,
+                "--tls-key", key], tmp_path / "tls-upstream.log")
+    try:
+        _wait_tls(port, cert)
+        gport = free_port()
+        cfg = {"server": {"host": "127.0.0.1", "port": gport},
+               "backends": [{"name": "tls", "url": f"https://127.0.0.1:{port}/v1", "models": ["tls-model"],
+                             "trust_env": True, "operator": "partner", "location": {"country": "DE"},
+                             "retention": "zero"}],
+               "keys": [{"key": KEY, "tenant": "t", "name": "k"}],
+               "policy": {"audit_path": str(tmp_path / "audit.jsonl"), "files": []},
+               "identity": {"sqlite_path": str(tmp_path / "id.db")},
+               "budgets": {"sqlite_path": str(tmp_path / "b.db")}}
+        path = tmp_path / "gw-tls.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        setup["log"].write_text("")
+        env = {**proxy_env(setup["proxy"]), "SSL_CERT_FILE": cert}
+        env["http_proxy"] = env["HTTP_PROXY"] = ""  # only HTTPS_PROXY: the https:// route must use it
+        g, _ = start_gateway(path, env=env)
+        try:
+            r = chat(gport, "tls-model")
+            assert r.status_code == 200, r.text
+            assert f"CONNECT 127.0.0.1:{port}" in setup["log"].read_text().splitlines()
+        finally:
+            g.stop()
+    finally:
+        tls.stop()
+
+
+def _wait_tls(port: int, cert: str) -> None:
+    deadline = time.monotonic() + TLS_PROBE_TIMEOUT_S
+    while True:
+        try:
+            if httpx.get(f"https://127.0.0.1:{port}/health", verify=ssl.create_default_context(cafile=cert),
+                         timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "the TLS upstream did not start"
+        time.sleep(0.1)

@@ -139,8 +139,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--key")
+    ap.add_argument("--tls-cert", help="serve https with this certificate (PEM; --tls-key its key)")
+    ap.add_argument("--tls-key")
     a = ap.parse_args()
-    uvicorn.run(make_app(a.key), host="127.0.0.1", port=a.port, log_level="warning", loop="uvloop", http="httptools")
+    uvicorn.run(make_app(a.key), host="127.0.0.1", port=a.port, log_level="warning", loop="uvloop", http="httptools",
+                ssl_certfile=a.tls_cert, ssl_keyfile=a.tls_key)
 
 
 if __name__ == "__main__":
