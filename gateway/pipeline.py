@@ -1,8 +1,7 @@
 """The request pipeline: one mutable context per request flowing through small named stages.
 
-parse -> authenticate -> decide (policy) -> provider_prefs -> reserve (budget)
--> route (candidates, predict, pick, admit) -> dispatch (proxy) -> finish (settle budget, record evidence,
-feed predictor), in reverse stage order.
+parse -> authenticate -> decide (policy) -> reserve (budget) -> route (candidates, predict, pick, admit)
+-> dispatch (proxy) -> finish (settle budget, record evidence, feed predictor), in reverse stage order.
 
 A stage refuses a request by raising `gateway.errors.GatewayError`. Every stage whose `run` started gets its
 `finish` called exactly once, after the response is complete (or failed), so reservations are always settled.

@@ -127,7 +127,6 @@ class PolicyHolder:
 
 def _wire_policy(gw: Gateway) -> None:
     """YAML policies (optionally delegated to OPA) decide allow/deny, residency, retention, budgets, SLOs."""
-    from gateway.policy.provider_prefs import ProviderPrefsStage
     from gateway.policy.stage import PolicyStage
 
     holder = PolicyHolder(gw.config)
@@ -137,7 +136,6 @@ def _wire_policy(gw: Gateway) -> None:
         holder.on_swap.append(gw.identity.set_policy)
     gw.services.append(holder)
     _insert_after(gw, "authenticate", PolicyStage(holder.provider))
-    _insert_after(gw, "decide", ProviderPrefsStage())  # the request's own provider preferences: tighten only
 
 
 def _wire_telemetry(gw: Gateway) -> None:

@@ -1,8 +1,10 @@
 """Per-request provider preferences, OpenRouter-style and tighten-only: a request body's
 `provider: {zdr, data_collection, ...}` can narrow what policy allows for this one request, never widen it.
 
-Stage "provider_prefs", right after "decide": `zdr: true` or `data_collection: "deny"` make the decision's
-retention zero (only zero-retention backends, on the first try, retries and fallbacks; no content in audit,
+Applied by the "decide" stage itself, as the last step of its decision (`apply_provider_preferences`), so
+every later stage (the response cache's partition, budgets, routing, dispatch, evidence) sees only the
+tightened decision, whatever order later stages are wired in: `zdr: true` or `data_collection: "deny"` make the
+decision's retention zero (only zero-retention backends, on the first try, retries and fallbacks; no content in audit,
 logs or spans), whatever the policy said. `zdr: false`, `data_collection: "allow"` and `allow_fallbacks: true`
 ask for nothing policy does not already give, so they change nothing (a policy's zero retention stays zero).
 
@@ -55,28 +57,20 @@ def parse_preferences(prefs: Any) -> dict[str, Any]:
     return {"zero_retention": zdr is True or dc == "deny"}
 
 
-class ProviderPrefsStage:
-    """Stage "provider_prefs": tighten ctx.decision with the request's provider preferences (never loosen)."""
-
-    name = "provider_prefs"
-
-    async def run(self, ctx: RequestContext) -> None:
-        prefs = ctx.body.get(FIELD) if isinstance(ctx.body, dict) else None
-        if prefs is None:
-            return
-        asked = parse_preferences(prefs)
-        d = ctx.decision
-        if d is None:  # "decide" runs first and always sets one; without it there is nothing to tighten
-            raise GatewayError(503, "No policy decision to apply provider preferences to.", code="policy_unavailable")
-        applied: list[str] = []
-        if asked["zero_retention"] and d.retention != "zero":
-            d = dataclasses.replace(d, retention="zero", retention_rule="request:provider")
-            applied.append("retention: zero")
-        ctx.decision = d
-        ctx.evidence["provider_preferences"] = {"requested": {k: prefs[k] for k in KNOWN if k in prefs},
-                                                "applied": applied}
-        if applied:
-            ctx.evidence["decision"] = d.to_evidence()
-
-    async def finish(self, ctx: RequestContext) -> None:
-        return None
+def apply_provider_preferences(ctx: RequestContext) -> None:
+    """Tighten ctx.decision with the body's `provider` preferences (never loosen); 400 for what cannot be
+    honoured. Called by PolicyStage once the decision allows the request."""
+    prefs = ctx.body.get(FIELD) if isinstance(ctx.body, dict) else None
+    d = ctx.decision
+    if prefs is None or d is None:
+        return
+    asked = parse_preferences(prefs)
+    applied: list[str] = []
+    if asked["zero_retention"] and d.retention != "zero":
+        d = dataclasses.replace(d, retention="zero", retention_rule="request:provider")
+        applied.append("retention: zero")
+    ctx.decision = d
+    ctx.evidence["provider_preferences"] = {"requested": {k: prefs[k] for k in KNOWN if k in prefs},
+                                            "applied": applied}
+    if applied:
+        ctx.evidence["decision"] = d.to_evidence()

@@ -11,6 +11,7 @@ from gateway.errors import GatewayError
 from gateway.pipeline import RequestContext, RequestHeaders
 from gateway.policy.engine import model_permitted
 from gateway.policy.model import RequestAttrs
+from gateway.policy.provider_prefs import apply_provider_preferences
 from gateway.types import Decision
 
 
@@ -76,6 +77,8 @@ class PolicyStage:
                                    extra={"rule": d.deny_rule})
             raise GatewayError(d.deny_status, f"policy decision unavailable ({d.deny_rule}): {d.reason}",
                                code="policy_unavailable", extra={"rule": d.deny_rule})
+        apply_provider_preferences(ctx)  # the request's own provider: {zdr, data_collection}: tighten only
+        d = ctx.decision or d
         client_max_tokens = ctx.max_tokens is not None
         cap = d.max_tokens_cap
         implied = _implied_max_tokens(ctx)  # completions' default of 16 is within any cap of 16 or more

@@ -1,0 +1,41 @@
+"""The decide stage itself applies the request's provider preferences, so any stage wired after it (the
+response cache, budgets, routing) only ever sees the tightened decision, whatever order they are inserted in."""
+from __future__ import annotations
+
+import pytest
+
+from gateway.errors import GatewayError
+from gateway.pipeline import RequestContext
+from gateway.policy.compiler import compile_text
+from gateway.policy.stage import PolicyStage
+from gateway.types import Principal
+
+POL = compile_text("rules:\n  - id: eea\n    match: {tenant: eu}\n    require: {jurisdiction: EEA, retention: zero}\n")
+
+
+def ctx(tenant: str, **body) -> RequestContext:
+    c = RequestContext(request_id="r", endpoint="chat", headers={},
+                       body={"model": "m", "messages": [{"role": "user", "content": "hi"}], **body})
+    c.principal = Principal(id="key:1", kind="api_key", tenant=tenant, key_id="1")
+    c.model = "m"
+    return c
+
+
+@pytest.mark.parametrize("prefs", [{"zdr": True}, {"data_collection": "deny"}])
+async def test_decide_returns_the_tightened_decision(prefs):
+    c = ctx("plain", provider=prefs)
+    await PolicyStage(lambda: POL).run(c)
+    assert c.decision.retention == "zero" and c.zero_retention and not c.content_retainable
+    assert c.evidence["decision"]["retention"] == "zero"
+    plain = ctx("plain")
+    await PolicyStage(lambda: POL).run(plain)
+    assert plain.decision.retention is None  # the control: policy alone keeps no zero-retention rule here
+
+
+async def test_preferences_never_loosen_and_bad_ones_are_a_400_from_decide():
+    c = ctx("eu", provider={"zdr": False, "data_collection": "allow"})
+    await PolicyStage(lambda: POL).run(c)
+    assert c.decision.retention == "zero" and c.decision.allowed_countries
+    with pytest.raises(GatewayError) as ei:
+        await PolicyStage(lambda: POL).run(ctx("plain", provider={"only": ["a"]}))
+    assert ei.value.status == 400 and ei.value.param == "provider.only"
