@@ -475,7 +475,7 @@ class CompletionEndpoint:
             try:
                 started = await gw.pipeline.run(ctx)
                 dispatched = time.perf_counter()
-                result = await gw.dispatcher.open(ctx)
+                result = ctx.answer if ctx.answer is not None else await gw.dispatcher.open(ctx)
                 answered = time.perf_counter()
             except GatewayError as e:
                 if dispatched is not None:
@@ -498,6 +498,8 @@ class CompletionEndpoint:
                         obj = orjson.loads(result.body)
                         ctx.usage = usage_from(obj)
                         response_facts(ctx, obj)
+                        if ctx.cache is not None:
+                            ctx.cache.capture.json(obj)
                     except orjson.JSONDecodeError:
                         ctx.status, ctx.error = 502, "upstream_bad_json"
                         err = GatewayError(502, "Upstream answered with invalid JSON.", code="upstream_error")
@@ -533,12 +535,16 @@ class CompletionEndpoint:
                    (b"x-accel-buffering", b"no")]
             raw += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in hdrs.items()]
             await send({"type": "http.response.start", "status": 200, "headers": raw})
-            gen = stream_body(ctx, result, on_end)
+            replay = getattr(result, "replay", None)  # a cache hit (gateway/cache/replay.py)
+            gen = replay(ctx, on_end) if replay is not None else stream_body(ctx, result, on_end)
+            capture = ctx.cache.capture if ctx.cache is not None and replay is None else None
             me = asyncio.current_task()
             gw.streams[me] = ctx  # type: ignore[index]
             try:
                 try:
                     async for chunk in gen:
+                        if capture is not None:
+                            capture.chunk(chunk)
                         await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 except asyncio.CancelledError:
                     if not ctx.cut_by_shutdown:

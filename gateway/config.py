@@ -22,6 +22,7 @@ from gateway.policy.config import PolicyConfig
 from gateway.policy.eea import country_error
 from gateway.routing.config import RoutingConfig
 from gateway.batch.config import BatchConfig, batch_error
+from gateway.cache.config import CacheConfig
 from gateway.telemetry.config import TelemetryConfig
 
 
@@ -185,6 +186,7 @@ class GatewayConfigRaw(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     telemetry: TelemetryConfig = msgspec.field(default_factory=TelemetryConfig)
     observability: ObservabilityConfig = msgspec.field(default_factory=ObservabilityConfig)
     batch: BatchConfig = msgspec.field(default_factory=BatchConfig)
+    cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
     data_dir: str = "var"
 
 

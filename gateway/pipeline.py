@@ -99,6 +99,8 @@ class RequestContext:
     response_id: str | None = None  # the upstream's completion id (chatcmpl-..., cmpl-...)
     finish_reasons: tuple[str, ...] = ()  # per choice, in order, as the upstream reported them
     batch: dict[str, Any] | None = None  # a batch line: {batch_id, line, custom_id}; set only by gateway/batch
+    cache: Any = None  # the response cache's state for this request (gateway/cache/stage.py); None: not cached
+    answer: Any = None  # a prepared result (a cache hit): the remaining stages and dispatch are skipped
 
     @property
     def zero_retention(self) -> bool:
@@ -136,6 +138,8 @@ class Pipeline:
                 started.append(st)
                 await st.run(ctx)
                 ctx.stage_timings_us[st.name] = (time.perf_counter() - t0) * 1e6
+                if ctx.answer is not None:  # answered without the GPU (cache hit): no reserve, no route
+                    break
         except BaseException as e:
             status = getattr(e, "status", None)
             if isinstance(status, int):  # a GatewayError refusal: record it before finishers read ctx

@@ -95,6 +95,7 @@ class Decision:
     budgets: tuple[BudgetSpec, ...] = ()
     cache_isolation: bool = False
     spill_to_partner: bool = False
+    cache: Any = None  # gateway.cache.spec.CacheSpec of the most specific rule that sets `cache`; None: off
     # Model restrictions from policy (globs): routing must not fall back to a model outside these.
     allowed_models: tuple[str, ...] = ()  # empty = no policy restriction
     denied_models: tuple[str, ...] = ()

@@ -22,6 +22,7 @@ def wire(gw: Gateway) -> None:
     _wire_identity(gw)
     _wire_policy(gw)
     _wire_budgets(gw)
+    _wire_cache(gw)  # after budgets: the cache stage goes between decide and reserve
     _wire_telemetry(gw)
     _wire_routing(gw)
     _wire_evidence(gw)
@@ -136,6 +137,22 @@ def _wire_policy(gw: Gateway) -> None:
         holder.on_swap.append(gw.identity.set_policy)
     gw.services.append(holder)
     _insert_after(gw, "authenticate", PolicyStage(holder.provider))
+
+
+def _wire_cache(gw: Gateway) -> None:
+    """Response cache (exact and semantic, chosen per policy rule; docs/cache.md): a stage between decide and
+    reserve, DELETE /admin/cache, and a purge on every reload (policy, model aliases or backends may change)."""
+    from gateway.cache.service import CacheService
+
+    svc = CacheService(gw)
+    gw.services.append(svc)
+    gw.cache = svc  # type: ignore[attr-defined]
+    names = [getattr(st, "name", "") for st in gw.stages]
+    at = names.index("decide") + 1 if "decide" in names else len(names)
+    gw.stages.insert(at, svc.stage)
+    gw.pipeline.stages = gw.stages
+    gw.extra_routes.append(gateway_guard(gw).route("/admin/cache", svc.admin_delete, ["DELETE"],
+                                                   (PLATFORM_ADMIN, TENANT_ADMIN)))
 
 
 def _wire_telemetry(gw: Gateway) -> None:

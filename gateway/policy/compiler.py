@@ -345,6 +345,14 @@ def _compile_rule(raw: dict[str, Any], order: int, path: str, src: _Src, errors:
             if k == "priority" and v == "sheddable":
                 v = "batch"
             sets[dk] = v
+    if "cache" in sets_raw:  # the response cache of matching requests (gateway/cache, docs/cache.md)
+        from gateway.cache.spec import compile_spec
+
+        spec, why = compile_spec(sets_raw["cache"])
+        if why is not None:
+            errors.append(src.err(f"{path}.set.cache", why))
+        else:
+            sets["cache"] = spec
 
     deny_raw = raw.get("deny")
     deny = deny_raw is True

@@ -26,6 +26,7 @@ TABLE: dict[tuple[str, str], frozenset[str]] = {
     ("GET", "/admin/fleet"): PLATFORM,
     ("GET", "/admin/routing"): PLATFORM,
     ("GET", "/admin/batch"): PLATFORM,
+    ("DELETE", "/admin/cache"): BOTH,  # a tenant admin purges only its own tenant's entries
     ("GET", "/admin/ui"): frozenset({PUBLIC}),
     ("GET", "/admin/ui/data"): PLATFORM,
     ("GET", "/admin/decisions/{request_id}"): BOTH,
@@ -184,6 +185,8 @@ def test_admin_route_admits_exactly_its_roles(gw, method, path):
                 assert st == 200, (who, method, path, st, r.text)
                 data = r.json()["data"]
                 assert all(x.get("tenant", x.get("id")) == "tb" for x in data), (path, data)
+            elif (method, path) == ("DELETE", "/admin/cache"):  # scoped to the caller's own tenant, never ta's
+                assert st == 200 and r.json()["tenant"] == "tb", (who, method, path, st, r.text)
             else:  # another tenant's record: refused, or not confirmed to exist
                 assert st in (403, 404), (who, method, path, st, r.text)
 

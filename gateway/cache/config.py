@@ -1,0 +1,22 @@
+"""Config section `cache:` (owned by the response cache, gateway/cache)."""
+from __future__ import annotations
+
+import msgspec
+
+
+class CacheLocation(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    country: str  # ISO 3166-1 alpha-2 where the in-process store keeps entries (the gateway's own node)
+
+
+class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The response cache. Off for every request unless a policy rule sets `cache:` (docs/cache.md)."""
+
+    location: CacheLocation | None = None  # where the store lives; null: requests with a residency restriction are never stored
+    max_entries: int = 10000  # in-process store bound (LRU eviction beyond it)
+    max_entry_bytes: int = 262144  # a larger response is not stored
+    max_temperature: float = 1.0  # requests sampling above this temperature never cache (absent temperature counts as 1.0)
+    default_ttl_s: float = 300.0  # a rule's `cache` without ttl_s
+    default_similarity: float = 0.9  # a semantic rule's `cache` without similarity
+    embedder: str = "lexical"  # semantic tier: "lexical" (built-in hashed word/char n-grams, no model) or "backend"
+    embeddings_model: str | None = None  # embedder backend: a model served at /v1/embeddings by one of the gateway's backends (residency-checked)
+    embeddings_timeout_s: float = 2.0  # embedder backend: a slower answer is a cache miss, never an error
