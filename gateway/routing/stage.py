@@ -325,8 +325,9 @@ class PredictiveRouteStage:
         self.avg_uncached: dict[str, float] = {}
         self.affinity: dict[str, str] = {}  # session/trace header value -> engine last used
         self.batch = BatchQueue(rc.batch_queue_size)
-        self.stats = {"admitted": 0, "rejected": 0, "rejected_before_tokenize": 0, "spilled": 0, "queued": 0,
-                      "shed": 0}
+        self.stats = {"admitted": 0, "rejected": 0, "rejected_before_tokenize": 0,
+                      "rejected_on_cached_prefix": 0, "spilled": 0, "queued": 0, "shed": 0}
+        self._learning: set[asyncio.Task] = set()  # background /tokenize of message prefixes (_learn_prefix)
         self._strategies: dict[tuple, Strategy] = {}
 
     @property
@@ -407,6 +408,8 @@ class PredictiveRouteStage:
                 toks, source = await self.telemetry.tokens_for(tel[0].backend.name, None, ctx.body,
                                                                retain=not ctx.zero_retention)
                 n_tokens = max(1, len(toks))
+                if source == "engine":
+                    self._learn_prefix(ctx, tel[0], toks, salt)
                 by_lora: dict[str | None, list[str]] = {}
                 for c in tel:  # engines serving the model as a LoRA adapter key their blocks by its name
                     by_lora.setdefault(lora_name(c), []).append(c.backend.name)
@@ -596,12 +599,14 @@ class PredictiveRouteStage:
         its tokens; the prediction and its upper bound grow with both (boxed coefficients >= 0), so the full
         prediction could only be higher and admission would refuse too. Returns when that is not certain."""
         now = self.clock()
+        bounds = self._uncached_lower_bounds(ctx, own, salt, now)
         elapsed = max(0.0, time.perf_counter() - ctx.received_at)  # already spent: part of any TTFT from here
         lbs: list[tuple[Candidate, float, float, EngineView]] = []
         for c in own:
             v = self._view(c.backend.name, now, self._telemetry_for(c))
             mean, upper = self.predictor.predict(
-                c.backend.name, Features(ahead_tokens=v.ahead_tokens, uncached_tokens=1.0, running=v.running))
+                c.backend.name, Features(ahead_tokens=v.ahead_tokens, uncached_tokens=float(bounds.get(
+                    c.backend.name, 1)), running=v.running))
             lbs.append((c, (elapsed + mean) * 1000, (elapsed + upper) * 1000, v))
         adm = early_refusal(target, [u for _, _, u, _ in lbs], [m for _, m, _, _ in lbs])
         if adm is None:
@@ -609,14 +614,72 @@ class PredictiveRouteStage:
         for c, m, u, v in lbs:
             c.predicted_ttft_ms, c.predicted_ttft_upper_ms = round(m, 3), round(u, 3)
             c.info = {"predicted_ttft_upper_ms": c.predicted_ttft_upper_ms, "lower_bound": True,
+                      "uncached_tokens_at_least": int(bounds.get(c.backend.name, 1)),
                       "ahead_tokens": int(v.ahead_tokens), "running": v.running, "waiting": v.waiting,
                       "inflight": v.inflight, "operator": c.backend.operator}
         cands = sorted(own, key=lambda c: c.predicted_ttft_upper_ms or 0)
         self.stats["rejected"] += 1
         self.stats["rejected_before_tokenize"] += 1
-        self._evidence(ctx, cands, target, "reject", "none (refused on a lower bound, before tokenizing)",
-                       t_start, salt)
+        self.stats["rejected_on_cached_prefix"] += 1 if bounds else 0
+        self._evidence(ctx, cands, target, "reject", "none (refused on a lower bound, before tokenizing"
+                       + ("; message prefix's ids cached)" if bounds else ")"), t_start, salt)
         raise _unattainable(cands[0], target, adm.retry_after_s, lower_bound=True)
+
+    def _uncached_lower_bounds(self, ctx: RequestContext, own: list[Candidate], salt: str | None, now: float
+                               ) -> dict[str, int]:
+        """Per engine, a lower bound on the request's uncached prompt tokens without tokenizing it, where one is
+        known (else the caller assumes 1): when the ids of the chat's earlier messages are cached
+        (TokenSource.cached_prefix) and an engine's chain of blocks (index, then own pending prefill) breaks
+        inside that prefix, nothing past the break can be cached there (block keys are chained), so the request
+        has at least len(prefix) + tail lower bound - cached-before-the-break uncached tokens there."""
+        tel = self.telemetry
+        ts = getattr(tel, "tokens", None) if tel is not None else None
+        tc = [c for c in own if self._telemetry_for(c)]
+        if ts is None or not tc or ctx.zero_retention or not hasattr(ts, "cached_prefix"):
+            return {}
+        try:
+            hit = ts.cached_prefix(tc[0].backend.server_root, ctx.body, salt)
+            if hit is None:
+                return {}
+            ids, tail_lb = hit
+            n_lb = len(ids) + tail_lb
+            index = getattr(tel, "index", None)
+            by_lora: dict[str | None, list[str]] = {}
+            for c in tc:
+                by_lora.setdefault(lora_name(c), []).append(c.backend.name)
+            out: dict[str, int] = {}
+            for lora, names in by_lora.items():
+                rk = RequestKeys(list(ids), salt, lora)
+                found = tel.lookup(names, rk, salt=salt, lora=lora)
+                for name in names:
+                    bs = index.block_size(name) if index is not None else None
+                    if not bs:
+                        continue
+                    full = len(ids) // bs
+                    v = found.get(name)
+                    held = min(int(v.blocks), full) if v is not None else 0
+                    n = self.pending.extend(name, rk.keys(bs), held, full, now) if full else 0
+                    if n < full:  # the chain breaks inside the known prefix on this engine
+                        out[name] = max(1, n_lb - n * bs)
+            return out
+        except Exception:  # a bound is an optimisation: trouble means no bound, never a failed request
+            return {}
+
+    def _learn_prefix(self, ctx: RequestContext, cand: Candidate, toks: list[int], salt: str | None) -> None:
+        """Cache the ids of the chat's earlier messages off the request's path (one /tokenize of the prefix,
+        once per distinct prefix), for the refusal before tokenizing of later requests sharing it."""
+        ts = getattr(self.telemetry, "tokens", None)
+        msgs = ctx.body.get("messages")
+        if ts is None or ctx.zero_retention or not isinstance(msgs, list) or len(msgs) < 2 \
+                or not hasattr(ts, "learn_prefix") or len(self._learning) >= 64:
+            return
+        try:
+            t = asyncio.get_running_loop().create_task(ts.learn_prefix(cand.backend.server_root, ctx.body, toks,
+                                                                       salt))
+        except RuntimeError:
+            return
+        self._learning.add(t)
+        t.add_done_callback(self._learning.discard)
 
     def _evidence(self, ctx: RequestContext, cands: list[Candidate], target: float | None,
                   action: str, source: str, t_start: float, salt: str | None) -> None:

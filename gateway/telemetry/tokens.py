@@ -3,6 +3,14 @@
 The approximate source hashes the rendered text in fixed-size character chunks into pseudo token ids, so two
 requests sharing a text prefix share leading pseudo blocks; it can rank engines by overlap but its counts are
 not the engine's tokens (evidence says which source was used).
+
+Message prefixes (`PrefixTokenCache`): the token ids of a chat's earlier messages (system prompt and earlier
+turns), keyed by a hash of exactly those messages, the model's request fields and the engine-visible cache salt
+(so tenants under cache isolation never share an entry), learned off the request's path from one /tokenize of
+the prefix that is checked to be a prefix of the full request's ids. The route stage's refusal before
+tokenizing uses it: with the prefix's ids known, the KV index says where its chain of blocks breaks on each
+engine, which bounds what can be cached there without tokenizing the request. `max_token_bytes` is learned from
+the same answers (the longest token seen, in UTF-8 bytes) and bounds the tail: tokens >= bytes / that.
 """
 from __future__ import annotations
 
@@ -16,6 +24,8 @@ import xxhash
 from gateway.telemetry.local_tokenizer import LocalTokenizer
 
 APPROX_CHARS_PER_TOKEN = 4
+_MSG_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id")
+_REQ_FIELDS = ("model", "tools", "chat_template_kwargs")
 
 
 def render_messages_plain(messages: list[dict[str, Any]]) -> str:
@@ -33,6 +43,97 @@ def approx_tokens(text: str) -> list[int]:
     """Pseudo token ids: one per 4-char chunk, hashed (stable across processes)."""
     n = APPROX_CHARS_PER_TOKEN
     return [xxhash.xxh32_intdigest(text[i:i + n].encode("utf-8")) for i in range(0, len(text), n)]
+
+
+def prefix_keys(body: dict[str, Any], salt: str | None, scope: str = "") -> list[bytes]:
+    """Key of each message prefix of a chat body: [key of messages[:1], ..., messages[:n-1]] (never the whole
+    chat: its last message is the new tail). Hashed incrementally, one pass over the messages; the key covers
+    the request fields that change the template's output (model, tools, chat_template_kwargs), the scope (the
+    engine endpoint) and the engine-visible cache salt."""
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or len(msgs) < 2:
+        return []
+    h = xxhash.xxh3_128()
+    h.update(orjson.dumps({k: body.get(k) for k in _REQ_FIELDS}, option=orjson.OPT_SORT_KEYS, default=str))
+    h.update(b"\x00" + scope.encode() + b"\x00" + (salt or "").encode() + b"\x01")
+    out: list[bytes] = []
+    for m in msgs[:-1]:
+        mm = {k: m.get(k) for k in _MSG_FIELDS} if isinstance(m, dict) else m
+        h.update(orjson.dumps(mm, option=orjson.OPT_SORT_KEYS, default=str) + b"\x1e")
+        out.append(h.digest())
+    return out
+
+
+def content_bytes(messages: list[Any]) -> int:
+    """UTF-8 bytes of the messages' text content (template tokens not counted: a lower bound's input)."""
+    n = 0
+    for m in messages:
+        c = m.get("content") if isinstance(m, dict) else None
+        if isinstance(c, list):
+            c = "".join(p.get("text", "") for p in c if isinstance(p, dict))
+        if isinstance(c, str):
+            n += len(c.encode("utf-8", "surrogatepass"))
+    return n
+
+
+def tail_token_lower_bound(tail_bytes: int, max_token_bytes: int | None) -> int:
+    """Tokens at least needed for `tail_bytes` of text when no token is longer than `max_token_bytes` bytes
+    (ceil); 0 when that is not known yet. Byte-level BPE covers every byte of the text once, so the bound holds
+    for any vocabulary whose longest token is that long; the value used is the longest seen, doubled."""
+    if not max_token_bytes or tail_bytes <= 0:
+        return 0
+    b = 2 * max_token_bytes
+    return -(-tail_bytes // b)
+
+
+def is_prefix(short: list[int] | tuple[int, ...], full: list[int] | tuple[int, ...]) -> bool:
+    return len(short) <= len(full) and tuple(full[:len(short)]) == tuple(short)
+
+
+class PrefixTokenCache:
+    """LRU of message-prefix key -> the prefix's token ids (see module docstring), and per scope the longest
+    token seen in bytes."""
+
+    def __init__(self, size: int = 1024) -> None:
+        self.size = size
+        self._ids: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
+        self.max_token_bytes: dict[str, int] = {}
+        self.hits = 0
+        self.learned = 0
+        self.mismatched = 0  # the prefix's ids were not a prefix of the full request's: not stored
+
+    def get(self, key: bytes) -> tuple[int, ...] | None:
+        v = self._ids.get(key)
+        if v is not None:
+            self._ids.move_to_end(key)
+        return v
+
+    def longest(self, keys: list[bytes]) -> tuple[int, tuple[int, ...]] | None:
+        """(number of messages, ids) of the longest cached prefix among `keys` (prefix_keys order)."""
+        for k in range(len(keys), 0, -1):
+            v = self.get(keys[k - 1])
+            if v is not None:
+                self.hits += 1
+                return k, v
+        return None
+
+    def put(self, key: bytes, ids: list[int], full_ids: list[int]) -> bool:
+        """Store the prefix's ids only when they are a prefix of the full request's ids (a template that renders
+        earlier messages differently depending on later ones is never cached)."""
+        if not ids or not is_prefix(ids, full_ids):
+            self.mismatched += 1
+            return False
+        self._ids[key] = tuple(ids)
+        self._ids.move_to_end(key)
+        self.learned += 1
+        while len(self._ids) > self.size:
+            self._ids.popitem(last=False)
+        return True
+
+    def observe_token_strs(self, scope: str, strs: list[Any]) -> None:
+        m = max((len(s.encode("utf-8", "surrogatepass")) for s in strs if isinstance(s, str)), default=0)
+        if m > self.max_token_bytes.get(scope, 0):
+            self.max_token_bytes[scope] = m
 
 
 class TokenSource:
@@ -61,6 +162,43 @@ class TokenSource:
         self.misses = 0
         self.uncached = 0  # resolved with retain=False (zero retention): never looked up nor stored
         self.by_source: dict[str, int] = {}
+        self.prefixes = PrefixTokenCache()
+
+    def cached_prefix(self, endpoint: str, body: dict[str, Any], salt: str | None
+                      ) -> tuple[tuple[int, ...], int] | None:
+        """(ids of the longest cached message prefix, token lower bound of the rest's content) or None."""
+        hit = self.prefixes.longest(prefix_keys(body, salt, endpoint))
+        if hit is None:
+            return None
+        k, ids = hit
+        tail = tail_token_lower_bound(content_bytes(body["messages"][k:]), self.prefixes.max_token_bytes.get(endpoint))
+        return ids, tail
+
+    async def learn_prefix(self, endpoint: str, body: dict[str, Any], full_ids: list[int], salt: str | None) -> bool:
+        """Off the request's path: tokenize the chat's earlier messages (all but the last) on the engine and cache
+        their ids when they are a prefix of `full_ids`. Never for zero-retention requests (the caller's job)."""
+        keys = prefix_keys(body, salt, endpoint)
+        if not keys or self.prefixes.get(keys[-1]) is not None:
+            return False
+        if self._client is None:
+            self._client = httpx.AsyncClient()
+        req: dict[str, Any] = {"model": body.get("model"), "messages": body["messages"][:-1],
+                               "add_generation_prompt": False, "return_token_strs": True}
+        if body.get("tools"):
+            req["tools"] = body["tools"]
+        try:
+            r = await self._client.post(endpoint.rstrip("/") + "/tokenize", json=req, timeout=self.timeout_s)
+            if r.status_code != 200:
+                return False
+            js = r.json()
+        except (httpx.HTTPError, ValueError):
+            return False
+        toks = js.get("tokens")
+        if not isinstance(toks, list):
+            return False
+        if isinstance(js.get("token_strs"), list) and len(js["token_strs"]) == len(toks):
+            self.prefixes.observe_token_strs(endpoint, js["token_strs"])
+        return self.prefixes.put(keys[-1], toks, full_ids)
 
     async def close(self) -> None:
         if self._own_client and self._client is not None:

@@ -13,7 +13,7 @@ from gateway.errors import GatewayError
 from gateway.pipeline import RequestContext
 from gateway.proxy.health import Health
 from gateway.routing.pending import PendingCache
-from gateway.routing.stage import PredictiveRouteStage, early_refusal
+from gateway.routing.stage import PredictiveRouteStage, candidates, early_refusal
 
 PROMPT = " ".join(f"w{i}" for i in range(400))  # a few hundred tokens: many 16-token blocks
 
@@ -177,3 +177,53 @@ def test_the_last_chunk_of_a_multi_chunk_prompt_is_seen_only_once_the_steps_befo
     p.add("a", "e", keys, tail_from=128, tail_at=10.0, tail_trigger=(2558 - 2048) // 16)
     assert p.extend("e", keys, 20, 159, now=9.0) == 128
     assert p.extend("e", keys, 100, 159, now=9.0) == 159
+
+
+def _chat(rid: str, system: str, user: str, slo: float | None = None) -> RequestContext:
+    c = _ctx(rid, user, slo)
+    c.body["messages"] = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    return c
+
+
+async def test_a_refusal_whose_system_prompt_ids_are_cached_makes_no_tokenize_call(rig):
+    st, tel, engines = rig
+    # idle fleet, cold caches: one token meets 60 ms (no early refusal), the ~800-token system prompt does not
+    first = _chat("p1", PROMPT * 2, "first question", slo=60)
+    with pytest.raises(GatewayError):
+        await st.run(first)
+    assert st.stats["rejected_before_tokenize"] == 0
+    await asyncio.gather(*list(st._learning))  # the prefix's ids are learned off the request's path
+    assert tel.tokens.prefixes.learned == 1
+    calls = _token_calls(tel)
+    second = _chat("p2", PROMPT * 2, "another question", slo=60)
+    with pytest.raises(GatewayError) as ei:
+        await st.run(second)
+    assert ei.value.code == "ttft_slo_unattainable" and "at least" in ei.value.message
+    assert _token_calls(tel) == calls  # no /tokenize: refused on the cached prefix's bound
+    assert st.stats["rejected_before_tokenize"] == 1 and st.stats["rejected_on_cached_prefix"] == 1
+    assert "prefix" in second.evidence["route"]["token_source"]
+    assert all(c["uncached_tokens_at_least"] > 400 for c in second.evidence["candidates"])
+    root = st._config().backend(engines[0]["name"]).server_root
+    assert tel.tokens.cached_prefix(root, second.body, None) is not None
+    # another tenant's salt (cache isolation) never reads that entry
+    assert tel.tokens.cached_prefix(root, second.body, "other-salt") is None
+
+
+async def test_a_prefix_held_on_an_engine_gives_no_bound_there(rig):
+    st, tel, engines = rig
+    eng, url = engines[0]["name"], engines[0]["url"]
+    body = {"model": "sim-model", "max_tokens": 1,
+            "messages": [{"role": "system", "content": PROMPT * 2}, {"role": "user", "content": "x"}]}
+    async with httpx.AsyncClient(timeout=10) as client:  # the engine computes and stores the system prompt
+        assert (await client.post(url + "/chat/completions", json=body)).status_code == 200
+    for _ in range(50):
+        if tel.index.engine_blocks(eng).get("GPU", 0) > 0:
+            break
+        await asyncio.sleep(0.05)
+    await st.run(_chat("w1", PROMPT * 2, "x"))  # admitted (no target): tokenized, prefix learned
+    await asyncio.gather(*list(st._learning))
+    c = _chat("w2", PROMPT * 2, "y")
+    own = candidates(st._config(), c, st._health).candidates
+    bounds = st._uncached_lower_bounds(c, own, None, st.clock())
+    assert eng not in bounds  # its chain runs through the whole prefix: anything past it may be cached
+    assert all(v > 400 for v in bounds.values()) and len(bounds) == len(engines) - 1
