@@ -18,6 +18,8 @@ class BatchConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_concurrency: int = 64  # at the most (the controller moves between these, additive up, halving down)
     realtime_ttft_target_ms: float | None = None  # target realtime must keep; null: routing.default_ttft_slo_ms, else 1000
     headroom: float = 0.25  # batch lines are started only while the best predicted upper TTFT is below headroom x target (bench/batch_lane.py: 0.5 tripled realtime p90)
+    max_prefilling_per_engine: int = 1  # batch lines an engine may have before their first token; a line starts only on an engine with no realtime request before its first token (bench/batch_lane.py)
+    prefill_duty: float = 1.0  # most share of an engine's time its batch prefill may take: after a line starts there, the next waits its predicted prefill / prefill_duty (1.0: right after; 0.1 held realtime p90 within 1.1x)
     tick_s: float = 0.05  # scheduler period
     zero_retention_delete_after_s: float = 3600.0  # a zero-retention batch's files are deleted this long after it ends
     prefix_chars: int = 256  # lines whose prompts share this many leading characters are dispatched together
@@ -26,7 +28,8 @@ class BatchConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 def batch_error(bc: BatchConfig) -> tuple[str, str] | None:
     """(field, why) for the first value of `batch:` that cannot work, else None (gateway.config reports it
     with file:line)."""
-    for name in ("max_file_bytes", "max_lines", "max_line_bytes", "max_attempts", "min_concurrency", "prefix_chars"):
+    for name in ("max_file_bytes", "max_lines", "max_line_bytes", "max_attempts", "min_concurrency", "prefix_chars",
+                 "max_prefilling_per_engine"):
         if getattr(bc, name) < 1:
             return name, "must be >= 1"
     if bc.max_concurrency < bc.min_concurrency:
@@ -34,6 +37,8 @@ def batch_error(bc: BatchConfig) -> tuple[str, str] | None:
     for name in ("lease_s", "tick_s", "headroom"):
         if not getattr(bc, name) > 0:
             return name, "must be > 0"
+    if not 0 < bc.prefill_duty <= 1:
+        return "prefill_duty", "must be > 0 and <= 1"
     if bc.realtime_ttft_target_ms is not None and not bc.realtime_ttft_target_ms > 0:
         return "realtime_ttft_target_ms", "must be > 0 (milliseconds) or null"
     if bc.zero_retention_delete_after_s < 0:

@@ -7,6 +7,14 @@ and features the route stage uses, gateway/routing/stage.py), without dispatchin
 engine's bound stays under `headroom` x the realtime target the concurrency rises by one line per tick in
 which all slots are busy; when it does not (or routing shed a line) the concurrency halves, at most once
 per cooldown. Concurrency is per replica.
+
+On top of that, lines start only where an engine has prefill room (`engine_room`): what costs realtime its
+TTFT is batch *prefill* in the engine step a realtime request arrives during or is scheduled in (the engine
+never stops a step; priority scheduling only orders the waiting queue), not batch decodes
+(bench/batch_lane.py attributes it from the audit records). So an engine gets a new line only while no
+realtime request of this replica is before its first token there, it has fewer than
+`max_prefilling_per_engine` batch lines before theirs, and (under `prefill_duty` < 1) the last line started
+there is `predicted prefill / prefill_duty` old.
 """
 from __future__ import annotations
 
@@ -46,6 +54,40 @@ def realtime_prediction(gw: Any) -> float | None:
     return best
 
 
+def engine_room(rt_prefilling: int, batch_prefilling: int, since_last_start_s: float | None,
+                last_prefill_s: float, max_prefilling: int, duty: float) -> bool:
+    """May a new batch line start on this engine now? `rt_prefilling`/`batch_prefilling`: this replica's
+    realtime requests / batch lines there before their first token; `since_last_start_s`: age of the last
+    batch line started there (None: none yet) and `last_prefill_s` its predicted prefill time."""
+    if rt_prefilling > 0 or batch_prefilling >= max_prefilling:
+        return False
+    if duty < 1.0 and since_last_start_s is not None and since_last_start_s < last_prefill_s / duty:
+        return False
+    return True
+
+
+def engine_loads(router: Any, now: float) -> dict[str, tuple[int, int, float | None, float]]:
+    """Per engine with flights of this replica: (realtime before first token, batch lines before first
+    token, start time of the newest batch line, its predicted prefill s). A non-streamed line counts as
+    prefilling until its predicted TTFT has passed (the router's own rule, _Flight.prefilling)."""
+    out: dict[str, tuple[int, int, float | None, float]] = {}
+    for name, fls in getattr(router, "flights", {}).items():
+        rt = bt = 0
+        last: float | None = None
+        last_s = 0.0
+        for f in list(fls.values()):
+            is_batch = getattr(f.ctx, "batch", None) is not None
+            if f.prefilling(now):
+                if is_batch:
+                    bt += 1
+                else:
+                    rt += 1
+            if is_batch and (last is None or f.started > last):
+                last, last_s = f.started, f.predicted_s
+        out[name] = (rt, bt, last, last_s)
+    return out
+
+
 class Pacer:
     """Additive-increase / multiplicative-decrease concurrency of batch lines on this replica."""
 
@@ -56,6 +98,8 @@ class Pacer:
         self.last_target_ms: float | None = None
         self.room = True
         self._bc = bc
+        self._last: dict[str, tuple[float, float]] = {}  # engine -> (newest batch start, its predicted prefill s)
+        self.engines_with_room: int | None = None
 
     def target_ms(self, gw: Any) -> float:
         bc = gw.config.raw.batch
@@ -84,11 +128,47 @@ class Pacer:
         if inflight >= int(self.conc):
             self.conc = min(float(bc.max_concurrency), self.conc + 1)
         self.conc = min(max(self.conc, float(bc.min_concurrency)), float(bc.max_concurrency))
-        return int(self.conc) - inflight
+        free = int(self.conc) - inflight
+        rooms = self.rooms(gw, inflight)
+        self.engines_with_room = rooms
+        return free if rooms is None else min(free, rooms)
+
+    def rooms(self, gw: Any, inflight: int = 0) -> int | None:
+        """How many lines may start for prefill room now: own healthy engines with room (engine_room), less
+        the lines already started that routing has not placed yet (they will take a room); None without a
+        router that tracks flights (then concurrency alone bounds the lane)."""
+        router = getattr(gw, "router", None)
+        if router is None or not hasattr(router, "flights") or not hasattr(router, "clock"):
+            return None
+        bc = self._bc
+        now = router.clock()
+        loads = engine_loads(router, now)
+        placed = sum(1 for fls in getattr(router, "flights", {}).values() for f in list(fls.values())
+                     if getattr(f.ctx, "batch", None) is not None)
+        cfg = gw.config
+        n = 0
+        seen: set[str] = set()
+        for names in cfg.models.values():
+            for name in names:
+                if name in seen:
+                    continue
+                seen.add(name)
+                b = cfg.backend(name)
+                if b.operator == "partner" or not gw.health.available(name):
+                    continue
+                rt, bt, last, last_s = loads.get(name, (0, 0, None, 0.0))
+                prev = self._last.get(name)
+                if last is not None and (prev is None or last > prev[0]):
+                    self._last[name] = prev = (last, last_s)
+                since = None if prev is None else now - prev[0]
+                if engine_room(rt, bt, since, prev[1] if prev else 0.0, bc.max_prefilling_per_engine,
+                               bc.prefill_duty):
+                    n += 1
+        return max(0, n - max(0, inflight - placed))
 
     def snapshot(self) -> dict[str, Any]:
         return {"concurrency": int(self.conc), "room": self.room, "predicted_realtime_ttft_ms": self.last_prediction_ms,
-                "realtime_target_ms": self.last_target_ms}
+                "realtime_target_ms": self.last_target_ms, "engines_with_room": self.engines_with_room}
 
 
 def pick_jobs(jobs: list[dict[str, Any]], rr: int) -> tuple[list[dict[str, Any]], int]:
