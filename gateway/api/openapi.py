@@ -39,6 +39,11 @@ _SAMPLING = {
     "max_tokens": {"type": ["integer", "null"], "minimum": 1, "maximum": 64},
     "user": {"type": "string"},
     "seed": {"type": ["integer", "null"]},
+    # OpenRouter-style provider preferences, tighten only (gateway/policy/provider_prefs.py): what the gateway
+    # honours; only/ignore/order/allow_fallbacks: false are refused with 400
+    "provider": {"type": "object", "additionalProperties": False, "properties": {
+        "zdr": {"type": "boolean"}, "data_collection": {"type": "string", "enum": ["allow", "deny"]},
+        "allow_fallbacks": {"const": True}}},
 }
 _MODEL = {"type": "string", "minLength": 1, "maxLength": 256, "description": "a model or alias from GET /v1/models"}
 _CONTENT_PART = {"type": "object", "required": ["type"],
@@ -103,7 +108,9 @@ def openapi_spec(server_url: str | None = None) -> dict[str, Any]:
                     "type": "object", "required": ["object", "data"],
                     "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": {
                         "type": "object", "required": ["id", "object"],
-                        "properties": {"id": {"type": "string"}, "object": {"const": "model"}}}}}}}}},
+                        "properties": {"id": {"type": "string"}, "object": {"const": "model"},
+                                       "context_window": {"type": ["integer", "null"]},
+                                       "context_length": {"type": ["integer", "null"]}}}}}}}}},
                               **_errors(401)},
             }},
             "/healthz": {"get": {"operationId": "healthz", "summary": "Liveness", "security": [],
