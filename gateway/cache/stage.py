@@ -86,7 +86,7 @@ class CacheStage:
             return self._bypass(ctx, "batch", tier)
         if not ctx.content_retainable or ctx.principal is None:
             return self._bypass(ctx, "zero_retention", tier)
-        if body.get("provider") is not None:  # may tighten retention in a later stage: never cached
+        if body.get("provider") is not None:  # retention preferences: decide applied them; kept out regardless
             return self._bypass(ctx, "provider_preferences", tier)
         if temperature(body) > cc.max_temperature:
             return self._bypass(ctx, "temperature", tier)

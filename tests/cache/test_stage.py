@@ -48,7 +48,8 @@ async def test_temperature_above_the_bound_never_caches():
 
 
 requests = st.fixed_dictionaries({
-    "text": st.sampled_from(["What is the refund policy?", "Summarise the contract", "hello", "Explain Berlin"]),
+    "text": st.sampled_from(["What is the refund policy?", "Summarise the contract", "hello", "Explain Berlin"])
+    | st.text(min_size=1, max_size=40),
     "model": st.sampled_from(["m", "n"]),
     "team": st.sampled_from([None, "x", "y"]),
     "mode": st.sampled_from(["exact", "semantic"]),
