@@ -99,6 +99,10 @@ class Decision:
     # Model restrictions from policy (globs): routing must not fall back to a model outside these.
     allowed_models: tuple[str, ...] = ()  # empty = no policy restriction
     denied_models: tuple[str, ...] = ()
+    # The request's own provider preferences (gateway/policy/provider_prefs.py), tighten-only hard filters:
+    providers_only: frozenset[str] | None = None  # backend names or operators the request accepts; None: any
+    providers_ignored: frozenset[str] = frozenset()  # backend names or operators the request refuses
+    no_fallbacks: bool = False  # one attempt only: a failed backend is not retried on another
     deny_status: int = 403  # 503 when the decision could not be made (e.g. OPA unreachable, fail-closed)
 
     def to_evidence(self) -> dict[str, Any]:
@@ -119,6 +123,9 @@ class Decision:
             "max_context": self.max_context,
             "allowed_models": list(self.allowed_models),
             "denied_models": list(self.denied_models),
+            "providers_only": sorted(self.providers_only) if self.providers_only is not None else None,
+            "providers_ignored": sorted(self.providers_ignored),
+            "no_fallbacks": self.no_fallbacks,
             "budgets": [b.__dict__ if hasattr(b, "__dict__") else _slots_dict(b) for b in self.budgets],
         }
 

@@ -8,9 +8,12 @@ decision's retention zero (only zero-retention backends, on the first try, retri
 logs or spans), whatever the policy said. `zdr: false`, `data_collection: "allow"` and `allow_fallbacks: true`
 ask for nothing policy does not already give, so they change nothing (a policy's zero retention stays zero).
 
-`only`, `ignore`, `order` and `allow_fallbacks: false` would need the router to read a per-request backend set;
-it does not yet, so they are refused (400) rather than silently ignored: a client that asks for `only` must
-not believe it got it. The field never reaches a backend: `gateway.proxy.forward.upstream_body` drops it.
+`only` and `ignore` (backend names, or the operators `self` / `partner`) become hard filters of the
+decision, applied with residency on the first try, retries and fallbacks: a request that leaves no backend
+is refused (403), never sent elsewhere. `allow_fallbacks: false` allows one attempt: a failed backend is not
+retried on another. `order` would need the router to pick by the client's order instead of by predicted TTFT;
+it does not, so `order` is refused (400) rather than silently ignored: a client that asks for an order must not
+believe it got it. The field never reaches a backend: `gateway.proxy.forward.upstream_body` drops it.
 """
 from __future__ import annotations
 
@@ -22,7 +25,8 @@ from gateway.pipeline import RequestContext
 
 FIELD = "provider"
 KNOWN = ("zdr", "data_collection", "allow_fallbacks", "only", "ignore", "order")
-NOT_HONOURED = ("only", "ignore", "order")  # need routing to read an allowed-backend set (not wired)
+NOT_HONOURED = ("order",)  # needs routing to pick by the client's order (not wired)
+MAX_NAMES = 64
 
 
 def _bad(message: str, param: str) -> GatewayError:
@@ -30,18 +34,18 @@ def _bad(message: str, param: str) -> GatewayError:
 
 
 def parse_preferences(prefs: Any) -> dict[str, Any]:
-    """Validate `provider` and return what it asks for ({"zero_retention": bool}); raises a 400 naming the
-    field for a bad value or a preference the gateway cannot honour."""
+    """Validate `provider` and return what it asks for ({"zero_retention", "only", "ignore", "no_fallbacks"});
+    raises a 400 naming the field for a bad value or a preference the gateway cannot honour."""
     if not isinstance(prefs, dict):
         raise _bad("'provider' must be an object of provider preferences.", FIELD)
     unknown = sorted(set(prefs) - set(KNOWN))
     if unknown:
         raise _bad(f"Unknown provider preference(s): {', '.join(unknown)}; supported: zdr, data_collection, "
-                   "allow_fallbacks (true).", f"{FIELD}.{unknown[0]}")
+                   "only, ignore, allow_fallbacks.", f"{FIELD}.{unknown[0]}")
     for k in NOT_HONOURED:
         if k in prefs and prefs[k] not in (None, []):
-            raise _bad(f"provider.{k} is not supported by this gateway (backends are chosen by policy and "
-                       "routing); use zdr or data_collection to narrow retention.", f"{FIELD}.{k}")
+            raise _bad(f"provider.{k} is not supported by this gateway (the router picks by predicted "
+                       "TTFT); use only / ignore to narrow the backends.", f"{FIELD}.{k}")
     zdr = prefs.get("zdr")
     if zdr is not None and not isinstance(zdr, bool):
         raise _bad("provider.zdr must be a boolean.", f"{FIELD}.zdr")
@@ -51,10 +55,20 @@ def parse_preferences(prefs: Any) -> dict[str, Any]:
     fb = prefs.get("allow_fallbacks")
     if fb is not None and not isinstance(fb, bool):
         raise _bad("provider.allow_fallbacks must be a boolean.", f"{FIELD}.allow_fallbacks")
-    if fb is False:
-        raise _bad("provider.allow_fallbacks: false is not supported by this gateway (a failed backend is "
-                   "retried on another allowed one).", f"{FIELD}.allow_fallbacks")
-    return {"zero_retention": zdr is True or dc == "deny"}
+    return {"zero_retention": zdr is True or dc == "deny", "only": _names(prefs, "only"),
+            "ignore": _names(prefs, "ignore"), "no_fallbacks": fb is False}
+
+
+def _names(prefs: dict[str, Any], key: str) -> frozenset[str] | None:
+    """provider.only / provider.ignore: a list of 1-64 non-empty strings (backend names or operators)."""
+    v = prefs.get(key)
+    if v is None:
+        return None
+    if (not isinstance(v, list) or not v or len(v) > MAX_NAMES
+            or not all(isinstance(x, str) and 0 < len(x) <= 256 for x in v)):
+        raise _bad(f"provider.{key} must be a list of 1-{MAX_NAMES} backend names (or the operators "
+                   "'self' / 'partner').", f"{FIELD}.{key}")
+    return frozenset(v)
 
 
 def apply_provider_preferences(ctx: RequestContext) -> None:
@@ -69,6 +83,17 @@ def apply_provider_preferences(ctx: RequestContext) -> None:
     if asked["zero_retention"] and d.retention != "zero":
         d = dataclasses.replace(d, retention="zero", retention_rule="request:provider")
         applied.append("retention: zero")
+    only = asked["only"]
+    if only is not None:  # intersect with any set already narrowed: never widen
+        only = only if d.providers_only is None else only & d.providers_only
+        d = dataclasses.replace(d, providers_only=only)
+        applied.append("only: " + ",".join(sorted(only)))
+    if asked["ignore"]:
+        d = dataclasses.replace(d, providers_ignored=d.providers_ignored | asked["ignore"])
+        applied.append("ignore: " + ",".join(sorted(asked["ignore"])))
+    if asked["no_fallbacks"] and not d.no_fallbacks:
+        d = dataclasses.replace(d, no_fallbacks=True)
+        applied.append("no fallbacks")
     ctx.decision = d
     ctx.evidence["provider_preferences"] = {"requested": {k: prefs[k] for k in KNOWN if k in prefs},
                                             "applied": applied}

@@ -28,6 +28,11 @@ def backend_allowed(decision: Decision, backend: BackendConfig) -> str | None:
     if decision.retention == "zero" and backend.retention != "zero":
         rule = f" (rule {decision.retention_rule})" if decision.retention_rule else ""
         return f"retention: backend keeps data ({backend.retention}), zero retention required{rule}"
+    only, ignored = decision.providers_only, decision.providers_ignored
+    if only is not None and backend.name not in only and (backend.operator or "") not in only:
+        return f"provider preferences: {backend.name} is not in the request's provider.only"
+    if ignored and (backend.name in ignored or (backend.operator or "") in ignored):
+        return f"provider preferences: {backend.name} is in the request's provider.ignore"
     return None
 
 

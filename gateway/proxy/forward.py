@@ -211,6 +211,9 @@ class Dispatcher:
                 continue
             if attempts >= self.max_attempts:
                 break
+            if attempts > 0 and ctx.decision is not None and ctx.decision.no_fallbacks:
+                ctx.attempts.append({"backend": name, "skipped": "provider.allow_fallbacks: false"})
+                break
             if attempts > 0 and not self.retry_budget.try_retry():
                 ctx.attempts.append({"backend": name, "skipped": "retry budget exhausted"})
                 break

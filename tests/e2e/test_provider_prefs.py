@@ -1,8 +1,9 @@
 """Per-request provider preferences (OpenRouter-style `provider: {...}`), tighten-only, against a real
 `python -m gateway serve` in front of two upstreams: one that keeps data (`retention: none`), one that keeps
 nothing (`retention: zero`). `zdr` / `data_collection: deny` narrow a request to zero retention; nothing in
-`provider` widens what policy decided; the field never reaches a backend; what routing cannot honour yet
-(`only`, `ignore`, `order`, `allow_fallbacks: false`) is a 400, not a silent no-op."""
+`provider` widens what policy decided; the field never reaches a backend; `only` / `ignore` narrow the
+backends (with residency, on every try) and `allow_fallbacks: false` allows one attempt; what routing cannot
+honour (`order`) is a 400, not a silent no-op."""
 from __future__ import annotations
 
 import time
@@ -100,10 +101,46 @@ def test_preferences_never_widen_the_policy(gw):
     assert r.status_code == 403 and r.json()["error"]["code"] == "residency_unsatisfiable"
 
 
-@pytest.mark.parametrize("prefs,param", [({"only": ["keeps"]}, "provider.only"),
-                                         ({"ignore": ["zr"]}, "provider.ignore"),
-                                         ({"order": ["zr", "keeps"]}, "provider.order"),
-                                         ({"allow_fallbacks": False}, "provider.allow_fallbacks"),
+@pytest.mark.parametrize("prefs,backend", [({"only": ["keeps"]}, "keeps"), ({"only": ["zr"]}, "zr"),
+                                           ({"ignore": ["keeps"]}, "zr"), ({"ignore": ["zr"]}, "keeps"),
+                                           ({"only": ["zr", "keeps"], "ignore": ["keeps"]}, "zr")])
+def test_only_and_ignore_narrow_the_backends(gw, prefs, backend):
+    for _ in range(6):
+        r = chat(gw, provider=prefs)
+        assert r.status_code == 200 and r.headers["x-gateway-backend"] == backend, r.text
+    assert "provider" not in last_body(gw, backend)
+    rec = record(gw, r.headers["x-request-id"])
+    assert any(a.startswith(("only:", "ignore:")) for a in rec["evidence"]["provider_preferences"]["applied"])
+
+
+def test_only_never_widens_and_none_left_is_a_403(gw):
+    # the zero-retention tenant asks for the backend that keeps data only: policy's retention still holds
+    r = chat(gw, key=ZR_KEY, provider={"only": ["keeps"]})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "residency_unsatisfiable", r.text
+    r = chat(gw, provider={"only": ["no-such-backend"]})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "residency_unsatisfiable", r.text
+    r = chat(gw, model="keeps-only", provider={"ignore": ["self"]})  # by operator: every own backend
+    assert r.status_code == 403, r.text
+
+
+def test_allow_fallbacks_false_makes_one_attempt(gw):
+    # both upstreams answer 503 to this fault: by default the gateway retries on the other backend
+    fault = {"x_test_fault": "error503"}
+    r = chat(gw, **fault)
+    assert r.status_code == 502, r.text  # the upstream's 503, answered as the gateway's upstream_error
+    tried = [a for a in record(gw, r.headers["x-request-id"])["attempts"] if "status" in a]
+    assert len(tried) == 2, tried  # the control: a retry on the other backend
+    r = chat(gw, provider={"allow_fallbacks": False}, **fault)
+    assert r.status_code == 502, r.text
+    attempts = record(gw, r.headers["x-request-id"])["attempts"]
+    assert len([a for a in attempts if "status" in a]) == 1, attempts
+    assert {"skipped": "provider.allow_fallbacks: false"}.items() <= attempts[-1].items()
+
+
+@pytest.mark.parametrize("prefs,param", [({"order": ["zr", "keeps"]}, "provider.order"),
+                                         ({"only": []}, "provider.only"), ({"only": "keeps"}, "provider.only"),
+                                         ({"ignore": [5]}, "provider.ignore"),
+                                         ({"allow_fallbacks": "no"}, "provider.allow_fallbacks"),
                                          ({"zdr": "yes"}, "provider.zdr"), ({"sort": "price"}, "provider.sort"),
                                          ("zr", "provider")])
 def test_what_cannot_be_honoured_is_refused_not_ignored(gw, prefs, param):

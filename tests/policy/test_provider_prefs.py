@@ -37,5 +37,25 @@ async def test_preferences_never_loosen_and_bad_ones_are_a_400_from_decide():
     await PolicyStage(lambda: POL).run(c)
     assert c.decision.retention == "zero" and c.decision.allowed_countries
     with pytest.raises(GatewayError) as ei:
-        await PolicyStage(lambda: POL).run(ctx("plain", provider={"only": ["a"]}))
-    assert ei.value.status == 400 and ei.value.param == "provider.only"
+        await PolicyStage(lambda: POL).run(ctx("plain", provider={"order": ["a"]}))
+    assert ei.value.status == 400 and ei.value.param == "provider.order"
+
+
+async def test_only_and_ignore_are_hard_filters_that_only_narrow():
+    from gateway.config import BackendConfig
+    from gateway.policy.residency import backend_allowed
+
+    c = ctx("plain", provider={"only": ["a", "b"], "ignore": ["b"], "allow_fallbacks": False})
+    await PolicyStage(lambda: POL).run(c)
+    d = c.decision
+    assert d.providers_only == {"a", "b"} and d.providers_ignored == {"b"} and d.no_fallbacks
+    def bk(name: str, operator: str = "self") -> BackendConfig:
+        return BackendConfig(name=name, url="http://x/v1", models=["m"], operator=operator)
+    assert backend_allowed(d, bk("a")) is None
+    assert "provider.ignore" in backend_allowed(d, bk("b"))
+    assert "provider.only" in backend_allowed(d, bk("c"))
+    assert backend_allowed(d, bk("p", "partner")) is not None
+    # an operator name selects every backend of that operator
+    c2 = ctx("plain", provider={"only": ["partner"]})
+    await PolicyStage(lambda: POL).run(c2)
+    assert backend_allowed(c2.decision, bk("p", "partner")) is None and backend_allowed(c2.decision, bk("a"))
