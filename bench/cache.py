@@ -8,7 +8,8 @@ synonym rule the built-in lexical embedder is not expected to catch); a "near-mi
 one number, adds a negation, or shares only the last message of a multi-turn conversation. Each pair runs in a
 fresh store: serve A (stored), look B up. Hit rate on paraphrases and false-hit rate on near-misses are printed
 at the threshold, then the stage's added latency (exact hit, semantic hit, miss) with 1,000 entries in the
-partition, on this one process (one core).
+partition, on this one process (one core); then a mixed workload on one shared store (hit rate, false hits
+against the intent each entry was made for, GPU tokens saved).
 """
 from __future__ import annotations
 
@@ -95,10 +96,14 @@ def near_misses(tpl: str, e: str, n: str, rnd: random.Random) -> list[tuple[str,
 def labelled_pairs(seed: int) -> list[tuple[list, list, str, str]]:
     rnd = random.Random(seed)
     pairs: list[tuple[list, list, str, str]] = []
+    seen: set[str] = set()
     for ti, tpl in enumerate(TEMPLATES):
-        for e in ENTITIES[:6]:
-            for n in NUMBERS[:3] if "{n}" in tpl else NUMBERS[:1]:
+        for e in ENTITIES if "{e}" in tpl else ENTITIES[:1]:
+            for n in NUMBERS[:4] if "{n}" in tpl else NUMBERS[:1]:
                 text = tpl.format(e=e, n=n)
+                if text in seen:
+                    continue
+                seen.add(text)
                 a = [{"role": "user", "content": text}]
                 for rule, p in paraphrases(text, rnd):
                     pairs.append((a, [{"role": "user", "content": p}], "paraphrase", rule))
@@ -195,6 +200,57 @@ async def latency(sim: float) -> None:
         print(f"{name:<14} {statistics.median(v):>8.1f} {v[int(len(v) * 0.99) - 1]:>8.1f}")
 
 
+async def mixed(sim: float, seed: int, n: int = 3000) -> None:
+    """One shared store, a Zipf-ish stream of FAQ traffic: exact repeats, paraphrases and near misses of the
+    same base questions. A hit is false when the entry was created for a different intent (another base, or a
+    near-miss variant of it). Tokens: prompt ~ chars/4, completion 64 per answer (a stand-in for the engine's)."""
+    rnd = random.Random(seed)
+    seen: dict[str, tuple] = {}  # one base per distinct text (a template without {e} is one base per number)
+    for ti, tpl in enumerate(TEMPLATES):
+        for e in ENTITIES[:6]:
+            for nn in (NUMBERS[:3] if "{n}" in tpl else NUMBERS[:1]):
+                seen.setdefault(tpl.format(e=e, n=nn), (ti, tpl, e, nn))
+    bases = list(seen.values())
+    weights = [1.0 / (i + 1) ** 0.8 for i in range(len(bases))]
+    base_of = {tpl.format(e=e, n=nn): (ti, e, nn) for ti, tpl, e, nn in bases}
+    stage, store = stage_for(sim)
+    intent_of: dict[str, tuple] = {}
+    hits = false_hits = 0
+    total_tokens = saved_tokens = 0
+    for _ in range(n):
+        ti, tpl, e, nn = rnd.choices(bases, weights)[0]
+        text = tpl.format(e=e, n=nn)
+        kind = rnd.random()
+        if kind < 0.4:
+            q, intent = text, (ti, e, nn)
+        elif kind < 0.8:
+            q, intent = rnd.choice(paraphrases(text, rnd))[1], (ti, e, nn)
+        else:
+            nm = near_misses(tpl, e, nn, rnd)
+            rule, q = rnd.choice(nm)
+            # a swapped entity or number can land on another base question (then that is its intent); else
+            # (a negation, a value outside the bases) it is its own intent: only an identical copy may share it
+            intent = base_of.get(q, ("own", q))
+        tokens = len(q) // 4 + 64
+        total_tokens += tokens
+        c = ctx_for([{"role": "user", "content": q}], "semantic", sim)
+        await stage.run(c)
+        if c.answer is not None:
+            hits += 1
+            saved_tokens += tokens
+            if intent_of.get(c.evidence["cache"]["entry"]) != intent:
+                false_hits += 1
+        else:
+            c.cache.capture.json(ANSWER)
+            c.usage, c.status = Usage(len(q) // 4, 64), 200
+            await stage.finish(c)
+            intent_of[c.evidence["cache"]["key"]] = intent
+    print(f"\nmixed workload: {n} requests over {len(bases)} base questions (40% repeats, 40% paraphrases, "
+          f"20% near misses), one store ({len(store)} entries at the end)")
+    print(f"hit rate {hits / n:.3f}   false hits {false_hits} ({false_hits / max(1, hits):.4f} of hits)   "
+          f"GPU tokens saved {saved_tokens}/{total_tokens} = {saved_tokens / total_tokens:.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--similarity", type=float, default=0.9)
@@ -202,6 +258,7 @@ def main() -> None:
     a = ap.parse_args()
     asyncio.run(quality(a.similarity, a.seed))
     asyncio.run(latency(a.similarity))
+    asyncio.run(mixed(a.similarity, a.seed))
 
 
 if __name__ == "__main__":
