@@ -29,6 +29,7 @@ rejection latency p50/p90 (client, and evidence since_arrival_ms), the p90 TTFT 
 phase, and the burst goodput. --dump FILE writes one JSON line per request of ours (features, predicted,
 upper, actual) for residual analysis.
 Usage: python -m bench.routing_live [--step-s 5] [--burst-cycles 3] [--burst-s 2] [--burst-tokens 3000] [--churn]
+       [--target-fit] [--num-gpu-blocks N]
 """
 from __future__ import annotations
 
@@ -79,6 +80,7 @@ def s_per_token(speed: float) -> float:
 
 
 ARGS_PROFILE = [PROFILE]
+ARGS_TARGET_FIT = [False]  # --target-fit: ours with routing.target_fit (best-fit placement by TTFT target)
 
 
 def capacity_rps(prompt_tokens: int) -> float:
@@ -93,6 +95,8 @@ def gateway_config(tmp: Path, manifest: dict, strategy: str, port: int) -> Path:
                  "location": {"country": "DE"}, "timeouts": {"first_token_s": 60, "total_s": 120}}
                 for e in manifest["engines"]]
     routing = {} if strategy == "predicted_ttft" else {"strategy": strategy, "admission": False}
+    if strategy == "predicted_ttft" and ARGS_TARGET_FIT[0]:
+        routing["target_fit"] = True
     doc = {"server": {"host": "127.0.0.1", "port": port}, "backends": backends,
            "keys": [{"key": KEY, "tenant": "bench"}], "admin": {"key": ADMIN}, "routing": routing,
            "policy": {"audit_path": str(d / "audit.jsonl")}, "data_dir": str(d / "var"),
@@ -333,7 +337,8 @@ async def run(args: argparse.Namespace) -> None:
     mpath = tmp / "fleet.json"
     fleet = start([sys.executable, "-m", "backends.sim", "--engines", "4", "--profile", args.profile,
                    "--base-port", "0",
-                   "--max-num-batched-tokens", str(BUDGET), "--manifest", str(mpath), "--locations", "DE"],
+                   "--max-num-batched-tokens", str(BUDGET), "--manifest", str(mpath), "--locations", "DE"]
+                  + (["--num-gpu-blocks", str(args.num_gpu_blocks)] if args.num_gpu_blocks else []),
                   tmp / "fleet.log")
     results: dict[str, dict] = {}
     snaps: dict[str, dict] = {}
@@ -431,7 +436,7 @@ def print_tables(names: list[str], results: dict, snaps: dict, args: argparse.Na
     snap = snaps["predicted_ttft"]
     q = snap["engines"].get(names[0], {}).get("calibration_target")
     phs = list(ours["phases"])
-    print(f"\n## predicted_ttft (defaults), 4 engines {args.profile}, speeds {SPEEDS}, chunk budget {BUDGET} "
+    print(f"\n## predicted_ttft ({'routing.target_fit: true' if ARGS_TARGET_FIT[0] else 'defaults'}), 4 engines {args.profile}, speeds {SPEEDS}, chunk budget {BUDGET} "
           "(not configured)")
     print("| engine | speed | agreement (cached tokens) | cached tokens (engine) | MdARE " + " / ".join(phs)
           + f" | calibration (target {q}) | requests | chunk budget (source) | fit resets |")
@@ -501,8 +506,12 @@ def main() -> None:
     ap.add_argument("--burst-tokens", type=int, default=3000, help="unique prompt size in the bursts")
     ap.add_argument("--dump", help="write ours' per-request features and errors as JSON lines here")
     ap.add_argument("--profile", default=PROFILE, choices=sorted(PROFILES), help="the sim's engine profile")
+    ap.add_argument("--num-gpu-blocks", type=int, default=None,
+                    help="KV capacity per engine in 16-token blocks (default: the profile's; vllm-default 13000)")
+    ap.add_argument("--target-fit", action="store_true", help="ours with routing.target_fit: true")
     args = ap.parse_args()
     ARGS_PROFILE[0] = args.profile
+    ARGS_TARGET_FIT[0] = args.target_fit
     asyncio.run(run(args))
 
 

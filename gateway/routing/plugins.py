@@ -30,6 +30,7 @@ class EngineView:
     ahead_tokens: float = 0.0
     approx_match: float = 0.0  # fraction of the prompt the approximate prefix tree saw sent here
     affinity: bool = False  # the session/trace header was last served here
+    ttft_target_ms: float | None = None  # the request's TTFT target (x-ttft-slo-ms / policy / default), if any
 
     @property
     def load(self) -> float:
@@ -115,6 +116,34 @@ class PrefixHashScorer:
         return [s.view.load for s in items]
 
 
+class TargetFitScorer:
+    """Target-aware placement (best fit): a request with a TTFT target goes to the engine whose calibrated upper
+    prediction meets `fill` x the target with the least slack, so a loose-target request lands on a slower or
+    busier engine that still serves it in time and the fast engines' headroom stays for tight targets. Engines
+    over that line come after every engine under it, by upper prediction; a request without a target is placed
+    by predicted TTFT. Scores are in ms (comparable with the picker's affinity slack)."""
+
+    name = "target_fit"
+    weight = 1.0
+
+    def __init__(self, fill: float = 0.6) -> None:
+        self.fill = fill
+
+    def score(self, items: Sequence[Scored]) -> list[float]:
+        return [target_fit_score(s.cand.predicted_ttft_ms, s.cand.predicted_ttft_upper_ms, s.view.ttft_target_ms,
+                                 self.fill) for s in items]
+
+
+def target_fit_score(mean_ms: float | None, upper_ms: float | None, target_ms: float | None,
+                     fill: float = 0.8) -> float:
+    """Lower is better: the slack (fill x target - upper) of an engine that meets fill x target; 1e6 + upper for
+    one that does not; the mean prediction when the request has no target (or no prediction was made)."""
+    if target_ms is None or upper_ms is None:
+        return mean_ms if mean_ms is not None else 1e12
+    line = fill * target_ms
+    return line - upper_ms if upper_ms <= line else 1e6 + upper_ms
+
+
 # ------------------------------------------------------------------------------------------------ pickers
 
 
@@ -192,10 +221,12 @@ def build_strategy(name: str, affinity_slack_ms: float = 15.0, affinity_rel: flo
         return Strategy(name, filters, [PrefixHashScorer()], MinScorePicker())
     if name == "predicted_ttft":
         return Strategy(name, filters, [PredictedTTFTScorer()], MinScorePicker(affinity_slack_ms, affinity_rel))
+    if name == "target_fit":
+        return Strategy(name, filters, [TargetFitScorer()], MinScorePicker(affinity_slack_ms, affinity_rel))
     raise ValueError(f"unknown routing strategy {name!r}")
 
 
-STRATEGIES = ("predicted_ttft", "least_loaded", "round_robin", "prefix_hash")
+STRATEGIES = ("predicted_ttft", "least_loaded", "round_robin", "prefix_hash", "target_fit")
 
 
 # ------------------------------------------------------------------------------------------------ approx tree

@@ -340,7 +340,8 @@ class PredictiveRouteStage:
     # ---------------------------------------------------------------- state views
     def _strategy(self, cfg: Config) -> Strategy:
         rc = cfg.raw.routing
-        key = (rc.strategy, rc.affinity_slack_ms, rc.affinity_rel)
+        name = "target_fit" if rc.strategy == "predicted_ttft" and rc.target_fit else rc.strategy
+        key = (name, rc.affinity_slack_ms, rc.affinity_rel)
         s = self._strategies.get(key)
         if s is None:
             s = self._strategies[key] = build_strategy(*key)
@@ -438,8 +439,8 @@ class PredictiveRouteStage:
         return n_tokens, cached, source, blocks, unstored
 
     def _score(self, ctx: RequestContext, cands: list[Candidate], n_tokens: int, cached: dict[str, int],
-               blocks: list[int], affinity_engine: str | None, elapsed_s: float = 0.0
-               ) -> tuple[list[Scored], dict[str, Features]]:
+               blocks: list[int], affinity_engine: str | None, elapsed_s: float = 0.0,
+               target: float | None = None) -> tuple[list[Scored], dict[str, Features]]:
         """Predictions are of the TTFT from arrival: `elapsed_s` (arrival to now) plus the engine learner's
         prediction of the rest (engine_part)."""
         now = self.clock()
@@ -452,6 +453,7 @@ class PredictiveRouteStage:
             v.cached_tokens = max(0, min(cached.get(name, 0), n_tokens - 1))
             v.approx_match = (self.approx.match(name, blocks) / len(blocks)) if blocks else 0.0
             v.affinity = affinity_engine == name
+            v.ttft_target_ms = target
             f = Features(ahead_tokens=v.ahead_tokens, uncached_tokens=n_tokens - v.cached_tokens, running=v.running)
             feats[name] = f
             mean, upper = self.predictor.predict(name, f)
@@ -518,7 +520,7 @@ class PredictiveRouteStage:
         while True:
             prev_engine = self.affinity.get(aff_key) if aff_key else None  # re-read: a queued request waits
             elapsed = max(0.0, time.perf_counter() - ctx.received_at)
-            items, feats = self._score(ctx, own + partners, n_tokens, cached, blocks, prev_engine, elapsed)
+            items, feats = self._score(ctx, own + partners, n_tokens, cached, blocks, prev_engine, elapsed, target)
             own_names = {c.backend.name for c in own}
             ordered = self._order(cfg, items, n_tokens, plan.dropped)
             own_ord = [c for c in ordered if c.backend.name in own_names]

@@ -133,3 +133,24 @@ def test_engine_cache_salt_uses_the_configured_secret(monkeypatch):
     monkeypatch.setenv("GW_SALT_SECRET", "k2")
     assert a != engine_cache_salt(_salt_ctx("acme", isolate=True), "GW_SALT_SECRET")
     assert a == tenant_cache_salt("acme", "k1")
+
+
+def test_target_fit_puts_a_loose_target_on_the_engine_with_least_slack_and_keeps_fast_ones_free():
+    from gateway.routing.plugins import target_fit_score
+
+    # engines predicted (upper) at 100, 700 and 1500 ms
+    loose = [target_fit_score(m, u, 2500.0) for m, u in ((80, 100), (600, 700), (1300, 1500))]
+    assert min(range(3), key=loose.__getitem__) == 2  # 1500 <= 0.8 x 2500 with the least slack
+    tight = [target_fit_score(m, u, 600.0) for m, u in ((80, 100), (600, 700), (1300, 1500))]
+    assert min(range(3), key=tight.__getitem__) == 0  # only the fast engine meets 0.8 x 600
+    over = [target_fit_score(m, u, 50.0) for m, u in ((80, 100), (600, 700))]
+    assert over[0] < over[1] and over[0] > 1e6  # none meets it: by upper prediction, after any that would
+    assert target_fit_score(80, 100, None) == 80 and target_fit_score(None, None, 100) == 1e12
+
+
+def test_target_fit_is_a_registered_strategy_and_off_by_default():
+    from gateway.routing.config import RoutingConfig
+    from gateway.routing.plugins import STRATEGIES, build_strategy
+
+    assert "target_fit" in STRATEGIES and build_strategy("target_fit").scorers[0].name == "target_fit"
+    assert RoutingConfig().target_fit is False
