@@ -5,14 +5,17 @@ saturation) with `--scheduling-policy priority` (the gateway sends batch lines a
 0). One gateway process with its defaults plus `routing.default_ttft_slo_ms` (admission on).
 Phases, each `--seconds` long, with the same request shape for realtime and batch lines (a unique ~`--prompt`
 word prompt, `--max-tokens` completion tokens):
-  capacity  closed loop, `--clients` concurrent realtime streams: completed requests/s = the fleet's capacity C;
+  capacity  closed loop, `--clients` concurrent realtime streams: completed requests/s = C (admission trims it);
+  saturated closed loop, `--cap-clients` streams with a 600 s TTFT target (nothing refused): the fleet's capacity;
   alone     realtime open loop (Poisson) at `--load` x C: TTFT p50/p90, goodput (200 and TTFT <= SLO, per s);
   with      the same realtime load while a `--lines`-line batch runs (submitted with the official openai SDK):
             the same figures, plus batch lines completed per second in the window.
 Printed: one row per phase, then the realtime p90 ratio (with / alone), the goodput ratio (with / alone: the
-share of sent realtime requests answered 200 within the SLO; per second too) and the
-batch throughput as a share of the spare capacity (C - realtime rate).
-Usage: python -m bench.batch_lane [--seconds 20] [--lines 2000] [--load 0.5] [--slow-factor 4] [--headroom 0.5]
+share of sent realtime requests answered 200 within the SLO; per second too), the batch throughput as a share
+of the spare capacity (saturated capacity - realtime rate, and of C - realtime rate), and from the audit
+records the realtime TTFT split by whether a batch line started on the same engine near it.
+Usage: python -m bench.batch_lane [--seconds 30] [--lines 2000] [--load 0.5] [--slow-factor 4] [--headroom 0.25]
+       [--prefill-duty 1.0] [--clear-engines 1] [--max-prefilling 1] [--seed 1]
 """
 from __future__ import annotations
 
@@ -158,6 +161,7 @@ def main() -> None:
     ap.add_argument("--slo-ms", type=float, default=1500.0)
     ap.add_argument("--headroom", type=float, default=0.25, help="batch.headroom (lines start below headroom x SLO)")
     ap.add_argument("--prefill-duty", type=float, default=None, help="batch.prefill_duty (default: the config's)")
+    ap.add_argument("--clear-engines", type=int, default=None, help="batch.clear_engines")
     ap.add_argument("--max-prefilling", type=int, default=None, help="batch.max_prefilling_per_engine")
     ap.add_argument("--cap-clients", type=int, default=64,
                     help="closed-loop clients of the capacity phase (sent with a 600 s TTFT target: nothing refused)")
@@ -182,7 +186,8 @@ def main() -> None:
                "routing": {"default_ttft_slo_ms": args.slo_ms}, "telemetry": {"scrape_interval_s": 0.2},
                "batch": {"headroom": args.headroom,
                          **({"prefill_duty": args.prefill_duty} if args.prefill_duty is not None else {}),
-                         **({"max_prefilling_per_engine": args.max_prefilling} if args.max_prefilling else {})},
+                         **({"max_prefilling_per_engine": args.max_prefilling} if args.max_prefilling else {}),
+                         **({"clear_engines": args.clear_engines} if args.clear_engines is not None else {})},
                "observability": {"log_level": "warning"}}
         path = tmp / "gateway.yaml"
         path.write_text(json.dumps(cfg))
@@ -226,7 +231,8 @@ def main() -> None:
         honest = max(1e-9, fleet_cap - with_["rps"])
         print(f"\nfleet: 2x h200-8b, slow-factor {args.slow_factor}, priority scheduling; SLO {args.slo_ms:.0f} ms, "
               f"batch.headroom {args.headroom}, prefill_duty {args.prefill_duty or 'default'}, "
-              f"max_prefilling_per_engine {args.max_prefilling or 'default'}; "
+              f"max_prefilling_per_engine {args.max_prefilling or 'default'}, "
+              f"clear_engines {'default' if args.clear_engines is None else args.clear_engines}; "
               f"prompt ~{args.prompt} words, max_tokens {args.max_tokens}; realtime at {args.load:.0%} of capacity "
               f"= {rate:.2f} req/s; {args.seconds:.0f} s per phase; batch {args.lines} lines\n")
         print("| phase | sent | ok | 429 | TTFT p50 ms | TTFT p90 ms | goodput req/s | within SLO | realtime req/s |")

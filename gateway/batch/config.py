@@ -19,7 +19,8 @@ class BatchConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     realtime_ttft_target_ms: float | None = None  # target realtime must keep; null: routing.default_ttft_slo_ms, else 1000
     headroom: float = 0.25  # batch lines are started only while the best predicted upper TTFT is below headroom x target (bench/batch_lane.py: 0.5 tripled realtime p90)
     max_prefilling_per_engine: int = 1  # batch lines an engine may have before their first token; a line starts only on an engine with no realtime request before its first token (bench/batch_lane.py)
-    prefill_duty: float = 1.0  # most share of an engine's time its batch prefill may take: after a line starts there, the next waits its predicted prefill / prefill_duty (1.0: right after; 0.1 held realtime p90 within 1.1x)
+    clear_engines: int = 1  # own engines left with no prefill at all (realtime or batch) when a line starts, so routing has one without batch prefill for the next realtime request (at most the healthy engines - 1; 0: off)
+    prefill_duty: float = 1.0  # most share of an engine's time its batch prefill may take: after a line starts there, the next waits its predicted prefill / prefill_duty (1.0: right after the last one prefilled; docs/batch.md for measured trade-offs)
     tick_s: float = 0.05  # scheduler period
     zero_retention_delete_after_s: float = 3600.0  # a zero-retention batch's files are deleted this long after it ends
     prefix_chars: int = 256  # lines whose prompts share this many leading characters are dispatched together
@@ -37,6 +38,8 @@ def batch_error(bc: BatchConfig) -> tuple[str, str] | None:
     for name in ("lease_s", "tick_s", "headroom"):
         if not getattr(bc, name) > 0:
             return name, "must be > 0"
+    if bc.clear_engines < 0:
+        return "clear_engines", "must be >= 0"
     if not 0 < bc.prefill_duty <= 1:
         return "prefill_duty", "must be > 0 and <= 1"
     if bc.realtime_ttft_target_ms is not None and not bc.realtime_ttft_target_ms > 0:

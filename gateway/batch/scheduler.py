@@ -14,7 +14,9 @@ never stops a step; priority scheduling only orders the waiting queue), not batc
 (bench/batch_lane.py attributes it from the audit records). So an engine gets a new line only while no
 realtime request of this replica is before its first token there, it has fewer than
 `max_prefilling_per_engine` batch lines before theirs, and (under `prefill_duty` < 1) the last line started
-there is `predicted prefill / prefill_duty` old.
+there is `predicted prefill / prefill_duty` old; and only while `clear_engines` other engines have no prefill
+in flight at all (`fleet_room`), so the router, which sends realtime to the engine predicted fastest, has an
+engine without batch prefill for the realtime request that arrives next.
 """
 from __future__ import annotations
 
@@ -64,6 +66,14 @@ def engine_room(rt_prefilling: int, batch_prefilling: int, since_last_start_s: f
     if duty < 1.0 and since_last_start_s is not None and since_last_start_s < last_prefill_s / duty:
         return False
     return True
+
+
+def fleet_room(rooms: int, clear: int, engines: int, keep_clear: int, unplaced: int) -> int:
+    """Lines that may start now: engines with room (engine_room), while `keep_clear` engines (at most all
+    but one of the `engines`) stay with no prefill in flight; `clear` counts those now. `unplaced`: lines
+    started that routing has not placed yet (each will take a room and a clear engine)."""
+    keep = max(0, min(keep_clear, engines - 1))
+    return max(0, min(rooms - unplaced, clear - unplaced - keep))
 
 
 def engine_loads(router: Any, now: float) -> dict[str, tuple[int, int, float | None, float]]:
@@ -146,7 +156,7 @@ class Pacer:
         placed = sum(1 for fls in getattr(router, "flights", {}).values() for f in list(fls.values())
                      if getattr(f.ctx, "batch", None) is not None)
         cfg = gw.config
-        n = 0
+        n = clear = engines = 0
         seen: set[str] = set()
         for names in cfg.models.values():
             for name in names:
@@ -157,6 +167,8 @@ class Pacer:
                 if b.operator == "partner" or not gw.health.available(name):
                     continue
                 rt, bt, last, last_s = loads.get(name, (0, 0, None, 0.0))
+                engines += 1
+                clear += rt == 0 and bt == 0
                 prev = self._last.get(name)
                 if last is not None and (prev is None or last > prev[0]):
                     self._last[name] = prev = (last, last_s)
@@ -164,7 +176,7 @@ class Pacer:
                 if engine_room(rt, bt, since, prev[1] if prev else 0.0, bc.max_prefilling_per_engine,
                                bc.prefill_duty):
                     n += 1
-        return max(0, n - max(0, inflight - placed))
+        return fleet_room(n, clear, engines, bc.clear_engines, max(0, inflight - placed))
 
     def snapshot(self) -> dict[str, Any]:
         return {"concurrency": int(self.conc), "room": self.room, "predicted_realtime_ttft_ms": self.last_prediction_ms,

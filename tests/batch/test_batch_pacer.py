@@ -19,7 +19,7 @@ def _gw(**batch) -> Gateway:
         "backends": [{"name": f"e{i}", "kind": "openai", "url": f"http://127.0.0.1:{9900 + i}/v1",
                       "models": ["m"], "location": {"country": "DE"}} for i in range(2)],
         "routing": {"default_ttft_slo_ms": 1000},
-        "batch": {"min_concurrency": 1, "max_concurrency": 8, "headroom": 0.5, **batch}}))
+        "batch": {"min_concurrency": 1, "max_concurrency": 8, "headroom": 0.5, "clear_engines": 0, **batch}}))
     gw = Gateway(cfg)
     gw.router = PredictiveRouteStage(lambda: gw.config, gw.health)
     return gw
@@ -158,13 +158,37 @@ def test_rooms_duty_remembers_the_last_start_after_the_line_is_gone():
     assert p.rooms(gw, 0) == 2
 
 
+def test_fleet_room_keeps_engines_clear_for_arriving_realtime():
+    from gateway.batch.scheduler import fleet_room
+
+    assert fleet_room(rooms=2, clear=2, engines=2, keep_clear=1, unplaced=0) == 1  # one engine stays clear
+    assert fleet_room(rooms=1, clear=1, engines=2, keep_clear=1, unplaced=0) == 0  # the other one is busy
+    assert fleet_room(rooms=2, clear=2, engines=2, keep_clear=0, unplaced=0) == 2
+    assert fleet_room(rooms=2, clear=2, engines=2, keep_clear=1, unplaced=1) == 0  # a started line takes one
+    assert fleet_room(rooms=1, clear=1, engines=1, keep_clear=1, unplaced=0) == 1  # one engine: cannot keep any
+    assert fleet_room(rooms=3, clear=4, engines=4, keep_clear=1, unplaced=0) == 3
+
+
+def test_rooms_with_clear_engines_leave_one_engine_without_prefill():
+    from types import SimpleNamespace
+
+    gw = _gw(clear_engines=1)
+    p = Pacer(gw.config.raw.batch)
+    gw.router = SimpleNamespace(clock=lambda: 10.0, flights={})
+    assert p.rooms(gw, 0) == 1
+    gw.router.flights = {"e1": {"r": _Fl(False, 9.9, True)}}  # realtime prefilling on e1: e0 is the clear one
+    assert p.rooms(gw, 0) == 0
+    gw.router.flights = {"e1": {"r": _Fl(False, 9.0, False)}}  # its first token came: decodes leave e1 clear
+    assert p.rooms(gw, 0) == 1
+
+
 def test_prefill_duty_out_of_range_is_refused():
     import pytest
 
     from gateway.config import ConfigError
 
     for text in ("batch:\n  prefill_duty: 0\n", "batch:\n  prefill_duty: 1.5\n",
-                 "batch:\n  max_prefilling_per_engine: 0\n"):
+                 "batch:\n  max_prefilling_per_engine: 0\n", "batch:\n  clear_engines: -1\n"):
         with pytest.raises(ConfigError) as e:
             parse_config(text, source="g.yaml")
         assert str(e.value).startswith("g.yaml:")
