@@ -14,6 +14,7 @@ the same answers (the longest token seen, in UTF-8 bytes) and bounds the tail: t
 """
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from typing import Any
 
@@ -92,11 +93,14 @@ def is_prefix(short: list[int] | tuple[int, ...], full: list[int] | tuple[int, .
 
 class PrefixTokenCache:
     """LRU of message-prefix key -> the prefix's token ids (see module docstring), and per scope the longest
-    token seen in bytes."""
+    token seen in bytes. Bounded by entries and by tokens held (ids stored as 4-byte arrays: the default 4M
+    tokens are 16 MB)."""
 
-    def __init__(self, size: int = 1024) -> None:
+    def __init__(self, size: int = 1024, max_tokens: int = 4_000_000) -> None:
         self.size = size
-        self._ids: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
+        self.max_tokens = max_tokens
+        self.tokens_held = 0
+        self._ids: OrderedDict[bytes, array] = OrderedDict()
         self.max_token_bytes: dict[str, int] = {}
         self.hits = 0
         self.learned = 0
@@ -104,9 +108,13 @@ class PrefixTokenCache:
 
     def get(self, key: bytes) -> tuple[int, ...] | None:
         v = self._ids.get(key)
-        if v is not None:
-            self._ids.move_to_end(key)
-        return v
+        if v is None:
+            return None
+        self._ids.move_to_end(key)
+        return tuple(v)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._ids
 
     def longest(self, keys: list[bytes]) -> tuple[int, tuple[int, ...]] | None:
         """(number of messages, ids) of the longest cached prefix among `keys` (prefix_keys order)."""
@@ -123,11 +131,16 @@ class PrefixTokenCache:
         if not ids or not is_prefix(ids, full_ids):
             self.mismatched += 1
             return False
-        self._ids[key] = tuple(ids)
-        self._ids.move_to_end(key)
+        if len(ids) > self.max_tokens or any(not 0 <= t < 2 ** 31 for t in ids):
+            return False
+        old = self._ids.pop(key, None)
+        if old is not None:
+            self.tokens_held -= len(old)
+        self._ids[key] = array("i", ids)
+        self.tokens_held += len(ids)
         self.learned += 1
-        while len(self._ids) > self.size:
-            self._ids.popitem(last=False)
+        while len(self._ids) > self.size or self.tokens_held > self.max_tokens:
+            self.tokens_held -= len(self._ids.popitem(last=False)[1])
         return True
 
     def observe_token_strs(self, scope: str, strs: list[Any]) -> None:
@@ -178,7 +191,7 @@ class TokenSource:
         """Off the request's path: tokenize the chat's earlier messages (all but the last) on the engine and cache
         their ids when they are a prefix of `full_ids`. Never for zero-retention requests (the caller's job)."""
         keys = prefix_keys(body, salt, endpoint)
-        if not keys or self.prefixes.get(keys[-1]) is not None:
+        if not keys or keys[-1] in self.prefixes:
             return False
         if self._client is None:
             self._client = httpx.AsyncClient()

@@ -60,7 +60,12 @@ def test_prefix_cache_stores_only_true_prefixes_and_returns_the_longest():
     assert c.longest(keys) == (3, (1, 2, 3))
     assert c.longest(keys[:2]) == (1, (1, 2))
     c.put(keys[1], [1, 2, 3], [1, 2, 3])  # LRU: size 2 drops the oldest
-    assert len(c._ids) == 2
+    assert len(c._ids) == 2 and c.tokens_held == 5 and keys[2] not in c  # keys[0] was read last
+    t = PrefixTokenCache(max_tokens=5)  # bounded by tokens held too
+    t.put(keys[0], [1, 2, 3], [1, 2, 3])
+    t.put(keys[1], [1, 2, 3], [1, 2, 3])
+    assert keys[0] not in t and keys[1] in t and t.tokens_held == 3
+    assert not t.put(keys[2], list(range(6)), list(range(6)))  # longer than the whole budget: not stored
     c.observe_token_strs("e", ["ab", " héllo", None])
     c.observe_token_strs("e", ["a"])
     assert c.max_token_bytes["e"] == 7
