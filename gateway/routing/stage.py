@@ -659,10 +659,11 @@ class PredictiveRouteStage:
                         continue
                     full = len(ids) // bs
                     v = found.get(name)
-                    held = min(int(v.blocks), full) if v is not None else 0
+                    # the longest prefix over every tier, in blocks (the full path counts v.tokens as cached)
+                    held = min(max(int(v.blocks), -(-int(v.tokens) // bs)), full) if v is not None else 0
                     n = self.pending.extend(name, rk.keys(bs), held, full, now) if full else 0
                     if n < full:  # the chain breaks inside the known prefix on this engine
-                        out[name] = max(1, n_lb - n * bs)
+                        out[name] = max(1, n_lb - max(n * bs, int(v.tokens) if v is not None else 0))
             return out
         except Exception:  # a bound is an optimisation: trouble means no bound, never a failed request
             return {}
