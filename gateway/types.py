@@ -103,6 +103,7 @@ class Decision:
     providers_only: frozenset[str] | None = None  # backend names or operators the request accepts; None: any
     providers_ignored: frozenset[str] = frozenset()  # backend names or operators the request refuses
     no_fallbacks: bool = False  # one attempt only: a failed backend is not retried on another
+    providers_order: tuple[str, ...] = ()  # backend names or operators to try first, in this order
     deny_status: int = 403  # 503 when the decision could not be made (e.g. OPA unreachable, fail-closed)
 
     def to_evidence(self) -> dict[str, Any]:
@@ -126,6 +127,7 @@ class Decision:
             "providers_only": sorted(self.providers_only) if self.providers_only is not None else None,
             "providers_ignored": sorted(self.providers_ignored),
             "no_fallbacks": self.no_fallbacks,
+            "providers_order": list(self.providers_order),
             "budgets": [b.__dict__ if hasattr(b, "__dict__") else _slots_dict(b) for b in self.budgets],
         }
 

@@ -40,10 +40,12 @@ _SAMPLING = {
     "user": {"type": "string"},
     "seed": {"type": ["integer", "null"]},
     # OpenRouter-style provider preferences, tighten only (gateway/policy/provider_prefs.py): what the gateway
-    # honours; only/ignore/order/allow_fallbacks: false are refused with 400
+    # honours; anything else is refused with 400
     "provider": {"type": "object", "additionalProperties": False, "properties": {
         "zdr": {"type": "boolean"}, "data_collection": {"type": "string", "enum": ["allow", "deny"]},
-        "allow_fallbacks": {"const": True}}},
+        "allow_fallbacks": {"type": "boolean"},
+        **{k: {"type": "array", "minItems": 1, "maxItems": 64, "uniqueItems": True,
+               "items": {"type": "string", "minLength": 1, "maxLength": 256}} for k in ("only", "ignore", "order")}}},
 }
 _MODEL = {"type": "string", "minLength": 1, "maxLength": 256, "description": "a model or alias from GET /v1/models"}
 _CONTENT_PART = {"type": "object", "required": ["type"],

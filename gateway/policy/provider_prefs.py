@@ -10,10 +10,10 @@ ask for nothing policy does not already give, so they change nothing (a policy's
 
 `only` and `ignore` (backend names, or the operators `self` / `partner`) become hard filters of the
 decision, applied with residency on the first try, retries and fallbacks: a request that leaves no backend
-is refused (403), never sent elsewhere. `allow_fallbacks: false` allows one attempt: a failed backend is not
-retried on another. `order` would need the router to pick by the client's order instead of by predicted TTFT;
-it does not, so `order` is refused (400) rather than silently ignored: a client that asks for an order must not
-believe it got it. The field never reaches a backend: `gateway.proxy.forward.upstream_body` drops it.
+is refused (403), never sent elsewhere. `order` puts the listed backends first, in the client's order, ahead of
+the router's own ranking (the others follow as fallbacks); it cannot reach a backend the filters exclude.
+`allow_fallbacks: false` allows one attempt (with `order`: only the listed backends, in order, as OpenRouter
+means it). The field never reaches a backend: `gateway.proxy.forward.upstream_body` drops it.
 """
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ from gateway.pipeline import RequestContext
 
 FIELD = "provider"
 KNOWN = ("zdr", "data_collection", "allow_fallbacks", "only", "ignore", "order")
-NOT_HONOURED = ("order",)  # needs routing to pick by the client's order (not wired)
 MAX_NAMES = 64
 
 
@@ -41,11 +40,7 @@ def parse_preferences(prefs: Any) -> dict[str, Any]:
     unknown = sorted(set(prefs) - set(KNOWN))
     if unknown:
         raise _bad(f"Unknown provider preference(s): {', '.join(unknown)}; supported: zdr, data_collection, "
-                   "only, ignore, allow_fallbacks.", f"{FIELD}.{unknown[0]}")
-    for k in NOT_HONOURED:
-        if k in prefs and prefs[k] not in (None, []):
-            raise _bad(f"provider.{k} is not supported by this gateway (the router picks by predicted "
-                       "TTFT); use only / ignore to narrow the backends.", f"{FIELD}.{k}")
+                   "only, ignore, order, allow_fallbacks.", f"{FIELD}.{unknown[0]}")
     zdr = prefs.get("zdr")
     if zdr is not None and not isinstance(zdr, bool):
         raise _bad("provider.zdr must be a boolean.", f"{FIELD}.zdr")
@@ -55,12 +50,22 @@ def parse_preferences(prefs: Any) -> dict[str, Any]:
     fb = prefs.get("allow_fallbacks")
     if fb is not None and not isinstance(fb, bool):
         raise _bad("provider.allow_fallbacks must be a boolean.", f"{FIELD}.allow_fallbacks")
-    return {"zero_retention": zdr is True or dc == "deny", "only": _names(prefs, "only"),
-            "ignore": _names(prefs, "ignore"), "no_fallbacks": fb is False}
+    order = prefs.get("order")
+    if order is not None:
+        _names(prefs, "order")
+        if len(set(order)) != len(order):
+            raise _bad("provider.order must not name a backend twice.", f"{FIELD}.order")
+    only = _names(prefs, "only")
+    no_fallbacks = fb is False
+    if no_fallbacks and order:  # OpenRouter's meaning: the listed providers, in order, and no others
+        only = frozenset(order) if only is None else only & frozenset(order)
+        no_fallbacks = False
+    return {"zero_retention": zdr is True or dc == "deny", "only": only, "ignore": _names(prefs, "ignore"),
+            "no_fallbacks": no_fallbacks, "order": tuple(order or ())}
 
 
 def _names(prefs: dict[str, Any], key: str) -> frozenset[str] | None:
-    """provider.only / provider.ignore: a list of 1-64 non-empty strings (backend names or operators)."""
+    """provider.only / ignore / order: a list of 1-64 non-empty strings (backend names or operators)."""
     v = prefs.get(key)
     if v is None:
         return None
@@ -91,6 +96,9 @@ def apply_provider_preferences(ctx: RequestContext) -> None:
     if asked["ignore"]:
         d = dataclasses.replace(d, providers_ignored=d.providers_ignored | asked["ignore"])
         applied.append("ignore: " + ",".join(sorted(asked["ignore"])))
+    if asked["order"]:
+        d = dataclasses.replace(d, providers_order=asked["order"])
+        applied.append("order: " + ",".join(asked["order"]))
     if asked["no_fallbacks"] and not d.no_fallbacks:
         d = dataclasses.replace(d, no_fallbacks=True)
         applied.append("no fallbacks")

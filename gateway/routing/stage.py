@@ -64,6 +64,20 @@ def candidates(config: Config, ctx: RequestContext, health: Health) -> RoutePlan
     return RoutePlan(candidates=kept, dropped=dropped)
 
 
+def client_order(cands: list[Candidate], order: tuple[str, ...]) -> list[Candidate]:
+    """The request's `provider.order` applied to the routed list: candidates whose backend name (or operator)
+    is listed come first, in the client's order; the rest keep the router's order behind them. Stable, so
+    among one listed name (an operator naming several backends) the router's choice still leads."""
+    if not order:
+        return cands
+    rank = {name: i for i, name in reversed(list(enumerate(order)))}
+
+    def key(c: Candidate) -> int:
+        return min(rank.get(c.backend.name, len(order)), rank.get(c.backend.operator or "", len(order)))
+
+    return sorted(cands, key=key)
+
+
 def has_own_engine(config: Config, model_chain: tuple[str, ...] | list[str]) -> bool:
     """Does any of our own (non-partner) backends serve a model of the chain, whatever its health or residency?
     Only a model with none is partner-only (partners are then its route, not a spill)."""
@@ -561,6 +575,8 @@ class PredictiveRouteStage:
         else:
             self.stats["admitted"] += 1
             final = own_ord + part_ord
+        if d is not None and d.providers_order:  # the client's own order wins over the router's (evidence says so)
+            final = client_order(final, d.providers_order)
         plan.candidates = final
         ctx.route = plan
         pick = final[0]

@@ -2,8 +2,8 @@
 `python -m gateway serve` in front of two upstreams: one that keeps data (`retention: none`), one that keeps
 nothing (`retention: zero`). `zdr` / `data_collection: deny` narrow a request to zero retention; nothing in
 `provider` widens what policy decided; the field never reaches a backend; `only` / `ignore` narrow the
-backends (with residency, on every try) and `allow_fallbacks: false` allows one attempt; what routing cannot
-honour (`order`) is a 400, not a silent no-op."""
+backends (with residency, on every try), `order` puts the listed backends first and `allow_fallbacks: false`
+allows one attempt; a bad value is a 400, not a silent no-op."""
 from __future__ import annotations
 
 import time
@@ -19,6 +19,7 @@ pytestmark = pytest.mark.e2e
 KEY = "prefs-key-0123456789"
 ZR_KEY = "prefs-zr-key-0123456789"
 CANARY = "PREFS-CANARY-5d1e prompt text"
+NO_BREAKER = {"failures_to_open": 1000}  # the fault tests' 5xx must not open a breaker for the tests after them
 
 
 @pytest.fixture(scope="module")
@@ -30,9 +31,10 @@ def gw(tmp_path_factory):
     port = free_port()
     cfg = {"server": {"host": "127.0.0.1", "port": port},
            "backends": [{"name": "keeps", "kind": "openai", "url": f"http://127.0.0.1:{kport}/v1",
-                         "models": ["m", "keeps-only"], "location": {"country": "DE"}, "retention": "none"},
+                         "models": ["m", "keeps-only"], "location": {"country": "DE"}, "retention": "none",
+                         "health": NO_BREAKER},
                         {"name": "zr", "kind": "openai", "url": f"http://127.0.0.1:{zport}/v1",
-                         "models": ["m"], "location": {"country": "DE"}, "retention": "zero"}],
+                         "models": ["m"], "location": {"country": "DE"}, "retention": "zero", "health": NO_BREAKER}],
            "keys": [{"key": KEY, "tenant": "plain", "name": "p"}, {"key": ZR_KEY, "tenant": "zr", "name": "z"}],
            "policy": {"files": [str(tmp / "policy.yaml")], "audit_path": str(tmp / "audit.jsonl")},
            "observability": {"capture_content": True},
@@ -137,7 +139,27 @@ def test_allow_fallbacks_false_makes_one_attempt(gw):
     assert {"skipped": "provider.allow_fallbacks: false"}.items() <= attempts[-1].items()
 
 
-@pytest.mark.parametrize("prefs,param", [({"order": ["zr", "keeps"]}, "provider.order"),
+@pytest.mark.parametrize("order", [["zr", "keeps"], ["keeps", "zr"]])
+def test_order_is_tried_in_the_clients_order(gw, order):
+    for _ in range(6):
+        r = chat(gw, provider={"order": order})
+        assert r.status_code == 200 and r.headers["x-gateway-backend"] == order[0], r.text
+    # the first listed fails: the next listed one serves (fallbacks allowed by default)
+    r = chat(gw, provider={"order": order}, x_test_fault="error503")
+    tried = [a["backend"] for a in record(gw, r.headers["x-request-id"])["attempts"] if "status" in a]
+    assert tried == order, tried
+    rec = record(gw, chat(gw, provider={"order": order}).headers["x-request-id"])
+    assert rec["decision"]["providers_order"] == order
+
+
+def test_order_with_allow_fallbacks_false_uses_the_listed_backends_only(gw):
+    r = chat(gw, provider={"order": ["zr"], "allow_fallbacks": False}, x_test_fault="error503")
+    tried = [a["backend"] for a in record(gw, r.headers["x-request-id"])["attempts"] if "status" in a]
+    assert tried == ["zr"], tried
+
+
+@pytest.mark.parametrize("prefs,param", [({"order": ["zr", "zr"]}, "provider.order"),
+                                         ({"order": "zr"}, "provider.order"),
                                          ({"only": []}, "provider.only"), ({"only": "keeps"}, "provider.only"),
                                          ({"ignore": [5]}, "provider.ignore"),
                                          ({"allow_fallbacks": "no"}, "provider.allow_fallbacks"),

@@ -37,8 +37,34 @@ async def test_preferences_never_loosen_and_bad_ones_are_a_400_from_decide():
     await PolicyStage(lambda: POL).run(c)
     assert c.decision.retention == "zero" and c.decision.allowed_countries
     with pytest.raises(GatewayError) as ei:
-        await PolicyStage(lambda: POL).run(ctx("plain", provider={"order": ["a"]}))
+        await PolicyStage(lambda: POL).run(ctx("plain", provider={"order": ["a", "a"]}))
     assert ei.value.status == 400 and ei.value.param == "provider.order"
+
+
+async def test_order_with_allow_fallbacks_false_means_the_listed_backends_only():
+    c = ctx("plain", provider={"order": ["b", "a"], "allow_fallbacks": False})
+    await PolicyStage(lambda: POL).run(c)
+    d = c.decision
+    assert d.providers_order == ("b", "a") and d.providers_only == {"a", "b"} and not d.no_fallbacks
+    c = ctx("plain", provider={"order": ["b", "a"], "only": ["a", "z"], "allow_fallbacks": False})
+    await PolicyStage(lambda: POL).run(c)
+    assert c.decision.providers_only == {"a"}  # intersected: order never widens `only`
+
+
+def test_client_order_puts_listed_backends_first_in_the_clients_order():
+    from gateway.config import BackendConfig
+    from gateway.routing.plan import Candidate
+    from gateway.routing.stage import client_order
+
+    def cand(name: str, operator: str = "self") -> Candidate:
+        return Candidate(backend=BackendConfig(name=name, url="http://x/v1", models=["m"], operator=operator),
+                         model="m")
+    routed = [cand("a"), cand("b"), cand("p1", "partner"), cand("c"), cand("p2", "partner")]
+    names = lambda cs: [c.backend.name for c in cs]  # noqa: E731
+    assert names(client_order(routed, ())) == ["a", "b", "p1", "c", "p2"]
+    assert names(client_order(routed, ("c", "a"))) == ["c", "a", "b", "p1", "p2"]
+    # an operator names all its backends; among them the router's order leads
+    assert names(client_order(routed, ("partner", "b"))) == ["p1", "p2", "b", "a", "c"]
 
 
 async def test_only_and_ignore_are_hard_filters_that_only_narrow():
