@@ -12,13 +12,14 @@ The SQL is written once with `?` placeholders; the two backends only supply a tr
 from __future__ import annotations
 
 import asyncio
-import re
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Mapping, Sequence
 
 import orjson
+
+from gateway.stores.sql import to_dollar
 
 OPEN_STATES = ("validating", "in_progress", "finalizing", "cancelling")
 TERMINAL_STATES = ("completed", "failed", "expired", "cancelled")
@@ -85,32 +86,18 @@ class _SqliteTx:
         await self.conn.executemany(sql, rows)
 
 
-_Q = re.compile(r"\?")
-
-
-def _dollar(sql: str) -> str:
-    n = 0
-
-    def sub(_: re.Match[str]) -> str:
-        nonlocal n
-        n += 1
-        return f"${n}"
-
-    return _Q.sub(sub, sql)
-
-
 class _PgTx:
     def __init__(self, conn: Any) -> None:
         self.conn = conn
 
     async def fetch(self, sql: str, *args: Any) -> list[Mapping[str, Any]]:
-        return [dict(r) for r in await self.conn.fetch(_dollar(sql), *args)]
+        return [dict(r) for r in await self.conn.fetch(to_dollar(sql), *args)]
 
     async def execute(self, sql: str, *args: Any) -> None:
-        await self.conn.execute(_dollar(sql), *args)
+        await self.conn.execute(to_dollar(sql), *args)
 
     async def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
-        await self.conn.executemany(_dollar(sql), rows)
+        await self.conn.executemany(to_dollar(sql), rows)
 
 
 class BatchStore:
@@ -441,15 +428,9 @@ class SqliteBatchStore(BatchStore):
         self._lock = asyncio.Lock()
 
     async def open(self) -> None:
-        import aiosqlite
+        from gateway.stores.sql import open_sqlite
 
-        if str(self.path) != ":memory:":
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._conn = await aiosqlite.connect(str(self.path), isolation_level=None)
-        self._conn.row_factory = aiosqlite.Row
-        await self._conn.execute("PRAGMA journal_mode=WAL")
-        await self._conn.execute("PRAGMA synchronous=NORMAL")
-        await self._conn.execute("PRAGMA busy_timeout=5000")
+        self._conn = await open_sqlite(self.path, "synchronous=NORMAL")
 
     async def close(self) -> None:
         if self._conn is not None:

@@ -15,22 +15,10 @@ from typing import Any, AsyncIterator, Mapping
 import asyncpg
 
 from gateway.identity.store import EventCallback, SqlIdentityStore
+from gateway.stores.sql import to_dollar
 
 log = logging.getLogger("gateway.identity.postgres")
-_Q = re.compile(r"\?")
 _SCHEMA = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
-
-
-def to_dollar(sql: str) -> str:
-    """Rewrite `?` placeholders to asyncpg's `$1, $2, ...`."""
-    n = 0
-
-    def sub(_: re.Match[str]) -> str:
-        nonlocal n
-        n += 1
-        return f"${n}"
-
-    return _Q.sub(sub, sql)
 
 
 class _PgTx:

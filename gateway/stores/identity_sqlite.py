@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator, Mapping
 import aiosqlite
 
 from gateway.identity.store import EventCallback, SqlIdentityStore
+from gateway.stores.sql import open_sqlite
 
 
 class _SqliteTx:
@@ -40,13 +41,7 @@ class SqliteIdentityStore(SqlIdentityStore):
         self._listeners: list[EventCallback] = []
 
     async def open(self) -> None:
-        if str(self.path) != ":memory:":
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._conn = await aiosqlite.connect(str(self.path), isolation_level=None)
-        self._conn.row_factory = aiosqlite.Row
-        await self._conn.execute("PRAGMA journal_mode=WAL")
-        await self._conn.execute("PRAGMA foreign_keys=ON")
-        await self._conn.execute("PRAGMA busy_timeout=5000")
+        self._conn = await open_sqlite(self.path, "foreign_keys=ON")
 
     async def close(self) -> None:
         if self._conn is not None:
