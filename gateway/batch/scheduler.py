@@ -34,10 +34,23 @@ def realtime_prediction(gw: Any) -> float | None:
         return None
     from gateway.routing.predictor import Features
 
-    cfg = gw.config
     now = router.clock()
     tel = router.telemetry
     best: float | None = None
+    for name, b in own_engines(gw):
+        v = router._view(name, now, tel is not None and b.kind in ("vllm", "sim"))
+        f = Features(ahead_tokens=v.ahead_tokens, uncached_tokens=router.avg_uncached.get(name, 512.0),
+                     running=v.running)
+        _, upper = router.predictor.predict(name, f)
+        ms = upper * 1000.0
+        best = ms if best is None else min(best, ms)
+    return best
+
+
+def own_engines(gw: Any) -> Any:
+    """(name, backend) of every healthy own (non-partner) backend of the config, each once: where batch lines
+    may run and whose realtime load they must leave room for."""
+    cfg = gw.config
     seen: set[str] = set()
     for names in cfg.models.values():
         for name in names:
@@ -45,15 +58,8 @@ def realtime_prediction(gw: Any) -> float | None:
                 continue
             seen.add(name)
             b = cfg.backend(name)
-            if b.operator == "partner" or not gw.health.available(name):
-                continue
-            v = router._view(name, now, tel is not None and b.kind in ("vllm", "sim"))
-            f = Features(ahead_tokens=v.ahead_tokens, uncached_tokens=router.avg_uncached.get(name, 512.0),
-                         running=v.running)
-            _, upper = router.predictor.predict(name, f)
-            ms = upper * 1000.0
-            best = ms if best is None else min(best, ms)
-    return best
+            if b.operator != "partner" and gw.health.available(name):
+                yield name, b
 
 
 def engine_room(rt_prefilling: int, batch_prefilling: int, since_last_start_s: float | None,
@@ -155,27 +161,18 @@ class Pacer:
         loads = engine_loads(router, now)
         placed = sum(1 for fls in getattr(router, "flights", {}).values() for f in list(fls.values())
                      if getattr(f.ctx, "batch", None) is not None)
-        cfg = gw.config
         n = clear = engines = 0
-        seen: set[str] = set()
-        for names in cfg.models.values():
-            for name in names:
-                if name in seen:
-                    continue
-                seen.add(name)
-                b = cfg.backend(name)
-                if b.operator == "partner" or not gw.health.available(name):
-                    continue
-                rt, bt, last, last_s = loads.get(name, (0, 0, None, 0.0))
-                engines += 1
-                clear += rt == 0 and bt == 0
-                prev = self._last.get(name)
-                if last is not None and (prev is None or last > prev[0]):
-                    self._last[name] = prev = (last, last_s)
-                since = None if prev is None else now - prev[0]
-                if engine_room(rt, bt, since, prev[1] if prev else 0.0, bc.max_prefilling_per_engine,
-                               bc.prefill_duty):
-                    n += 1
+        for name, _b in own_engines(gw):
+            rt, bt, last, last_s = loads.get(name, (0, 0, None, 0.0))
+            engines += 1
+            clear += rt == 0 and bt == 0
+            prev = self._last.get(name)
+            if last is not None and (prev is None or last > prev[0]):
+                self._last[name] = prev = (last, last_s)
+            since = None if prev is None else now - prev[0]
+            if engine_room(rt, bt, since, prev[1] if prev else 0.0, bc.max_prefilling_per_engine,
+                           bc.prefill_duty):
+                n += 1
         return fleet_room(n, clear, engines, bc.clear_engines, max(0, inflight - placed))
 
     def snapshot(self) -> dict[str, Any]:
