@@ -92,6 +92,14 @@ def _bad_cursor(what: str) -> GatewayError:
                         code="invalid_request", param="after")
 
 
+def list_page(objects: list[dict[str, Any]], limit: int) -> dict[str, Any]:
+    """OpenAI's cursor page over `limit + 1` fetched objects: the first `limit`, their first/last ids, and
+    has_more when the extra one came back."""
+    data = objects[:limit]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": len(objects) > limit}
+
+
 def _limit(request: Request, default: int = 20, most: int = 100) -> int:
     raw = request.query_params.get("limit")
     if raw is None:
@@ -187,9 +195,7 @@ def batch_routes(svc: "BatchService") -> list[Route]:
                                               request.query_params.get("after"), limit + 1)
         except LookupError:
             raise _bad_cursor("file") from None
-        data = [file_object(r) for r in rows[:limit]]
-        return JSONResponse({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-                             "last_id": data[-1]["id"] if data else None, "has_more": len(rows) > limit})
+        return JSONResponse(list_page([file_object(r) for r in rows], limit))
 
     async def file_get(request: Request, p: Principal) -> Response:
         fid = request.path_params["file_id"]
@@ -258,9 +264,7 @@ def batch_routes(svc: "BatchService") -> list[Route]:
             rows = await svc.store.list_jobs(owner_of(p), request.query_params.get("after"), limit + 1)
         except LookupError:
             raise _bad_cursor("batch") from None
-        data = [batch_object(r) for r in rows[:limit]]
-        return JSONResponse({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-                             "last_id": data[-1]["id"] if data else None, "has_more": len(rows) > limit})
+        return JSONResponse(list_page([batch_object(r) for r in rows], limit))
 
     async def batch_get(request: Request, p: Principal) -> Response:
         bid = request.path_params["batch_id"]
