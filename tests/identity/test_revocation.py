@@ -161,9 +161,16 @@ async def test_postgres_listener_reconnects_and_flushes(tmp_path: Path, pg_schem
         admin = await asyncpg.connect(PG_DSN)
         try:
             await admin.execute("SELECT pg_terminate_backend($1)", pid)
+            # pg_terminate_backend only signals the backend: wait until it is gone, so the NOTIFY below is
+            # really lost (under load the old listener could still receive it and make the test vacuous)
+            for _ in range(100):
+                if not await admin.fetchval("SELECT count(*) FROM pg_stat_activity WHERE pid = $1", pid):
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError(f"listener backend {pid} still alive 5 s after pg_terminate_backend")
         finally:
             await admin.close()
-        await asyncio.sleep(0.1)
         await a.revoke_key(k.id)  # this NOTIFY is lost for b (its listener is gone)
         took = await until_rejected(b, secret, limit_s=4.0)  # reconnect (1 s poll) flushes b's cache
         assert took < 4.0
