@@ -1,11 +1,21 @@
 """Config section `routing:` (owned by routing and admission)."""
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 
+class PluginSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One entry of a `routing.strategy` list: a registered filter, scorer or picker (docs/routing.md)."""
+
+    type: str  # capacity | predicted_ttft | load | prefix_hash | target_fit | min_score | round_robin
+    weight: float | None = None  # scorers only: total = sum(weight x score), >= 0; default 1
+    params: dict[str, Any] = msgspec.field(default_factory=dict)  # the plugin's own parameters (docs/routing.md)
+
+
 class RoutingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    strategy: str = "predicted_ttft"  # predicted_ttft | least_loaded | round_robin | prefix_hash
+    strategy: str | list[PluginSpec] = "predicted_ttft"  # a preset name or a list of {type, weight, params}
     default_ttft_slo_ms: float | None = None
     admission: bool = True
     batch_queue_size: int = 256
@@ -28,3 +38,12 @@ class RoutingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prefill_token_budgets: dict[str, int] = msgspec.field(default_factory=dict)  # per backend; wins over learned
     # predicted_ttft only: best-fit placement by TTFT target (plugins.TargetFitScorer); off by default
     target_fit: bool = False  # send a request with a target to the engine meeting 0.6 x it with least slack
+
+    def strategy_error(self) -> tuple[str, str] | None:
+        """(key under `routing.`, why) when the strategy cannot be built (gateway.config names file:line)."""
+        from gateway.routing.registry import strategy_error
+
+        bad = strategy_error(self.strategy)
+        if bad is None and self.target_fit and not isinstance(self.strategy, str):
+            return "target_fit", "applies to the predicted_ttft preset only: list a target_fit scorer instead"
+        return bad

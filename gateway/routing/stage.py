@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import msgspec
 import xxhash
 
 from gateway.config import Config
@@ -27,7 +28,9 @@ from gateway.proxy.health import Health
 from gateway.routing.admission import Admission, BatchQueue, QueueFull, decide, slo_ms
 from gateway.routing.pending import PendingCache
 from gateway.routing.plan import Candidate, RoutePlan
-from gateway.routing.plugins import ApproxPrefixIndex, EngineView, Scored, Strategy, build_strategy, text_blocks
+from gateway.routing.approx import ApproxPrefixIndex, text_blocks
+from gateway.routing.plugin import EngineView, Scored, Strategy
+from gateway.routing.registry import build_strategy, strategy_label
 from gateway.routing.predictor import Features, Predictor, PredictorParams
 from gateway.routing.view import Scrape, engine_view
 from gateway.telemetry.index import RequestKeys
@@ -354,11 +357,15 @@ class PredictiveRouteStage:
     # ---------------------------------------------------------------- state views
     def _strategy(self, cfg: Config) -> Strategy:
         rc = cfg.raw.routing
-        name = "target_fit" if rc.strategy == "predicted_ttft" and rc.target_fit else rc.strategy
-        key = (name, rc.affinity_slack_ms, rc.affinity_rel)
+        spec = rc.strategy
+        if isinstance(spec, str):
+            name = "target_fit" if spec == "predicted_ttft" and rc.target_fit else spec
+            key: Any = (name, rc.affinity_slack_ms, rc.affinity_rel)
+        else:  # a plugin list: one built strategy per distinct list (a round robin keeps its counter on reload)
+            key = msgspec.json.encode(spec)
         s = self._strategies.get(key)
         if s is None:
-            s = self._strategies[key] = build_strategy(*key)
+            s = self._strategies[key] = (build_strategy(*key) if isinstance(spec, str) else build_strategy(spec))
         return s
 
     def _telemetry_for(self, cand: Candidate) -> bool:
@@ -706,7 +713,7 @@ class PredictiveRouteStage:
         if cands:
             ctx.evidence["predicted_ttft_ms"] = cands[0].predicted_ttft_ms
             ctx.evidence["predicted_cached_tokens"] = cands[0].cached_tokens
-        ctx.evidence["route"] = {"strategy": self._config().raw.routing.strategy, "pick": cands[0].backend.name
+        ctx.evidence["route"] = {"strategy": strategy_label(self._config().raw.routing.strategy), "pick": cands[0].backend.name
                                  if cands else None, "ttft_slo_ms": target, "admission": action,
                                  "token_source": source, "cache_isolation": salt is not None,
                                  "decided_us": round((time.perf_counter() - t_start) * 1e6, 1),
@@ -771,6 +778,6 @@ class PredictiveRouteStage:
         for b in cfg.backends:
             if b.kind in ("vllm", "sim") or b.name in engines:
                 engines.setdefault(b.name, {})["facts"] = self.facts(b.name)
-        return {"strategy": cfg.raw.routing.strategy, "engines": engines,
+        return {"strategy": strategy_label(cfg.raw.routing.strategy), "engines": engines,
                 "admission": dict(self.stats), "batch_queue": len(self.batch),
                 "inflight": {k: len(v) for k, v in self.flights.items()}}
