@@ -448,9 +448,9 @@ def parse_config(text: str, source: str = "<config>", base_dir: Path | None = No
                                                                   "request the backends allow)")
     if raw.identity.store not in ("sqlite", "postgres"):
         raise _fail(source, marks, "identity.store", "must be 'sqlite' or 'postgres'")
-    if raw.routing.strategy not in ("predicted_ttft", "least_loaded", "round_robin", "prefix_hash"):
-        raise _fail(source, marks, "routing.strategy",
-                    "must be one of predicted_ttft, least_loaded, round_robin, prefix_hash")
+    bad_routing = raw.routing.strategy_error()  # gateway/routing/registry.py: presets and plugin lists
+    if bad_routing is not None:
+        raise _fail(source, marks, f"routing.{bad_routing[0]}", bad_routing[1])
     bd = base_dir or Path.cwd()
     return Config(raw=raw, path=path, base_dir=bd, models={m: tuple(v) for m, v in models.items()}, aliases=aliases)
 
