@@ -23,6 +23,7 @@ from gateway.policy.eea import country_error
 from gateway.routing.config import RoutingConfig
 from gateway.batch.config import BatchConfig, batch_error
 from gateway.cache.config import CacheConfig
+from gateway.cost.config import CostConfig
 from gateway.telemetry.config import TelemetryConfig
 
 
@@ -187,6 +188,7 @@ class GatewayConfigRaw(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     observability: ObservabilityConfig = msgspec.field(default_factory=ObservabilityConfig)
     batch: BatchConfig = msgspec.field(default_factory=BatchConfig)
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
+    cost: CostConfig = msgspec.field(default_factory=CostConfig)  # what each backend costs (docs/cost.md)
     data_dir: str = "var"
 
 

@@ -1,0 +1,1 @@
+"""Cost engineering: engine time apportioned to the requests it served, priced per backend (docs/cost.md)."""
