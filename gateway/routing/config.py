@@ -7,7 +7,9 @@ import msgspec
 
 
 class PluginSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One entry of a `routing.strategy` list: a registered filter, scorer or picker (docs/routing.md)."""
+    """One entry of a `routing.strategy` list: a registered filter, scorer or picker (docs/routing.md). Instead
+    of a list, `routing.strategy` may name a preset: predicted_ttft (default), least_loaded, round_robin,
+    prefix_hash, target_fit."""
 
     type: str  # capacity | predicted_ttft | load | prefix_hash | target_fit | min_score | round_robin
     weight: float | None = None  # scorers only: total = sum(weight x score), >= 0; default 1
@@ -15,7 +17,8 @@ class PluginSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class RoutingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    strategy: str | list[PluginSpec] = "predicted_ttft"  # a preset name or a list of {type, weight, params}
+    # strategy presets: predicted_ttft | least_loaded | round_robin | prefix_hash | target_fit (docs/routing.md)
+    strategy: str | list[PluginSpec] = "predicted_ttft"  # a preset or a list of {type, weight, params}
     default_ttft_slo_ms: float | None = None
     admission: bool = True
     batch_queue_size: int = 256
