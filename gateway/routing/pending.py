@@ -109,3 +109,17 @@ class PendingCache:
 
     def __len__(self) -> int:
         return len(self._by_rid)
+
+
+def last_chunk_from(n_tokens: int, cached: int, budget: int, block_size: int | None, held: int) -> int | None:
+    """Where the last prefill chunk of a prompt starts, as an index into its blocks past the `held` ones the
+    index holds (the pending cache's tail), or None when the prompt is computed in one step or in full chunks.
+    The engine computes n_tokens - cached tokens in chunks of `budget` from `cached`; blocks that complete in the
+    last (partial) chunk are the tail."""
+    if not block_size or budget <= 0:
+        return None
+    work = n_tokens - cached
+    if work <= budget or work % budget == 0:
+        return None
+    end = cached + (work // budget) * budget  # tokens computed before the last step
+    return max(0, end // block_size - held)

@@ -1,0 +1,83 @@
+"""What the router models about each engine: its view at routing time (own flights drained at the learned
+rate, plus its last fresh scrape), its chunked-prefill budget and the facts /admin/routing shows."""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from gateway.config import Config
+from gateway.routing.inflight import InFlight
+from gateway.routing.pending import PendingCache
+from gateway.routing.plan import Candidate
+from gateway.routing.plugin import EngineView
+from gateway.routing.predictor import Predictor
+from gateway.routing.view import Scrape, engine_view
+
+DEFAULT_UNCACHED = 512.0  # what one waiting request weighs until the engine's mean uncached prompt is observed
+
+
+class EngineModel:
+    """Views, budgets and facts per engine over the stage's shared state (passed in, not owned)."""
+
+    def __init__(self, config: Callable[[], Config], telemetry: Callable[[], Any], predictor: Predictor,
+                 inflight: InFlight, pending: PendingCache, avg_uncached: dict[str, float]) -> None:
+        self._config = config
+        self._telemetry = telemetry
+        self.predictor = predictor
+        self.inflight = inflight
+        self.pending = pending
+        self.avg_uncached = avg_uncached
+
+    def has_telemetry(self, cand: Candidate) -> bool:
+        return self._telemetry() is not None and cand.backend.kind in ("vllm", "sim")
+
+    def has_telemetry_name(self, name: str) -> bool:
+        try:
+            return self._telemetry() is not None and self._config().backend(name).kind in ("vllm", "sim")
+        except KeyError:
+            return False
+
+    def view(self, name: str, now: float, has_tel: bool) -> EngineView:
+        """`gateway.routing.view.engine_view` (shared with bench/routing_des.py) on this gateway's flights to
+        the engine, drained at its learned rate, and its last scrape when fresh (other replicas' load)."""
+        scrape = None
+        if has_tel:
+            load = self._telemetry().load(name)
+            age = time.time() - load.scraped_at if load is not None else 1e9
+            if load is not None and getattr(load, "healthy", False) and age < 5.0:
+                scrape = Scrape(float(load.running), float(load.waiting), float(load.kv_usage), max(0.0, age))
+        budget, _ = self.chunk_budget(name)
+        return engine_view(((f.started, f.uncached, f.prefilling(now)) for f in self.inflight.on(name)),
+                           now, self.predictor.drain(name, budget), scrape,
+                           self.avg_uncached.get(name, DEFAULT_UNCACHED))
+
+    def chunk_budget(self, name: str) -> tuple[int, str]:
+        """The engine's chunked-prefill budget per step and where it comes from: `configured`
+        (routing.prefill_token_budgets), `learned` (from its KV events, gateway/telemetry/chunk_budget.py), or
+        `assumed` (routing.prefill_token_budget, until the engine showed one: shown as such in /admin/routing)."""
+        rc = self._config().raw.routing
+        b = rc.prefill_token_budgets.get(name)
+        if b is not None:
+            return b, "configured"
+        tel = self._telemetry()
+        index = getattr(tel, "index", None) if tel is not None else None
+        learned = index.chunk_budget(name) if index is not None and hasattr(index, "chunk_budget") else None
+        if learned:
+            return learned, "learned"
+        return rc.prefill_token_budget, "assumed"
+
+    def facts(self, name: str) -> dict[str, Any]:
+        """What the router models about one engine, with the source of each fact (for /admin/routing)."""
+        budget, src = self.chunk_budget(name)
+        tel = self._telemetry()
+        index = getattr(tel, "index", None) if tel is not None else None
+        bs = index.block_size(name) if index is not None else None
+        load = tel.load(name) if tel is not None and hasattr(tel, "load") else None
+        cap = getattr(load, "num_gpu_blocks", None) if load is not None else None
+        return {"chunk_budget": budget, "chunk_budget_source": src,
+                "block_size": bs, "block_size_source": "kv events / metrics" if bs else "unknown",
+                "kv_capacity_blocks": cap, "kv_capacity_source": "metrics (cache_config_info)" if cap else "unknown",
+                "pending_blocks": self.pending.blocks(name),
+                # what one request the engine's metrics count as waiting weighs in the view (view.engine_view)
+                "mean_uncached_prompt": round(self.avg_uncached.get(name, DEFAULT_UNCACHED), 1),
+                "mean_uncached_prompt_source": "observed" if name in self.avg_uncached else "assumed"}

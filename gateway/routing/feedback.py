@@ -1,0 +1,55 @@
+"""Learner feedback on finish: what a served request teaches the router (the engine's TTFT learner, its step
+time, the approximate prefix tree, the mean uncached prompt, the KV index's cached-token accuracy) and the
+evidence of predicted vs actual."""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from gateway.pipeline import RequestContext
+from gateway.routing.approx import ApproxPrefixIndex
+from gateway.routing.inflight import Flight
+from gateway.routing.predictor import Predictor
+
+
+def engine_part(ttft_s: float, elapsed_s: float) -> float:
+    """What the engine learner is fit on: the TTFT after the prediction was made. The time from arrival to the
+    prediction (parse, policy, the /tokenize round trip, this box's CPU contention) is known when predicting and
+    is added to the prediction as measured; fitting it with engine features left it as noise (measured: the
+    residuals' correlation with it was 0.84 at 32 req/s on 2 shared cores, where it was 21 ms p50, 56 ms p90)."""
+    return max(1e-4, ttft_s - max(0.0, elapsed_s))
+
+
+def feed_back(ctx: RequestContext, fl: Flight, *, predictor: Predictor, approx: ApproxPrefixIndex,
+              avg_uncached: dict[str, float], telemetry: Any, has_telemetry_name: Callable[[str], bool]) -> None:
+    """Evidence of predicted vs actual for a finished flight; when it was served (200), train the serving
+    engine's learners on it. A request that failed over from another engine is not a sample (its TTFT holds
+    the failed attempt)."""
+    served = ctx.backend or fl.engine
+    ev = ctx.evidence
+    ev["actual_ttft_ms"] = round(ctx.ttft_s * 1000, 3) if ctx.ttft_s is not None else None
+    ev["predicted_cached_tokens"] = fl.cached.get(served)
+    actual_cached = ctx.usage.cached_tokens if ctx.usage is not None else None
+    ev["actual_cached_tokens"] = actual_cached
+    if ctx.backend is None or ctx.status not in (0, 200):
+        return
+    approx.insert(served, fl.blocks)
+    usage = ctx.usage
+    uncached = (usage.prompt_tokens - (actual_cached or 0)) if usage and usage.prompt_tokens else fl.uncached
+    a = avg_uncached.get(served)
+    avg_uncached[served] = uncached if a is None else 0.9 * a + 0.1 * uncached
+    failed_before = any("error" in x for x in ctx.attempts)
+    f = fl.features.get(served)
+    if ctx.ttft_s is not None and f is not None and not failed_before:
+        rel = predictor.observe(served, f, engine_part(ctx.ttft_s, fl.elapsed_s), fl.uppers.get(served) or None)
+        ev["ttft_prediction_error"] = round(rel, 4)
+    done = ctx.usage.completion_tokens if ctx.usage is not None else 0
+    if ctx.stream and ctx.ttft_s is not None and done and done > 1:  # mean inter-token time: the step
+        total = ctx.total_s if ctx.total_s is not None else time.perf_counter() - ctx.received_at
+        predictor.observe_step(served, (total - ctx.ttft_s) / (done - 1))
+    if actual_cached is not None and telemetry is not None and served in fl.cached \
+            and ctx.backend_model is not None and has_telemetry_name(served):
+        try:
+            telemetry.observe_cached(served, fl.cached[served], actual_cached)
+        except Exception:
+            pass

@@ -1,0 +1,58 @@
+"""In-flight accounting: the requests this gateway dispatched, per engine, until they finish. A request counts
+as prefill work ahead on its engine until its first token (the view drains it at the learned rate)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gateway.pipeline import RequestContext
+from gateway.routing.predictor import Features
+
+
+@dataclass(slots=True)
+class Flight:
+    """A request this gateway dispatched; counts as prefill work ahead until its first token."""
+
+    ctx: RequestContext
+    engine: str
+    uncached: int
+    started: float
+    predicted_s: float
+    features: dict[str, Features] = field(default_factory=dict)
+    cached: dict[str, int] = field(default_factory=dict)
+    blocks: list[int] = field(default_factory=list)
+    telemetry: bool = False
+    uppers: dict[str, float] = field(default_factory=dict)  # upper bound (s) admission used, per engine
+    elapsed_s: float = 0.0  # time from arrival to the prediction: known, so not the learner's to predict
+
+    def prefilling(self, now: float) -> bool:
+        if self.ctx.ttft_s is not None:
+            return False
+        if self.ctx.stream:
+            return True
+        return now - self.started < self.predicted_s  # non-streamed: the prediction says when prefill ends
+
+
+class InFlight:
+    """Flights by engine (`by_engine`, read by the view and the batch lane's pacer) and by request id."""
+
+    def __init__(self) -> None:
+        self.by_engine: dict[str, dict[str, Flight]] = {}
+        self.by_rid: dict[str, Flight] = {}
+
+    def add(self, fl: Flight) -> None:
+        rid = fl.ctx.request_id
+        self.by_engine.setdefault(fl.engine, {})[rid] = fl
+        self.by_rid[rid] = fl
+
+    def pop(self, request_id: str) -> Flight | None:
+        """The request's flight, no longer counted (None when it was never dispatched)."""
+        fl = self.by_rid.pop(request_id, None)
+        if fl is not None:
+            self.by_engine.get(fl.engine, {}).pop(request_id, None)
+        return fl
+
+    def on(self, engine: str) -> list[Flight]:
+        return list(self.by_engine.get(engine, {}).values())
+
+    def counts(self) -> dict[str, int]:
+        return {k: len(v) for k, v in self.by_engine.items()}

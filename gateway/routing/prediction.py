@@ -1,0 +1,39 @@
+"""Prediction: each candidate's view and predicted TTFT (mean and calibrated upper bound, from arrival), the
+features the learner is later fed, and the per-candidate evidence; the plugins order on what this sets."""
+from __future__ import annotations
+
+from typing import Callable
+
+from gateway.routing.approx import ApproxPrefixIndex
+from gateway.routing.plan import Candidate
+from gateway.routing.plugin import EngineView, Scored
+from gateway.routing.predictor import Features, Predictor
+
+
+def predict_candidates(cands: list[Candidate], n_tokens: int, cached: dict[str, int], blocks: list[int],
+                       affinity_engine: str | None, elapsed_s: float, target: float | None,
+                       view: Callable[[Candidate], EngineView], predictor: Predictor,
+                       approx: ApproxPrefixIndex) -> tuple[list[Scored], dict[str, Features]]:
+    """Predictions are of the TTFT from arrival: `elapsed_s` (arrival to now) plus the engine learner's
+    prediction of the rest (feedback.engine_part)."""
+    items: list[Scored] = []
+    feats: dict[str, Features] = {}
+    for c in cands:
+        name = c.backend.name
+        v = view(c)
+        v.prompt_tokens = n_tokens
+        v.cached_tokens = max(0, min(cached.get(name, 0), n_tokens - 1))
+        v.approx_match = (approx.match(name, blocks) / len(blocks)) if blocks else 0.0
+        v.affinity = affinity_engine == name
+        v.ttft_target_ms = target
+        f = Features(ahead_tokens=v.ahead_tokens, uncached_tokens=n_tokens - v.cached_tokens, running=v.running)
+        feats[name] = f
+        mean, upper = predictor.predict(name, f)
+        c.predicted_ttft_ms = round((elapsed_s + mean) * 1000, 3)
+        c.predicted_ttft_upper_ms = round((elapsed_s + upper) * 1000, 3)
+        c.cached_tokens = v.cached_tokens
+        c.info = {"predicted_ttft_upper_ms": c.predicted_ttft_upper_ms, "ahead_tokens": int(v.ahead_tokens),
+                  "running": v.running, "waiting": v.waiting, "inflight": v.inflight,
+                  "operator": c.backend.operator}
+        items.append(Scored(c, v))
+    return items, feats
