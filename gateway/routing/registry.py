@@ -147,7 +147,10 @@ def strategy_error(strategy: str | Sequence[Any]) -> tuple[str, str] | None:
 # ------------------------------------------------------------------------------------------------ building
 
 def build_plugin(e: Any) -> Plugin:
-    """One plugin instance from a (valid) entry."""
+    """One plugin instance from an entry (ValueError naming the key when the entry cannot be built)."""
+    bad = entry_error(e)
+    if bad is not None:
+        raise ValueError(f"{bad[0]}: {bad[1]}")
     type_name, weight, params = _entry(e)
     cls = plugin_class(type_name)
     p = cls(**{k: float(v) for k, v in params.items()})  # type: ignore[call-arg]
