@@ -65,6 +65,24 @@ class Metrics:
                                                buckets=(-5.0, -1.0, -0.5, -0.25, -0.1, -0.05, -0.02, -0.01, 0.0,
                                                         0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0), registry=r)
 
+        # unit economics (gateway/cost, docs/cost.md): engine time apportioned to requests, what it cost, what
+        # was charged, and GPU-seconds saved (prefix/response cache) or wasted (aborted, cut, failed), per
+        # backend, model and request category; the engines' busy time as this gateway saw it
+        cat = ["backend", "model", "category"]
+        self.cost_requests = Counter("gateway_cost_requests_total", "Requests by cost category", cat, registry=r)
+        self.cost_gpu_seconds = Counter("gateway_cost_gpu_seconds_total", "GPU-seconds apportioned to requests",
+                                        cat, registry=r)
+        self.cost_amount = Counter("gateway_cost_amount_total", "What serving requests cost (cost.currency)", cat,
+                                   registry=r)
+        self.cost_charged = Counter("gateway_cost_charged_total", "Price charged for requests (budget currency)",
+                                    cat, registry=r)
+        self.cost_tokens = Counter("gateway_cost_tokens_total", "Prompt + completion tokens by cost category",
+                                   cat, registry=r)
+        self.cost_saved = Counter("gateway_cost_saved_gpu_seconds_total", "GPU-seconds saved, by reason",
+                                  ["backend", "model", "reason"], registry=r)
+        self.cost_wasted = Counter("gateway_cost_wasted_gpu_seconds_total", "GPU-seconds wasted, by reason",
+                                   ["backend", "model", "reason"], registry=r)
+
     def child(self, metric, *labels: str):
         """A labelled child, cached: prometheus-client's labels() costs microseconds per call on the hot path."""
         key = (metric._name, *labels)

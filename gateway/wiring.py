@@ -27,8 +27,16 @@ def wire(gw: Gateway) -> None:
     _wire_routing(gw)
     _wire_evidence(gw)
     _wire_observability(gw)
+    _wire_cost(gw)  # after the stage list: the meter stage goes last before dispatch (docs/cost.md)
     _wire_batch(gw)
     _wire_discovery(gw)  # last: its first resolution reloads the config into services already started
+
+
+def _wire_cost(gw: Gateway) -> None:
+    """Engine time apportioned to requests, priced per backend, on audit records, ledger rows and /metrics."""
+    from gateway.cost.wiring import wire_cost
+
+    wire_cost(gw)
 
 
 def _wire_discovery(gw: Gateway) -> None:

@@ -212,6 +212,7 @@ class SimEngine:
                 deadline = now
             t0 = min(deadline, now) if deadline <= now else now
             plan = sched.schedule(t0)
+            w0 = now
             if plan is None:
                 self._wake.clear()
                 await self._wake.wait()
@@ -226,6 +227,7 @@ class SimEngine:
             if self.faults.hang:  # a hang that started mid-step holds the step's results
                 await self._unhang.wait()
             out = sched.commit(plan, deadline)
+            sched.stats.busy_wall_s += loop.time() - w0  # > busy_s when the host starves this loop
             for req in out.first_tokens:
                 f = req.listener.first
                 if not f.done():
@@ -242,6 +244,9 @@ class SimEngine:
         return {"name": self.name, "profile": self.profile.name, "running": len(s.running),
                 "waiting": len(s.waiting), "kv_cache_usage": s.pool.usage(), "free_blocks": s.pool.num_free,
                 "cached_blocks": len(s.pool.cached), "generation": self.generation,
+                "busy_s": round(s.stats.busy_s, 6), "busy_prefill_s": round(s.stats.busy_prefill_s, 6),
+                "busy_wall_s": round(s.stats.busy_wall_s, 6),
+                "steps": s.stats.steps,
                 "next_seq": self.publisher.next_seq if self.publisher else None,
                 "dropped_batches": self.publisher.dropped if self.publisher else 0,
                 "faults": self.faults.as_dict()}

@@ -68,6 +68,11 @@ class EngineCollector:
         yield counter("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local prefix cache hits).",
                       st.prompt_tokens_cached)
         yield counter("vllm:generation_tokens", "Number of generation tokens processed.", st.generation_tokens)
+        # sim only (no vLLM counterpart): the engine's true busy time, what apportioned cost is checked against
+        yield counter("sim:engine_busy_seconds", "Modelled time of all committed engine steps (sim only).", st.busy_s)
+        yield counter("sim:engine_busy_prefill_seconds", "Part of the busy time spent on prefill tokens (sim only).",
+                      st.busy_prefill_s)
+        yield counter("sim:engine_steps", "Engine steps committed (sim only).", st.steps)
         succ = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
                                    labels=labels + ["finished_reason"])
         for reason in ("stop", "length", "abort", "error", "repetition"):

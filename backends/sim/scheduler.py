@@ -101,6 +101,11 @@ class Stats:
     queue_buckets: list[int] = field(default_factory=lambda: [0] * (len(QUEUE_BUCKETS) + 1))
     queue_sum: float = 0.0
     queue_count: int = 0
+    # the truth cost accounting is checked against (sim only, not a vLLM metric): the modelled time of every
+    # committed step, i.e. the engine's busy time, and the part of it spent on prefill tokens (b x tokens)
+    busy_s: float = 0.0
+    busy_prefill_s: float = 0.0
+    busy_wall_s: float = 0.0  # wall time from planning each step to committing it (the driver adds it)
 
     def observe_ttft(self, v: float) -> None:
         self.ttft_buckets[bisect.bisect_left(TTFT_BUCKETS, v)] += 1
@@ -291,4 +296,6 @@ class Scheduler:
                 self.stats.success[req.finish_reason] = self.stats.success.get(req.finish_reason, 0) + 1
         self.stats.generation_tokens += ntok
         self.stats.steps += 1
+        self.stats.busy_s += plan.duration  # the step ran on the GPU even for sequences aborted during it
+        self.stats.busy_prefill_s += self.profile.prefill_s_per_token * plan.prefill_tokens * self.slow_factor
         return StepOutput(firsts, finished, pool.take_events(), ntok)

@@ -15,7 +15,7 @@ import sqlite3
 import threading
 from collections import deque
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import orjson
 
@@ -23,12 +23,21 @@ log = logging.getLogger("gateway.budget.ledger")
 
 COLUMNS = ("request_id", "ts", "principal_id", "tenant", "team", "project", "key_id", "partner", "end_user",
            "model", "backend", "prompt_tokens", "completion_tokens", "cached_tokens", "total_tokens", "cost",
-           "currency", "gpu_seconds", "status", "cut_by_budget", "budget_store", "client_request_id")
+           "currency", "gpu_seconds", "status", "cut_by_budget", "budget_store", "client_request_id",
+           # unit economics (gateway/cost, docs/cost.md): `cost` above is the price charged; these are the
+           # engine time apportioned to the request, what that cost the platform (in cost.currency), the
+           # request's category and the GPU-seconds it saved (prefix/response cache) or wasted
+           "engine", "gpu_seconds_apportioned", "engine_cost", "cost_basis", "cost_category",
+           "saved_gpu_seconds", "wasted_gpu_seconds", "retries")
 # Columns added after the first release: an existing table gets them on open (ALTER TABLE ... ADD COLUMN).
-_ADDED = ("client_request_id",)
+_ADDED = ("client_request_id", "engine", "gpu_seconds_apportioned", "engine_cost", "cost_basis", "cost_category",
+          "saved_gpu_seconds", "wasted_gpu_seconds", "retries")
 _TYPES_SQL = {"ts": "DOUBLE PRECISION", "prompt_tokens": "BIGINT", "completion_tokens": "BIGINT",
               "cached_tokens": "BIGINT", "total_tokens": "BIGINT", "cost": "DOUBLE PRECISION",
-              "gpu_seconds": "DOUBLE PRECISION", "status": "INTEGER", "cut_by_budget": "BOOLEAN"}
+              "gpu_seconds": "DOUBLE PRECISION", "status": "INTEGER", "cut_by_budget": "BOOLEAN",
+              "gpu_seconds_apportioned": "DOUBLE PRECISION", "engine_cost": "DOUBLE PRECISION",
+              "saved_gpu_seconds": "DOUBLE PRECISION", "wasted_gpu_seconds": "DOUBLE PRECISION",
+              "retries": "INTEGER"}
 
 
 def _ddl(table: str) -> str:
@@ -172,6 +181,9 @@ class Ledger:
         # instead of one per request (measured: ~8 rows per write at saturation); the crash window is the same
         # iteration either way: a row is spooled before the loop next waits for I/O
         self._spool_buf: list[bytes] = []
+        # called with each row before it is queued, to add fields other subsystems own (gateway/cost adds the
+        # apportioned engine time and its cost); a failing one is logged, the row is still recorded
+        self.enrichers: list[Callable[[dict[str, Any]], None]] = []
 
     @classmethod
     def from_config(cls, config: Any) -> "Ledger":
@@ -245,6 +257,11 @@ class Ledger:
 
     def enqueue(self, row: dict[str, Any]) -> None:
         """Queue one spend row (never blocks on the database)."""
+        for enrich in self.enrichers:
+            try:
+                enrich(row)
+            except Exception:
+                log.exception("ledger enricher failed for %s", row.get("request_id"))
         if self._fd is not None:
             self._spool_buf.append(orjson.dumps(row, option=orjson.OPT_APPEND_NEWLINE))
             if len(self._spool_buf) == 1:

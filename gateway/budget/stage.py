@@ -86,10 +86,12 @@ class BudgetStage:
         price = find_price(model, svc.cfg.prices, ctx.backend, batch)
         gpu_s = None
         if price is not None and price.gpu_second is not None and ctx.backend is not None:
-            # the gateway's wall time for the request so far (arrival to now, the end of the response): what
-            # it held an engine slot for, an upper bound of the engine's time (ObserveStage sets total_s later)
-            total = ctx.total_s if ctx.total_s is not None else time.perf_counter() - ctx.received_at
-            gpu_s = round(max(0.0, total), 3)
+            metered = (ctx.evidence.get("unit_cost") or {}).get("gpu_seconds")
+            if metered is not None:  # the engine time apportioned to this request (gateway/cost, docs/cost.md)
+                gpu_s = round(max(0.0, metered), 6)
+            else:  # no meter wired: the gateway's wall time so far, an upper bound of the engine's time
+                total = ctx.total_s if ctx.total_s is not None else time.perf_counter() - ctx.received_at
+                gpu_s = round(max(0.0, total), 3)
         if resv is not None:
             out = await svc.settle(resv, usage, model, ctx.backend, gpu_s, batch)
             amount, ccy = out.cost, out.currency

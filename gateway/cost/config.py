@@ -19,4 +19,3 @@ class CostConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     currency: str = "EUR"  # currency of the recorded cost; other currencies convert with budgets.fx_rates
     default: BackendCost | None = None  # the cost model of a backend without an entry in `backends`
     backends: dict[str, BackendCost] = msgspec.field(default_factory=dict)  # backend name -> its cost model
-    prefill_share_halflife_s: float = 300.0  # how fast the engine's prefill share of busy time follows the load

@@ -29,10 +29,10 @@ CONTENT_KEYS = frozenset({"messages", "prompt", "input", "completion", "completi
                           "text", "tool_calls", "suffix", "instructions", "choices", "delta", "reasoning_content"})
 # ctx.evidence entries lifted to top-level fields of the record.
 _LIFTED = ("decision", "budget", "candidates", "route", "predicted_ttft_ms", "predicted_cached_tokens", "cost",
-           "session")
+           "session", "unit_cost")
 _REDACTED = "[redacted: zero retention]"
 # Record fields filled from stage-owned evidence (anything else in the record is built from typed values).
-_STAGE_FIELDS = ("budget", "candidates", "route", "attempts", "cost", "evidence")
+_STAGE_FIELDS = ("budget", "candidates", "route", "attempts", "cost", "unit_cost", "evidence")
 
 
 def _content_strings(body: Any, out: list[str]) -> None:
@@ -159,7 +159,10 @@ def build_record(ctx: RequestContext, *, capture_content: bool = False,
         "response_id": ctx.response_id,
         "finish_reasons": list(ctx.finish_reasons),
         "cut_by_budget": ctx.cut_by_budget,
-        "cost": _plain(ev.get("cost")),
+        "cost": _plain(ev.get("cost")),  # the price charged (budgets)
+        # what serving it cost (gateway/cost, docs/cost.md): engine time apportioned from the engine's steps,
+        # its price, the margin against `cost`, the category and the GPU-seconds saved or wasted
+        "unit_cost": _plain(ev.get("unit_cost")),
         "status": ctx.status,
         "error": ctx.error,
         "total_ms": round(ctx.total_s * 1000, 3) if ctx.total_s is not None else None,

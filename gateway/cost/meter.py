@@ -1,0 +1,301 @@
+"""The online cost meter: one processor-sharing clock per engine (gateway/cost/apportion.py), a stage that opens
+a request's span when it is dispatched and closes it before the budget settles (so a GPU-second price charges
+the apportioned time, not the gateway's wall time), and a finish hook that prices every request (served or
+not), files a ledger row for those the budget stage does not record, and feeds /metrics and the dashboard.
+
+Evidence: `ctx.evidence["unit_cost"]` (lifted to the audit record's `unit_cost`), next to the budget's `cost`.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from gateway.cost.apportion import EngineClock
+from gateway.cost.config import CostConfig
+from gateway.cost.model import (
+    Outcome,
+    backend_cost,
+    category,
+    gpu_cost,
+    margin,
+    plain,
+    savings_and_waste,
+    token_cost,
+)
+
+log = logging.getLogger("gateway.cost")
+
+PRIOR_S_PER_TOKEN = 0.125 / 1000.0  # the router's cold-start prefill prior (8k tokens/s) until it learned one
+
+
+class CostStage:
+    """Last stage before dispatch: its run opens the span, its finish (first of the finishes) closes it."""
+
+    name = "meter"
+
+    def __init__(self, meter: CostMeter) -> None:
+        self.meter = meter
+
+    async def run(self, ctx: Any) -> None:
+        self.meter.open(ctx)
+
+    async def finish(self, ctx: Any) -> None:
+        self.meter.close(ctx)
+        self.meter.before_settle(ctx)
+
+
+class CostMeter:
+    """Per-engine clocks and running totals. `config` and `predictor` are callables (hot reload, late wiring)."""
+
+    def __init__(self, config: Callable[[], Any], predictor: Callable[[], Any] | None = None,
+                 clock: Callable[[], float] = time.perf_counter, ledger: Callable[[], Any] | None = None,
+                 metrics: Any = None) -> None:
+        self._config = config
+        self._predictor = predictor or (lambda: None)
+        self._ledger = ledger or (lambda: None)
+        self.clock = clock
+        self.metrics = metrics
+        self.engines: dict[str, EngineClock] = {}
+        self._open: dict[str, tuple[str, int, int]] = {}  # request id -> (engine, clock token, estimate)
+        self._est_ratio: dict[str, float] = {}  # engine -> EWMA of uncached tokens used / estimated at dispatch
+        self._facts: dict[str, dict[str, Any]] = {}  # request id -> ledger fields until its row is enqueued
+        self.stage = CostStage(self)
+        # fleet-wide GPU-seconds per token of served requests (a response-cache hit's saving is priced with it)
+        self.gpu_per_token = 0.0
+        self.totals: dict[tuple[str, str, str], dict[str, float]] = {}  # (backend, model, category) -> sums
+        self.recent: deque[dict[str, Any]] = deque(maxlen=512)  # (ts, engine, gpu_s, ...) for the dashboard
+
+    @property
+    def cfg(self) -> CostConfig:
+        return self._config().raw.cost
+
+    # ------------------------------------------------------------------ engine clocks
+    def clock_of(self, engine: str) -> EngineClock:
+        c = self.engines.get(engine)
+        if c is None:
+            c = self.engines[engine] = EngineClock()
+        return c
+
+    def s_per_token(self, engine: str) -> float:
+        """The router's learned prefill cost per token on this engine (its public learner), else the prior."""
+        p = self._predictor()
+        learner = getattr(p, "learner", None)
+        if learner is not None:
+            v = float(learner(engine).s_per_token())
+            if v > 0:
+                return v
+        return PRIOR_S_PER_TOKEN
+
+    def _own(self, name: str) -> bool:
+        try:
+            b = self._config().backend(name)
+        except KeyError:
+            return False
+        return getattr(b, "operator", "self") != "partner"
+
+    def open(self, ctx: Any) -> None:
+        """The request is about to be dispatched: its span begins on the engine the route plan tries first."""
+        if not self.cfg.enabled or ctx.request_id in self._open:
+            return
+        plan = ctx.route
+        cands = getattr(plan, "candidates", None) or ()
+        if not cands:
+            return
+        engine = cands[0].backend.name
+        if not self._own(engine):
+            return
+        # what it will prefill: the gateway's prompt estimate less the cached tokens routing predicted, times
+        # how far that estimate ran from the engine's usage on this engine lately, times the cost per token
+        est = max(0, ctx.prompt_tokens_est - (getattr(cands[0], "cached_tokens", None) or 0))
+        expected = est * self._est_ratio.get(engine, 1.0)
+        token = self.clock_of(engine).begin(self.clock(), expected * self.s_per_token(engine))
+        self._open[ctx.request_id] = (engine, token, est)
+
+    def close(self, ctx: Any) -> None:
+        """The response is complete (or failed, or cut): the span ends and the request is charged."""
+        span = self._open.pop(ctx.request_id, None)
+        if span is None:
+            return
+        engine, token, est = span
+        ec = self.clock_of(engine)
+        c = ec.end(self.clock(), token)
+        u = ctx.usage
+        dispatched = ctx.backend is not None or ctx.delivered_completion_tokens > 0
+        if u is not None:
+            prompt, cached = u.prompt_tokens, min(max(u.cached_tokens or 0, 0), u.prompt_tokens)
+        else:
+            prompt, cached = (ctx.prompt_tokens_est if dispatched else 0), 0
+        spt = self.s_per_token(engine)
+        if u is not None and est > 0:
+            r = min(max((prompt - cached) / est, 0.05), 20.0)
+            self._est_ratio[engine] = 0.9 * self._est_ratio.get(engine, 1.0) + 0.1 * r
+        bc = backend_cost(self.cfg, engine)
+        gpus = bc.gpus if bc is not None else 1
+        facts = {
+            "engine": engine, "method": "apportioned",
+            "gpu_seconds": c.seconds * gpus, "prefill_gpu_seconds": c.prefill_s * gpus,
+            "shared_gpu_seconds": c.shared_s * gpus, "engine_prefill_share": ec.prefill_share(),
+            "s_per_prefill_token": spt, "gpus": gpus,
+            "cached_prefill_gpu_seconds": cached * spt * gpus,
+        }
+        ctx.evidence["unit_cost"] = plain(facts)
+
+    # ------------------------------------------------------------------ pricing (finish hook)
+    def outcome(self, ctx: Any) -> Outcome:
+        failed = sum(1 for a in ctx.attempts if isinstance(a, dict) and "error" in a)
+        return Outcome(dispatched=ctx.backend is not None or "unit_cost" in ctx.evidence,
+                       status=ctx.status or 200, cache_hit=ctx.answer is not None, batch=ctx.batch is not None,
+                       cut=bool(ctx.cut_by_budget or ctx.cut_by_shutdown), retries=failed)
+
+    def price(self, ctx: Any) -> dict[str, Any]:
+        """The request's unit-cost facts (apportioned time, platform cost, charge, margin, savings, waste)."""
+        cfg = self.cfg
+        fx = getattr(self._config().raw.budgets, "fx_rates", {})
+        uc = dict(ctx.evidence.get("unit_cost") or {})
+        o = self.outcome(ctx)
+        cat = category(o)
+        u = ctx.usage
+        prompt = u.prompt_tokens if u is not None else 0
+        completion = u.completion_tokens if u is not None else ctx.delivered_completion_tokens
+        cached = (u.cached_tokens or 0) if u is not None else 0
+        gpu_s = uc.get("gpu_seconds")
+        backend = ctx.backend or uc.get("engine")
+        bc = backend_cost(cfg, backend) if backend is not None else None
+        amount = gpu_cost(gpu_s, bc, cfg.currency, fx)
+        basis = "gpu_hour" if amount is not None else None
+        if amount is None and backend is not None and cat not in ("cache_hit", "rejected"):
+            amount = token_cost(prompt, cached, completion, bc, cfg.currency, fx)
+            basis = "partner_tokens" if amount is not None else None
+        if cat in ("cache_hit", "rejected"):
+            amount, gpu_s = 0.0, 0.0
+        estimate = self.gpu_per_token * (prompt + completion) if cat == "cache_hit" else None
+        saved, wasted = savings_and_waste(cat, gpu_s, float(uc.get("cached_prefill_gpu_seconds") or 0.0), estimate)
+        charged_ev = ctx.evidence.get("cost") if isinstance(ctx.evidence.get("cost"), dict) else {}
+        charged = charged_ev.get("amount")
+        out = {**uc, "category": cat, "backend": backend, "gpu_seconds": gpu_s, "cost": amount,
+               "cost_basis": basis, "currency": cfg.currency, "charged": charged,
+               "charged_currency": charged_ev.get("currency"), "retries": o.retries,
+               "margin": margin(charged, amount) if charged_ev.get("currency") in (None, cfg.currency) else None,
+               "saved_gpu_seconds": saved, "wasted_gpu_seconds": wasted}
+        if cat in ("served", "batch") and gpu_s and prompt + completion > 0:
+            a = 0.05
+            per = gpu_s / (prompt + completion)
+            self.gpu_per_token = per if self.gpu_per_token == 0 else (1 - a) * self.gpu_per_token + a * per
+        return out
+
+    def ledger_fields(self, facts: dict[str, Any]) -> dict[str, Any]:
+        return {"engine": facts.get("engine") if facts.get("method") else None,
+                "gpu_seconds_apportioned": facts.get("gpu_seconds"), "engine_cost": facts.get("cost"),
+                "cost_basis": facts.get("cost_basis"), "cost_category": facts.get("category"),
+                "saved_gpu_seconds": float(sum((facts.get("saved_gpu_seconds") or {}).values(), 0.0)),
+                "wasted_gpu_seconds": float(sum((facts.get("wasted_gpu_seconds") or {}).values(), 0.0)),
+                "retries": facts.get("retries") or 0}
+
+    def enrich(self, row: dict[str, Any]) -> None:
+        """Ledger hook (gateway/budget/ledger.py): a row the budget stage files gets this request's cost."""
+        f = self._facts.pop(row.get("request_id"), None)
+        if f is not None:
+            row.update(f)
+
+    def before_settle(self, ctx: Any) -> None:
+        """Runs after `close`, before the budget finish files the row: prices what is known and parks the
+        ledger fields (the charge is added when the finish hook reprices)."""
+        if "unit_cost" not in ctx.evidence:
+            return
+        self._facts[ctx.request_id] = self.ledger_fields(self.price(ctx))
+
+    async def finish(self, ctx: Any) -> None:
+        """Finish hook (after the budget settled and filed its row, before the audit record is written)."""
+        self._facts.pop(ctx.request_id, None)
+        if not self.cfg.enabled:
+            return
+        if ctx.principal is None and "unit_cost" not in ctx.evidence:
+            return  # refused before anyone was identified: nothing to attribute
+        facts = self.price(ctx)
+        ctx.evidence["unit_cost"] = plain(facts)
+        self._observe(ctx, facts)
+        if "cost" not in ctx.evidence:  # the budget stage filed no row (cache hit, early refusal): file one
+            self._file_row(ctx, facts)
+
+    def _file_row(self, ctx: Any, facts: dict[str, Any]) -> None:
+        ledger = self._ledger()
+        if ledger is None:
+            return
+        p = ctx.principal
+        u = ctx.usage
+        row = {
+            "request_id": ctx.request_id, "ts": ctx.received_wall, "principal_id": p.id if p else None,
+            "tenant": p.tenant if p else None, "team": p.team if p else None, "project": p.project if p else None,
+            "key_id": p.key_id if p else None, "partner": p.partner if p else None,
+            "end_user": p.end_user if p else None, "model": ctx.backend_model or ctx.model,
+            "backend": ctx.backend, "prompt_tokens": u.prompt_tokens if u else 0,
+            "completion_tokens": u.completion_tokens if u else 0, "cached_tokens": u.cached_tokens if u else None,
+            "total_tokens": u.total_tokens if u else 0, "cost": 0.0, "currency": self.cfg.currency,
+            "gpu_seconds": None, "status": ctx.status, "cut_by_budget": ctx.cut_by_budget, "budget_store": None,
+            "client_request_id": ctx.client_request_id, **self.ledger_fields(facts),
+        }
+        try:
+            ledger.enqueue(row)
+        except Exception:
+            log.exception("ledger row for %s failed", ctx.request_id)
+
+    def _observe(self, ctx: Any, f: dict[str, Any]) -> None:
+        backend = f.get("backend") or "none"
+        model = ctx.backend_model or ctx.model or ""
+        key = (backend, model, f["category"])
+        t = self.totals.setdefault(key, {"requests": 0, "gpu_seconds": 0.0, "cost": 0.0, "charged": 0.0,
+                                         "tokens": 0, "saved_gpu_seconds": 0.0, "wasted_gpu_seconds": 0.0})
+        u = ctx.usage
+        tokens = u.total_tokens if u is not None else 0
+        saved = sum(f["saved_gpu_seconds"].values())
+        wasted = sum(f["wasted_gpu_seconds"].values())
+        t["requests"] += 1
+        t["gpu_seconds"] += f.get("gpu_seconds") or 0.0
+        t["cost"] += f.get("cost") or 0.0
+        t["charged"] += f.get("charged") or 0.0
+        t["tokens"] += tokens
+        t["saved_gpu_seconds"] += saved
+        t["wasted_gpu_seconds"] += wasted
+        self.recent.append({"t": time.time(), "backend": backend, "model": model, "category": f["category"],
+                            "gpu_seconds": f.get("gpu_seconds") or 0.0, "cost": f.get("cost") or 0.0,
+                            "charged": f.get("charged") or 0.0, "tokens": tokens, "saved": saved,
+                            "wasted": wasted})
+        m = self.metrics
+        if m is None or not hasattr(m, "cost_gpu_seconds"):
+            return
+        c = m.child
+        cat = f["category"]
+        c(m.cost_requests, backend, model, cat).inc()
+        if f.get("gpu_seconds"):
+            c(m.cost_gpu_seconds, backend, model, cat).inc(f["gpu_seconds"])
+        if f.get("cost"):
+            c(m.cost_amount, backend, model, cat).inc(f["cost"])
+        if f.get("charged"):
+            c(m.cost_charged, backend, model, cat).inc(f["charged"])
+        if tokens:
+            c(m.cost_tokens, backend, model, cat).inc(tokens)
+        for reason, v in f["saved_gpu_seconds"].items():
+            c(m.cost_saved, backend, model, reason).inc(v)
+        for reason, v in f["wasted_gpu_seconds"].items():
+            c(m.cost_wasted, backend, model, reason).inc(v)
+
+    # ------------------------------------------------------------------ views
+    def engines_snapshot(self) -> dict[str, dict[str, float]]:
+        """Per engine: busy time this gateway saw, GPU-seconds charged, prefill share, requests on it now."""
+        now = self.clock()
+        out = {}
+        for name, ec in sorted(self.engines.items()):
+            ec._advance(now)
+            out[name] = {"busy_s": round(ec.busy_s, 6), "charged_s": round(ec.charged_s, 6),
+                         "prefill_s": round(ec.prefill_paid_s, 6), "prefill_share": round(ec.prefill_share(), 4),
+                         "in_flight": ec.n}
+        return out
+
+    def snapshot(self) -> dict[str, Any]:
+        rows = [{"backend": b, "model": m, "category": c, **{k: round(v, 9) for k, v in t.items()}}
+                for (b, m, c), t in sorted(self.totals.items())]
+        return {"currency": self.cfg.currency, "engines": self.engines_snapshot(), "totals": rows,
+                "recent": list(self.recent)}

@@ -1,0 +1,73 @@
+"""Assembly of cost engineering into a Gateway (called from gateway.wiring.wire once the stage list is built):
+the meter stage goes last before dispatch, its finish hook first (before the audit recorder's),
+the ledger gets the apportioned fields, /metrics the per-engine busy series, /admin/cost the snapshot."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from gateway.admin_guard import PLATFORM_ADMIN, gateway_guard
+from gateway.cost.meter import CostMeter
+
+
+class EngineCostCollector:
+    """Per-engine series at scrape time: busy time seen, GPU-seconds apportioned, prefill share, in flight."""
+
+    def __init__(self, meter: CostMeter) -> None:
+        self.meter = meter
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        snap = self.meter.engines_snapshot()
+        busy = CounterMetricFamily("gateway_engine_busy_seconds", "Engine busy time seen by this gateway "
+                                   "(a request of this gateway on it)", labels=["backend"])
+        charged = CounterMetricFamily("gateway_engine_apportioned_seconds", "Engine-seconds apportioned to "
+                                      "requests (conservation: close to the busy time)", labels=["backend"])
+        share = GaugeMetricFamily("gateway_engine_prefill_share", "Decayed share of busy time spent on prefill "
+                                  "(learned cost per token x uncached tokens)", labels=["backend"])
+        for name, s in snap.items():
+            busy.add_metric([name], s["busy_s"])
+            charged.add_metric([name], s["charged_s"])
+            share.add_metric([name], s["prefill_share"])
+        yield busy
+        yield charged
+        yield share
+
+
+def _service(gw: Any, cls_name: str) -> Any:
+    for s in gw.services:
+        if type(s).__name__ == cls_name:
+            return s
+    return None
+
+
+def wire_cost(gw: Any) -> CostMeter | None:
+    if not gw.config.raw.cost.enabled:
+        return None
+    budgets = _service(gw, "BudgetService")
+    meter = CostMeter(lambda: gw.config,
+                      predictor=lambda: getattr(getattr(gw, "router", None), "predictor", None),
+                      ledger=lambda: budgets.ledger if budgets is not None else None, metrics=gw.metrics)
+    gw.cost = meter  # type: ignore[attr-defined]
+    # last before dispatch: its run is the dispatch, its finish the first of the finishes (before the budget
+    # settles, so a GPU-second price charges the apportioned time)
+    stages = gw.pipeline.stages
+    names = [getattr(st, "name", "") for st in stages]
+    stages.insert(names.index("dispatch") if "dispatch" in names else len(stages), meter.stage)
+    if budgets is not None:
+        budgets.ledger.enrichers.append(meter.enrich)
+    # first of the finish hooks: the audit record (and every later hook) sees the priced unit cost
+    gw.finish_hooks.insert(0, meter.finish)
+    gw.metrics.registry.register(EngineCostCollector(meter))  # type: ignore[arg-type]
+
+    async def admin_cost(request: Request, principal: Any) -> Response:
+        return JSONResponse(meter.snapshot())
+
+    gw.extra_routes.append(gateway_guard(gw).route("/admin/cost", admin_cost, ["GET"], (PLATFORM_ADMIN,)))
+    return meter
