@@ -1,4 +1,4 @@
-"""`gateway` command line: serve, config check, demo, and the subsystems' commands (sim, keys, policy...)."""
+"""`gateway` command line: serve, config check, demo, and the subsystems' commands (sim, keys, policy, report...)."""
 from __future__ import annotations
 
 import argparse
@@ -193,10 +193,11 @@ def _subsystem_commands():
     """Commands contributed by subsystems (sim, keys, policy, engine); each registers its own parsers."""
     from backends.sim.cli import add_sim_command
     from backends.vllm.cli import add_engine_command
+    from gateway.cost.report import add_report_command
     from gateway.identity.cli import add_keys_commands
     from gateway.policy.cli import add_policy_commands
 
-    return [add_sim_command, add_keys_commands, add_policy_commands, add_engine_command]
+    return [add_sim_command, add_keys_commands, add_policy_commands, add_engine_command, add_report_command]
 
 
 def main(argv: list[str] | None = None) -> int:
