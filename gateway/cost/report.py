@@ -15,8 +15,9 @@ import json
 import os
 import sqlite3
 import sys
-from datetime import datetime, timezone
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from datetime import UTC, datetime
+from typing import Any
 
 from gateway.cost.model import CATEGORIES
 
@@ -39,7 +40,7 @@ def parse_time(s: str | None) -> float | None:
         pass
     d = datetime.fromisoformat(s.replace("Z", "+00:00"))
     if d.tzinfo is None:
-        d = d.replace(tzinfo=timezone.utc)
+        d = d.replace(tzinfo=UTC)
     return d.timestamp()
 
 
@@ -164,7 +165,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_report_command(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+def add_report_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Hook that gateway/cli.py calls to register `gateway report`."""
     p = sub.add_parser("report", help="unit economics from the spend ledger: cost, charge, margin, savings, waste")
     p.add_argument("--config", "-c", required=True)

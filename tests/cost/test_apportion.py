@@ -7,7 +7,14 @@ from hypothesis import strategies as st
 
 from gateway.cost.apportion import EngineClock, Span, apportion, union_length
 from gateway.cost.config import BackendCost, CostConfig
-from gateway.cost.model import Outcome, backend_cost, category, gpu_cost, savings_and_waste, token_cost
+from gateway.cost.model import (
+    Outcome,
+    backend_cost,
+    category,
+    gpu_cost,
+    savings_and_waste,
+    token_cost,
+)
 
 spans_st = st.lists(
     st.tuples(st.floats(0, 100, allow_nan=False), st.floats(0, 20, allow_nan=False),
