@@ -67,6 +67,8 @@ class CostMeter:
         self.gpu_per_token = 0.0
         self.totals: dict[tuple[str, str, str], dict[str, float]] = {}  # (backend, model, category) -> sums
         self.recent: deque[dict[str, Any]] = deque(maxlen=512)  # (ts, engine, gpu_s, ...) for the dashboard
+        self.started = clock()  # utilisation = busy time / time since the meter started
+        self.started_at = time.time()  # ... the same instant on the wall clock (the dashboard divides by it)
 
     @property
     def cfg(self) -> CostConfig:
@@ -294,8 +296,32 @@ class CostMeter:
                          "in_flight": ec.n}
         return out
 
+    def by_model(self) -> list[dict[str, Any]]:
+        """Per (backend, model), all categories together: the unit economics the dashboard and report show."""
+        acc: dict[tuple[str, str], dict[str, Any]] = {}
+        for (b, m, cat), t in self.totals.items():
+            a = acc.setdefault((b, m), {"backend": b, "model": m, "requests": 0, "tokens": 0, "gpu_seconds": 0.0,
+                                        "cost": 0.0, "charged": 0.0, "saved_gpu_seconds": 0.0,
+                                        "wasted_gpu_seconds": 0.0, "categories": {}})
+            for k in ("requests", "tokens", "gpu_seconds", "cost", "charged", "saved_gpu_seconds",
+                      "wasted_gpu_seconds"):
+                a[k] += t[k]
+            a["categories"][cat] = a["categories"].get(cat, 0) + t["requests"]
+        out = []
+        for key in sorted(acc):
+            a = acc[key]
+            tok = a["tokens"]
+            a["cost_per_1m_tokens"] = a["cost"] / tok * 1e6 if tok else None
+            a["charged_per_1m_tokens"] = a["charged"] / tok * 1e6 if tok else None
+            a["margin"] = a["charged"] - a["cost"]
+            out.append(a)
+        return out
+
     def snapshot(self) -> dict[str, Any]:
         rows = [{"backend": b, "model": m, "category": c, **{k: round(v, 9) for k, v in t.items()}}
                 for (b, m, c), t in sorted(self.totals.items())]
-        return {"currency": self.cfg.currency, "engines": self.engines_snapshot(), "totals": rows,
-                "recent": list(self.recent)}
+        up = max(self.clock() - self.started, 1e-9)
+        engines = {n: {**e, "utilisation": round(min(1.0, e["busy_s"] / up), 4)}
+                   for n, e in self.engines_snapshot().items()}
+        return {"currency": self.cfg.currency, "started_at": self.started_at, "engines": engines, "totals": rows,
+                "by_model": self.by_model(), "recent": list(self.recent)}

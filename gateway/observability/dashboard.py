@@ -5,7 +5,9 @@ GET /admin/ui       the page shell: no data, no secrets. It takes the admin key 
                     in sessionStorage and sends it as a Bearer header.
 GET /admin/ui/data  platform-admin JSON the page polls: engines (queue, KV usage, cached blocks by tier,
                     learned prefill rate, predicted TTFT, circuit), budgets by tenant, recent decisions with
-                    their evidence, and the predicted-vs-actual TTFT series. Every source degrades to empty.
+                    their evidence, the predicted-vs-actual TTFT series, and unit economics (gateway/cost:
+                    cost and charge per 1M tokens per model and engine, utilisation, margin, savings, waste).
+                    Every source degrades to empty.
 """
 from __future__ import annotations
 
@@ -130,7 +132,12 @@ async def dashboard_data(gw: Any, recent_ids: Callable[[], list[str]], limit: in
     series = [{"request_id": d["request_id"], "backend": d["backend"], "ts": d["ts"],
                "predicted_ms": d["predicted_ttft_ms"], "actual_ms": d["actual_ttft_ms"]}
               for d in decisions if d["predicted_ttft_ms"] is not None and d["actual_ttft_ms"] is not None]
-    return {"generated_at": time.time(), "config_generation": cfg.generation, "engines": engines,
+    meter = getattr(gw, "cost", None)
+    # utilisation is busy_s / (generated_at - started_at), computed by the page: the data stays stable when idle
+    cost = ({"currency": meter.cfg.currency, "started_at": meter.started_at, "engines": meter.engines_snapshot(),
+             "by_model": meter.by_model()}
+            if meter is not None else {"currency": None, "started_at": None, "engines": {}, "by_model": []})
+    return {"generated_at": time.time(), "config_generation": cfg.generation, "engines": engines, "cost": cost,
             "admission": routing.get("admission", {}) if isinstance(routing, dict) else {},
             "budgets": _budgets(records), "decisions": list(reversed(decisions)), "ttft_series": series}
 
