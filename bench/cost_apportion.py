@@ -26,7 +26,7 @@ import httpx
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from backends.sim.fleet import FleetProcess  # noqa: E402
+from backends.sim.fleet import FleetProcess
 
 KEY = "bench-cost-key-0123456789"
 

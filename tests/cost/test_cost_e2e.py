@@ -97,3 +97,25 @@ def test_audit_record_ledger_metrics_and_report_carry_the_apportioned_cost(stack
     assert g["tenant"] == "acme" and g["requests"] == 4
     assert g["gpu_seconds"] == pytest.approx(sum(r[1] for r in rows))
     assert g["engine_cost"] == pytest.approx(sum(r[2] for r in rows))
+
+
+def test_an_abandoned_stream_is_waste(stack):
+    """The client leaves after the first chunk: status 499, its engine time so far is wasted GPU-seconds."""
+    with httpx.Client(base_url=stack["base"], timeout=30) as c:
+        with c.stream("POST", "/v1/chat/completions", headers={"authorization": f"Bearer {KEY}"},
+                      json={"model": "sim-model", "max_tokens": 2000, "stream": True,
+                            "messages": [{"role": "user", "content": "a long story please"}]}) as r:
+            rid = r.headers["x-request-id"]
+            for _ in r.iter_raw():
+                break
+        rec = None
+        for _ in range(200):
+            r = c.get(f"/admin/decisions/{rid}", headers={"authorization": f"Bearer {ADMIN}"})
+            if r.status_code == 200:
+                rec = r.json()
+                break
+            time.sleep(0.05)
+    assert rec is not None and rec["status"] == 499
+    uc = rec["unit_cost"]
+    assert uc["category"] == "aborted" and uc["gpu_seconds"] > 0
+    assert uc["wasted_gpu_seconds"] == {"aborted": uc["gpu_seconds"]}
