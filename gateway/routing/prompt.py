@@ -84,8 +84,8 @@ async def prompt_facts(ctx: RequestContext, cands: list[Candidate], salt: str | 
         except Exception:  # telemetry trouble must never fail a request: fall back to the approx tree
             source = "estimate"
     for c in cands:
-        n = c.backend.name
-        if n not in cached:
-            m = approx.match(n, blocks)
-            cached[n] = min(n_tokens - 1, m * APPROX_BLOCK_CHARS // CHARS_PER_TOKEN) if m else 0
+        name = c.backend.name
+        if name not in cached:
+            m = approx.match(name, blocks)
+            cached[name] = min(n_tokens - 1, m * APPROX_BLOCK_CHARS // CHARS_PER_TOKEN) if m else 0
     return PromptFacts(n_tokens, cached, source, blocks, unstored)

@@ -163,11 +163,12 @@ def build_strategy(spec: str | Sequence[Any], affinity_slack_ms: float = 15.0, a
                    name: str | None = None) -> Strategy:
     """The strategy for a `routing.strategy` value: a preset name or a list of entries (raises ValueError
     naming the entry when it cannot be built)."""
+    entries: list[Any]
     if isinstance(spec, str):
-        entries = presets(affinity_slack_ms, affinity_rel).get(spec)
-        if entries is None:
+        preset = presets(affinity_slack_ms, affinity_rel).get(spec)
+        if preset is None:
             raise ValueError(f"unknown routing strategy {spec!r}")
-        label = spec
+        entries, label = list(preset), spec
     else:
         entries = list(spec)
         label = name or strategy_label(entries)

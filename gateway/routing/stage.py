@@ -257,6 +257,7 @@ class PredictiveRouteStage:
         if target is not None and len(own_ord) > 1:  # engines predicted to meet the target first (stable)
             own_ord.sort(key=lambda c: (c.predicted_ttft_upper_ms or 0) > target)
         if adm.action == "reject":
+            assert target is not None  # decide() rejects only against a target
             self.stats["rejected"] += 1
             self._evidence(ctx, own_ord, target, "reject", source, t_start, salt)
             raise unattainable(own_ord[0], target, adm.retry_after_s)
