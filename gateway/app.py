@@ -1,34 +1,37 @@
-"""Assembly: the Gateway object (config snapshot, services, pipeline) and the Starlette app around it.
+"""The composition root: the Gateway object (config snapshot, services, pipeline) and the Starlette app.
 
-The data plane (`/v1/...`) is served by raw ASGI endpoints so a client disconnect can cancel the upstream
-request at once and the hot path stays short; the admin plane and probes are ordinary Starlette routes.
+The data plane (`/v1/...`, one route per entry of the endpoint table) is served by raw ASGI endpoints
+(gateway/api/ingress.py: all HTTP handling) so a client disconnect can cancel the upstream request at once and
+the hot path stays short; the admin plane and probes are ordinary Starlette routes. The subsystems and the
+pipeline's stage list are assembled by gateway/wiring.py.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-import os
 import re
 import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-import orjson
-from starlette.applications import Starlette
 from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway.api.parse import PARSERS, decode_json
+from gateway.api.endpoints import ENDPOINTS
+from gateway.api.ingress import (  # noqa: F401  (re-exported: callers import request ids from here)
+    GatewayApp, InferenceEndpoint, client_request_id, error_headers, new_request_id, request_id, send_error,
+    server_timing)
+from gateway.api.endpoints import prompt_token_bound  # noqa: F401  (re-exported)
 from gateway.config import Config, ConfigError, load_config
 from gateway.errors import GatewayError, retry_headers
 from gateway.metrics import Metrics
 from gateway.observability.logs import current_request
 from gateway.observability.semconv import operation_name, provider_name
-from gateway.pipeline import Pipeline, RequestContext, RequestHeaders, Stage
-from gateway.proxy.forward import Dispatcher, JsonResult, response_facts, stream_body, usage_from
+from gateway.pipeline import Pipeline, RequestContext, Stage
+from gateway.proxy.forward import Dispatcher, DispatchStage
 from gateway.proxy.health import Health, probe_loop
 from gateway.proxy.upstream import Upstreams
 from gateway.routing.plan import Candidate
@@ -37,25 +40,7 @@ from gateway.types import Principal
 
 log = logging.getLogger("gateway")
 
-_RID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
-
-
 STREAM_CUT_MARGIN_S = 1.0  # streams are cut this long before uvicorn's graceful-shutdown timeout cancels them
-
-
-def new_request_id() -> str:
-    return "req_" + os.urandom(12).hex()  # what secrets.token_hex does, without its three Python-level calls
-
-
-def client_request_id(headers: Any) -> str | None:
-    """The client's own x-request-id when it is usable (1-128 of [A-Za-z0-9._:-]), else None."""
-    rid = headers.get("x-request-id")
-    return rid if rid and _RID.match(rid) else None
-
-
-def request_id(headers: Any) -> str:
-    """The id a response echoes in x-request-id: the client's when valid, else a new one."""
-    return client_request_id(headers) or new_request_id()
 
 
 class NoIdentity:
@@ -154,23 +139,26 @@ class Gateway:
         self._reload_lock = asyncio.Lock()
         self.streams: dict[asyncio.Task, RequestContext] = {}  # streams being sent, cut at the drain deadline
         self.draining = False
-        self.stages: list[Stage] = self.build_stages()
-        self.pipeline = Pipeline(self.stages)
         self.extra_routes: list[Route] = []
         # subsystems attached by gateway.wiring.wire (None when not wired, e.g. in unit tests)
-        self.identity: Any = None
-        self.policy: Any = None
-        self.telemetry: Any = None
-        self.evidence: Any = None
+        self.identity: Any = None  # gateway.identity.service.IdentityService
+        self.policy: Any = None  # gateway.wiring.PolicyHolder
+        self.budgets: Any = None  # gateway.budget.service.BudgetService
+        self.cache: Any = None  # gateway.cache.service.CacheService
+        self.telemetry: Any = None  # gateway.telemetry.service.TelemetryService
+        self.router: Any = None  # gateway.routing.stage.PredictiveRouteStage
+        self.evidence: Any = None  # gateway.evidence.recorder.EvidenceRecorder
+        self.observer: Any = None  # gateway.observability.hooks.RequestObserver
+        self.tracing: Any = None  # gateway.observability.tracing.Tracing (only with tracing on)
+        self.batch: Any = None  # gateway.batch.service.BatchService (only with batch.enabled)
+        # unwired: fails closed (NoIdentity refuses every request); gateway.wiring.wire sets the real list
+        self.pipeline = Pipeline([ObserveStage(self), self.auth, RouteStage(lambda: self.config, self.health)],
+                                 DispatchStage(self.dispatcher))
 
-    # ---- assembly
-    def build_stages(self) -> list[Stage]:
-        """The request pipeline, in order. Each stage is one concept; see gateway/pipeline.py."""
-        return [
-            ObserveStage(self),
-            self.auth,
-            RouteStage(lambda: self.config, self.health),
-        ]
+    @property
+    def stages(self) -> list[Stage]:
+        """The pipeline's stages before dispatch, in order (gateway/pipeline.py)."""
+        return self.pipeline.stages
 
     def _residency_check(self, ctx: RequestContext, cand: Candidate) -> str | None:
         return residency_reason(ctx.decision, cand.backend)
@@ -255,344 +243,6 @@ class Gateway:
         raise GatewayError(503, "No identity layer is configured.", code="identity_unavailable")
 
 
-# ------------------------------------------------------------------------------------------- ASGI plumbing
-
-
-async def send_bytes(send, status: int, body: bytes, headers: dict[str, str], content_type: bytes = b"application/json") -> None:
-    raw = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
-    raw += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
-    await send({"type": "http.response.start", "status": status, "headers": raw})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-SDK_MAX_RETRY_AFTER_S = 60.0  # the openai SDKs honour Retry-After up to this; above it they retry after ~1 s
-
-
-def error_headers(err: GatewayError, rid: str, extra: dict[str, str] | None = None) -> dict[str, str]:
-    """Headers of an error response: every 429 and 503 carries Retry-After and retry-after-ms (1 s when the
-    refusing stage named no better time), so a client or partner aggregator can fail over at once.
-
-    `x-should-retry: false` (read first by the openai SDKs' retry logic) where retrying cannot help: every 403
-    (a permission or residency answer does not change by asking again), `residency_unsatisfiable`, and a
-    429/503 whose Retry-After is beyond the 60 s the SDKs honour (they would otherwise ignore it and retry at
-    once, e.g. a monthly quota refused again and again)."""
-    h = {"x-request-id": rid, **(extra or {}), **err.headers}
-    lower = {k.lower(): v for k, v in h.items()}
-    if err.status in (429, 503) and "retry-after" not in lower:
-        h.update(retry_headers(1.0))
-        lower = {k.lower(): v for k, v in h.items()}
-    if "x-should-retry" not in lower and (err.status == 403 or err.code == "residency_unsatisfiable"
-                                          or (err.status in (429, 503) and _retry_after_s(lower) > SDK_MAX_RETRY_AFTER_S)):
-        h["x-should-retry"] = "false"
-    return h
-
-
-def _retry_after_s(lower: dict[str, str]) -> float:
-    """The retry delay a response announces (retry-after-ms first, as the SDKs read it), 0 when none."""
-    try:
-        if "retry-after-ms" in lower:
-            return float(lower["retry-after-ms"]) / 1000
-        return float(lower.get("retry-after", 0))
-    except ValueError:  # an HTTP-date Retry-After: the gateway never sends one
-        return 0.0
-
-
-def server_timing(ctx: RequestContext | None, since: float, dispatched: float | None = None,
-                  answered: float | None = None) -> str:
-    """The Server-Timing value of a response: `gw` is the gateway's own time (ms) from the parsed body (or the
-    start of the request, for a refusal before one) to the response headers, the upstream's wait excluded;
-    `upstream` the dispatcher's wait for the backend (attempts and fallbacks included, a stream's first bytes
-    only); then each pipeline stage's own time."""
-    now = time.perf_counter()
-    if dispatched is None:
-        parts = [f"gw;dur={(now - since) * 1000:.3f}"]
-    else:
-        up = (answered if answered is not None else now) - dispatched
-        parts = [f"gw;dur={(now - since - up) * 1000:.3f}", f"upstream;dur={up * 1000:.3f}"]
-    if ctx is not None:
-        parts += [f"{st};dur={us / 1000:.3f}" for st, us in ctx.stage_timings_us.items()]
-    return ", ".join(parts)
-
-
-async def send_error(send, err: GatewayError, rid: str, extra: dict[str, str] | None = None) -> None:
-    await send_bytes(send, err.status, err.to_bytes(), error_headers(err, rid, extra))
-
-
-async def read_body(receive, limit: int) -> bytes:
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            raise asyncio.CancelledError("client disconnected")
-        body = msg.get("body", b"")
-        if body:
-            size += len(body)
-            if size > limit:
-                raise GatewayError(413, f"Request body is larger than the limit of {limit} bytes.",
-                                   code="request_too_large")
-            chunks.append(body)
-        if not msg.get("more_body", False):
-            break
-    return b"".join(chunks)
-
-
-async def _until_disconnect(receive) -> None:
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            return
-
-
-class CompletionEndpoint:
-    """POST /v1/chat/completions, /v1/completions, /v1/embeddings: parse -> pipeline -> dispatch -> respond."""
-
-    def __init__(self, gw: Gateway, endpoint: str) -> None:
-        self.gw = gw
-        self.endpoint = endpoint
-        self.parse = PARSERS[endpoint]
-
-    async def __call__(self, scope, receive, send) -> None:
-        gw = self.gw
-        headers = RequestHeaders.from_scope(scope)
-        # The client's x-request-id is echoed, never trusted as a key: budgets (reservation, settle marker),
-        # the spend ledger, routing's in-flight table and the audit record are keyed by an id the gateway
-        # generates for every request, so a client reusing an id cannot merge, skip or overwrite them.
-        t0 = time.perf_counter()
-        cid = client_request_id(headers)
-        rid = cid or new_request_id()
-        if scope["method"] != "POST":
-            await send_error(send, GatewayError(405, "Method not allowed; use POST.", code="method_not_allowed"), rid,
-                             {"allow": "POST", "server-timing": server_timing(None, t0)})
-            return
-        limit = gw.config.server.max_body_bytes
-        try:
-            ctype = headers.get("content-type", "")
-            if ctype.split(";", 1)[0].strip().lower() != "application/json":
-                raise GatewayError(415, "Content-Type must be application/json.", code="unsupported_media_type")
-            cl = headers.get("content-length")
-            if cl is not None:
-                if not cl.isdigit():
-                    raise GatewayError(400, "Invalid Content-Length header.", code="invalid_request")
-                if int(cl) > limit:
-                    raise GatewayError(413, f"Request body is larger than the limit of {limit} bytes.",
-                                       code="request_too_large")
-            try:
-                if scope.get("gateway.body_complete"):  # already buffered by the server protocol: no wait
-                    raw = await read_body(receive, limit)
-                else:
-                    async with asyncio.timeout(gw.config.server.body_timeout_s):  # slow-loris uploads
-                        raw = await read_body(receive, limit)
-            except TimeoutError:
-                err = GatewayError(408, "Request body not received in time.", code="request_timeout")
-                gw.metrics.rejections.labels("parse", "request_timeout").inc()
-                await send_error(send, err, rid, {"connection": "close", "server-timing": server_timing(None, t0)})
-                return
-            try:
-                body = decode_json(raw)
-                parsed = self.parse(body)
-            except GatewayError as bad_body:
-                # Authenticate before answering about the body: an unauthenticated caller learns nothing about
-                # validation (it gets 401, not 400). Only on this refusal path: a good body is authenticated by
-                # the pipeline as usual. The cheap checks above (415, 413, 408) still come first.
-                await self._authenticate(headers, rid, scope)
-                raise bad_body
-        except GatewayError as e:
-            stage = "authenticate" if e.status in (401, 403) or e.code == "auth_rate_limited" else "parse"
-            gw.metrics.rejections.labels(stage, e.code or "error").inc()
-            # a 413 leaves the body unread: close the connection (the server drains a bounded amount first,
-            # gateway/server_protocol.py) instead of reading an unbounded body on a kept-alive connection
-            extra = {"server-timing": server_timing(None, t0)}
-            if e.status == 413:
-                extra["connection"] = "close"
-            await send_error(send, e, rid, extra)
-            return
-        except asyncio.CancelledError:
-            return
-        client = scope.get("client")
-        ctx = RequestContext(request_id=rid if cid is None else new_request_id(), endpoint=self.endpoint,
-                             headers=headers, body=body, client_addr=client[0] if client else "")
-        if cid is not None:  # echoed as x-request-id; the gateway's own id rides along for the audit lookup
-            ctx.client_request_id = cid
-            ctx.extra_headers["x-request-id"] = cid
-            ctx.extra_headers["x-gateway-request-id"] = ctx.request_id
-        ctx.model = parsed.model
-        ctx.stream = parsed.stream
-        ctx.client_wants_usage = parsed.include_usage
-        ctx.max_tokens = parsed.max_tokens
-        ctx.prompt_tokens_est = max(1, parsed.prompt_chars // 4)
-        ctx.prompt_tokens_max = prompt_token_bound(raw, body, parsed.prompt_chars)
-        ctx.model_chain = gw.config.resolve_model(parsed.model)
-        # A vanished client cancels upstream work at once: this task is cancelled, which unwinds the handler
-        # (closing the upstream connection) right away. Under the gateway's own server protocol the connection
-        # tells us (no extra task); under any other ASGI server a watcher task waits on receive() instead.
-        me = asyncio.current_task()
-        gone = False
-
-        def lost() -> None:
-            nonlocal gone
-            gone = True
-            if me is not None:
-                me.cancel()
-
-        conn = scope.get("gateway.conn")
-        watcher: asyncio.Future | None = None
-        if conn is not None:
-            conn.on_lost = lost
-        else:
-            async def watch() -> None:
-                await _until_disconnect(receive)
-                lost()
-
-            watcher = asyncio.ensure_future(watch())
-        try:
-            await self._handle(ctx, send)
-        except asyncio.CancelledError:
-            if not gone:
-                raise
-            if me is not None:
-                me.uncancel()  # the cancellation was ours, for a client that left: nothing more to do
-        finally:
-            if watcher is not None:
-                watcher.cancel()
-            elif conn.on_lost is lost:
-                conn.on_lost = None
-
-    async def _authenticate(self, headers: RequestHeaders, rid: str, scope) -> None:
-        """Run the authenticate stage alone (for a request whose body is refused); raises its refusal."""
-        client = scope.get("client")
-        ctx = RequestContext(request_id=rid, endpoint=self.endpoint, headers=headers, body={},
-                             client_addr=client[0] if client else "")
-        await self.gw.auth.run(ctx)
-
-    async def _handle(self, ctx: RequestContext, send) -> None:
-        gw = self.gw
-        started: list[Stage] = []
-        finished = False
-        dispatched: float | None = None
-        answered: float | None = None
-        try:
-            try:
-                started = await gw.pipeline.run(ctx)
-                dispatched = time.perf_counter()
-                result = ctx.answer if ctx.answer is not None else await gw.dispatcher.open(ctx)
-                answered = time.perf_counter()
-            except GatewayError as e:
-                if dispatched is not None:
-                    answered = time.perf_counter()  # the dispatcher refused (no backend answered in time, ...)
-                ctx.status = e.status
-                ctx.error = e.code
-                gw.metrics.rejections.labels(_stage_of(ctx, gw.pipeline.stages), e.code or "error").inc()
-                if started:
-                    finished = True
-                    await Pipeline.finish(ctx, started)
-                await send_error(send, e, ctx.request_id,
-                                 {**ctx.extra_headers,
-                                  "server-timing": server_timing(ctx, ctx.received_at, dispatched, answered)})
-                return
-            hdrs = {"x-request-id": ctx.request_id, **ctx.extra_headers}
-            if isinstance(result, JsonResult):
-                ctx.status = result.status
-                if result.status == 200:
-                    try:
-                        obj = orjson.loads(result.body)
-                        ctx.usage = usage_from(obj)
-                        response_facts(ctx, obj)
-                        if ctx.cache is not None:
-                            ctx.cache.capture.json(obj)
-                    except orjson.JSONDecodeError:
-                        ctx.status, ctx.error = 502, "upstream_bad_json"
-                        err = GatewayError(502, "Upstream answered with invalid JSON.", code="upstream_error")
-                        finished = True
-                        await Pipeline.finish(ctx, started)
-                        await send_error(send, err, ctx.request_id, {
-                            **ctx.extra_headers,
-                            "server-timing": server_timing(ctx, ctx.received_at, dispatched, answered)})
-                        return
-                    ctx.ttft_s = None
-                finished = True
-                await Pipeline.finish(ctx, started)
-                hdrs["server-timing"] = server_timing(ctx, ctx.received_at, dispatched, answered)
-                await send_bytes(send, result.status, result.body, hdrs)
-                return
-            # stream
-            ctx.status = 200
-
-            async def on_end() -> None:
-                nonlocal finished
-                if not finished:
-                    finished = True
-                    task = asyncio.current_task()
-                    if task is not None and task.cancelling() and not ctx.cut_by_shutdown:
-                        # the client left mid-stream (its connection dropped and cancelled us): record 499 and
-                        # what was delivered, not the 200 the response started with
-                        ctx.status = 499 if ctx.status in (0, 200) else ctx.status
-                        ctx.error = ctx.error or "client_disconnected"
-                    await Pipeline.finish(ctx, started)
-
-            hdrs["server-timing"] = server_timing(ctx, ctx.received_at, dispatched, answered)
-            raw = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
-                   (b"x-accel-buffering", b"no")]
-            raw += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in hdrs.items()]
-            await send({"type": "http.response.start", "status": 200, "headers": raw})
-            replay = getattr(result, "replay", None)  # a cache hit (gateway/cache/replay.py)
-            gen = replay(ctx, on_end) if replay is not None else stream_body(ctx, result, on_end)
-            capture = ctx.cache.capture if ctx.cache is not None and replay is None else None
-            me = asyncio.current_task()
-            gw.streams[me] = ctx  # type: ignore[index]
-            try:
-                try:
-                    async for chunk in gen:
-                        if capture is not None:
-                            capture.chunk(chunk)
-                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                except asyncio.CancelledError:
-                    if not ctx.cut_by_shutdown:
-                        raise
-                    me.uncancel()  # type: ignore[union-attr]  # our own cut at the drain deadline
-                    await on_end()  # settle what was delivered before the client sees the end
-                    err = GatewayError(503, "The gateway is shutting down and cut this stream at its drain deadline; "
-                                       "retry the request.", code="server_shutting_down")
-                    await send({"type": "http.response.body", "body": err.sse_event(), "more_body": True})
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-            finally:
-                gw.streams.pop(me, None)  # type: ignore[arg-type]
-                await gen.aclose()
-        except asyncio.CancelledError:
-            ctx.status = ctx.status if ctx.status and ctx.status != 200 else 499
-            ctx.error = ctx.error or "client_disconnected"
-            raise
-        finally:
-            if not finished and started:
-                finished = True
-                await asyncio.shield(Pipeline.finish(ctx, started))
-
-
-def prompt_token_bound(raw: bytes, body: dict, prompt_chars: int) -> int:
-    """An upper bound on the prompt tokens an engine will count, for budget reservations.
-
-    Byte-level BPE tokenizers never emit more tokens than the text has bytes; for ASCII bodies that is the
-    content's characters, plus a chat template's special tokens (generously 16 per message, 16 for the
-    generation prompt). For non-ASCII bodies the raw body size is used (it bounds content bytes + template).
-    """
-    if not raw.isascii():
-        return len(raw)
-    msgs = body.get("messages")
-    n = len(msgs) if isinstance(msgs, list) else 1
-    return prompt_chars + 16 * n + 16
-
-
-def _stage_of(ctx: RequestContext, stages: list[Stage]) -> str:
-    """The stage that refused a request: the first whose run did not complete (a refusing stage records no
-    timing), else "dispatch" (every stage passed; the dispatcher refused). `Pipeline.run` returns nothing when
-    a stage raises, so the list of started stages cannot tell (every refusal used to count as dispatch)."""
-    timings = ctx.stage_timings_us
-    for st in stages:
-        if st.name not in timings:
-            return st.name
-    return "dispatch"
-
-
 # ------------------------------------------------------------------------------------------- routes
 
 
@@ -613,8 +263,7 @@ def build_app(gw: Gateway) -> Starlette:
         mode = cfg.server.readiness
         models = {m: sorted(n for n in names if gw.health.available(n)) for m, names in cfg.models.items()}
         missing = sorted(m for m, healthy in models.items() if not healthy)
-        budgets = next((s for s in gw.services if type(s).__name__ == "BudgetService"), None)
-        budget_ok = budgets is None or bool(getattr(budgets, "available", True))
+        budget_ok = gw.budgets is None or bool(gw.budgets.available)
         reasons = []
         if gw.draining:
             reasons.append("draining")
@@ -674,9 +323,7 @@ def build_app(gw: Gateway) -> Starlette:
         err = GatewayError(500, "Internal gateway error.", code="internal_error")
         return JSONResponse(err.body(), status_code=500, headers={"x-request-id": request_id(request.headers)})
 
-    data_plane = {"/v1/chat/completions": CompletionEndpoint(gw, "chat"),
-                  "/v1/completions": CompletionEndpoint(gw, "completions"),
-                  "/v1/embeddings": CompletionEndpoint(gw, "embeddings")}
+    data_plane = {ep.path: InferenceEndpoint(gw, ep) for ep in ENDPOINTS}
     routes = [
         *(Route(path, ep, methods=None) for path, ep in data_plane.items()),
         Route("/v1/models", models, methods=["GET"]),
@@ -700,41 +347,6 @@ def build_app(gw: Gateway) -> Starlette:
                      exception_handlers={404: not_found, 405: not_found, 500: server_error, Exception: server_error})
     app.state.gateway = gw
     return app
-
-
-class GatewayApp(Starlette):
-    """Starlette for the admin plane and probes; the three data-plane paths go straight to their ASGI
-    endpoints (they produce their own OpenAI-shaped errors), skipping the middleware stack and the router on
-    the hot path. An unexpected exception there still becomes an OpenAI-shaped 500 when nothing was sent."""
-
-    def __init__(self, data_plane: dict[str, Any], **kw: Any) -> None:
-        super().__init__(**kw)
-        self._data_plane = data_plane
-        # Starlette redirects /v1/chat/completions/ to the slash-less URL built from the client's Host header:
-        # an open redirect. Unknown paths (a trailing slash included) are an OpenAI-shaped 404 instead.
-        self.router.redirect_slashes = False
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
-            ep = self._data_plane.get(scope["path"])
-            if ep is not None:
-                started = False
-
-                async def tracked(msg) -> None:
-                    nonlocal started
-                    if msg["type"] == "http.response.start":
-                        started = True
-                    await send(msg)
-
-                try:
-                    await ep(scope, receive, tracked)
-                except Exception:
-                    log.exception("unhandled error on %s", scope["path"])
-                    if not started:
-                        err = GatewayError(500, "Internal gateway error.", code="internal_error")
-                        await send_error(send, err, request_id(Headers(scope=scope)))
-                return
-        await super().__call__(scope, receive, send)
 
 
 def _jurisdiction(countries: set[str | None]) -> str | None:

@@ -1,10 +1,12 @@
 """The request pipeline: one mutable context per request flowing through small named stages.
 
-parse -> authenticate -> decide (policy) -> reserve (budget) -> route (candidates, predict, pick, admit)
--> dispatch (proxy) -> finish (settle budget, record evidence, feed predictor), in reverse stage order.
+observe -> authenticate -> decide (policy) -> cache -> reserve (budget) -> route (candidates, predict, pick,
+admit) [-> trace] -> dispatch (the terminal stage: the upstream request) ; then finish, in reverse stage order
+(settle budget, record evidence, feed predictor).
 
-A stage refuses a request by raising `gateway.errors.GatewayError`. Every stage whose `run` started gets its
-`finish` called exactly once, after the response is complete (or failed), so reservations are always settled.
+A stage refuses a request by raising `gateway.errors.GatewayError`. `Lifecycle` (one per request) runs the
+pipeline and owns "finish exactly once": every stage whose `run` started gets its `finish` called once, after
+the response is complete (or failed), so reservations are always settled.
 """
 from __future__ import annotations
 
@@ -101,6 +103,16 @@ class RequestContext:
     batch: dict[str, Any] | None = None  # a batch line: {batch_id, line, custom_id}; set only by gateway/batch
     cache: Any = None  # the response cache's state for this request (gateway/cache/stage.py); None: not cached
     answer: Any = None  # a prepared result (a cache hit): the remaining stages and dispatch are skipped
+    result: Any = None  # what dispatch produced: a JsonResult or StreamStart (gateway/proxy/forward.py), or answer
+    dispatched_at: float | None = None  # perf_counter when dispatch began / when the upstream answered (headers,
+    answered_at: float | None = None  # a stream's first token): the Server-Timing `upstream` span
+
+    @property
+    def ep(self) -> Any:
+        """The endpoint table entry of this request (gateway/api/endpoints.py); None outside inference."""
+        from gateway.api.endpoints import BY_NAME
+
+        return BY_NAME.get(self.endpoint)
 
     @property
     def zero_retention(self) -> bool:
@@ -125,10 +137,19 @@ class Stage(Protocol):
 
 
 class Pipeline:
-    """Runs stages in order; on exit (success or refusal) runs `finish` of started stages in reverse."""
+    """The stages in order, then the terminal `dispatch` stage. `run` stops early (straight to dispatch,
+    which then sends the prepared answer) when a stage set `ctx.answer`; on a refusal it finishes the started
+    stages in reverse and re-raises."""
 
-    def __init__(self, stages: list[Stage]) -> None:
+    def __init__(self, stages: list[Stage], dispatch: Stage | None = None) -> None:
         self.stages = list(stages)
+        self.dispatch = dispatch
+
+    def with_stage_after(self, after: str, stage: Stage) -> "Pipeline":
+        """A copy with `stage` inserted after the stage named `after` (at the end when there is none)."""
+        names = [st.name for st in self.stages]
+        at = names.index(after) + 1 if after in names else len(names)
+        return Pipeline([*self.stages[:at], stage, *self.stages[at:]], self.dispatch)
 
     async def run(self, ctx: RequestContext) -> list[Stage]:
         started: list[Stage] = []
@@ -140,6 +161,9 @@ class Pipeline:
                 ctx.stage_timings_us[st.name] = (time.perf_counter() - t0) * 1e6
                 if ctx.answer is not None:  # answered without the GPU (cache hit): no reserve, no route
                     break
+            if self.dispatch is not None:  # not timed as a stage: its time is the upstream's (Server-Timing)
+                started.append(self.dispatch)
+                await self.dispatch.run(ctx)
         except BaseException as e:
             status = getattr(e, "status", None)
             if isinstance(status, int):  # a GatewayError refusal: record it before finishers read ctx
@@ -158,3 +182,42 @@ class Pipeline:
                 await st.finish(ctx)
             except Exception:  # a finisher must never break the others; it logs its own failure
                 logging.getLogger("gateway.pipeline").exception("finish of stage %s failed", st.name)
+
+    def refusing_stage(self, ctx: RequestContext) -> str:
+        """The stage that refused a request: the first whose run did not complete (a refusing stage records no
+        timing), else "dispatch" (every stage passed; the dispatcher refused)."""
+        timings = ctx.stage_timings_us
+        for st in self.stages:
+            if st.name not in timings:
+                return st.name
+        return "dispatch"
+
+
+class Lifecycle:
+    """One request's way through a pipeline; owns "finish exactly once" whatever path the response takes
+    (a refusal, a JSON answer, a stream that ends, breaks, is cut or loses its client)."""
+
+    __slots__ = ("ctx", "pipeline", "started", "finished")
+
+    def __init__(self, pipeline: Pipeline, ctx: RequestContext) -> None:
+        self.ctx = ctx
+        self.pipeline = pipeline
+        self.started: list[Stage] = []
+        self.finished = False
+
+    async def run(self) -> Any:
+        """Run every stage and dispatch; returns ctx.result. A refusal is finished here and re-raised."""
+        try:
+            self.started = await self.pipeline.run(self.ctx)
+        except BaseException:
+            self.finished = True  # Pipeline.run finished the started stages
+            raise
+        return self.ctx.result
+
+    async def finish(self) -> None:
+        """Finish the started stages once (shielded: a cancelled request still settles and records)."""
+        if self.finished:
+            return
+        self.finished = True
+        if self.started:
+            await asyncio.shield(Pipeline.finish(self.ctx, self.started))

@@ -1,7 +1,9 @@
 """Builds the subsystems a config asks for and plugs them into a Gateway: services, stages, routes, hooks.
 
-Kept apart from app.py so the assembly order of the pipeline reads in one place:
-observe -> authenticate -> decide -> reserve -> route (predict, admit) -> dispatch.
+Each `_wire_<subsystem>` builds one typed subsystem, registers its services, routes and finish hooks, and
+returns its stage (if it has one); `wire` then declares the pipeline as one literal stage list, so the order
+of the request path reads in one place:
+observe -> authenticate -> decide -> cache -> reserve -> route (predict, admit) [-> trace] -> dispatch.
 """
 from __future__ import annotations
 
@@ -11,22 +13,30 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.admin_guard import PLATFORM_ADMIN, TENANT_ADMIN, gateway_guard
-from gateway.app import Gateway
+from gateway.app import Gateway, ObserveStage
 from gateway.config import Config, ConfigError
+from gateway.pipeline import Pipeline
+from gateway.proxy.forward import DispatchStage
 
 
 def wire(gw: Gateway) -> None:
     """Attach every subsystem to the gateway (called once, before the app starts)."""
-    gw.stages = gw.build_stages()
-    gw.pipeline.stages = gw.stages
-    _wire_identity(gw)
-    _wire_policy(gw)
-    _wire_budgets(gw)
-    _wire_cache(gw)  # after budgets: the cache stage goes between decide and reserve
+    authenticate = _wire_identity(gw)
+    decide = _wire_policy(gw)
+    reserve = _wire_budgets(gw)
+    cache = _wire_cache(gw)
     _wire_telemetry(gw)
-    _wire_routing(gw)
+    route = _wire_routing(gw)
     _wire_evidence(gw)
-    _wire_observability(gw)
+    gw.pipeline = Pipeline([
+        ObserveStage(gw),  # first in, last out: metrics and the finish hooks (evidence, feedback) see every request
+        authenticate,
+        decide,
+        cache,  # a hit answers here: no reservation, no route, no GPU
+        reserve,
+        route,
+    ], DispatchStage(gw.dispatcher))
+    _wire_observability(gw)  # after the stage list: with tracing on it adds the `trace` stage before dispatch
     _wire_cost(gw)  # after the stage list: the meter stage goes last before dispatch (docs/cost.md)
     _wire_batch(gw)
     _wire_discovery(gw)  # last: its first resolution reloads the config into services already started
@@ -47,19 +57,7 @@ def _wire_discovery(gw: Gateway) -> None:
     gw.services.append(DiscoveryService(gw))
 
 
-def _replace_stage(gw: Gateway, name: str, stage: Any) -> None:
-    gw.stages = [stage if getattr(st, "name", "") == name else st for st in gw.stages]
-    gw.pipeline.stages = gw.stages
-
-
-def _insert_after(gw: Gateway, after: str, stage: Any) -> None:
-    names = [getattr(st, "name", "") for st in gw.stages]
-    at = names.index(after) + 1 if after in names else len(names)
-    gw.stages.insert(at, stage)
-    gw.pipeline.stages = gw.stages
-
-
-def _wire_identity(gw: Gateway) -> None:
+def _wire_identity(gw: Gateway) -> Any:
     """API keys, JWT/OIDC, partners and the admin CRUD plane (SQLite by default, Postgres for replicas)."""
     from gateway.identity.admin import admin_routes
     from gateway.identity.service import IdentityService
@@ -69,13 +67,13 @@ def _wire_identity(gw: Gateway) -> None:
     gw.services.append(svc)
     gw.identity = svc
     gw.auth = AuthStage(svc)
-    _replace_stage(gw, "authenticate", gw.auth)
 
     async def admin_auth(headers: Any, client_addr: str) -> Any:  # the limiter counts per client address
         return await svc.authenticate_admin(headers, client_addr)
 
     gw.admin_auth = admin_auth
     gw.extra_routes.extend(admin_routes(svc, gateway_guard(gw)))
+    return gw.auth
 
 
 class PolicyHolder:
@@ -134,7 +132,7 @@ class PolicyHolder:
             await self.opa.close()
 
 
-def _wire_policy(gw: Gateway) -> None:
+def _wire_policy(gw: Gateway) -> Any:
     """YAML policies (optionally delegated to OPA) decide allow/deny, residency, retention, budgets, SLOs."""
     from gateway.policy.stage import PolicyStage
 
@@ -144,23 +142,20 @@ def _wire_policy(gw: Gateway) -> None:
         gw.identity.set_policy(holder.current)
         holder.on_swap.append(gw.identity.set_policy)
     gw.services.append(holder)
-    _insert_after(gw, "authenticate", PolicyStage(holder.provider))
+    return PolicyStage(holder.provider)
 
 
-def _wire_cache(gw: Gateway) -> None:
+def _wire_cache(gw: Gateway) -> Any:
     """Response cache (exact and semantic, chosen per policy rule; docs/cache.md): a stage between decide and
     reserve, DELETE /admin/cache, and a purge on every reload (policy, model aliases or backends may change)."""
     from gateway.cache.service import CacheService
 
     svc = CacheService(gw)
     gw.services.append(svc)
-    gw.cache = svc  # type: ignore[attr-defined]
-    names = [getattr(st, "name", "") for st in gw.stages]
-    at = names.index("decide") + 1 if "decide" in names else len(names)
-    gw.stages.insert(at, svc.stage)
-    gw.pipeline.stages = gw.stages
+    gw.cache = svc
     gw.extra_routes.append(gateway_guard(gw).route("/admin/cache", svc.admin_delete, ["DELETE"],
                                                    (PLATFORM_ADMIN, TENANT_ADMIN)))
+    return svc.stage
 
 
 def _wire_telemetry(gw: Gateway) -> None:
@@ -230,29 +225,26 @@ def _backend_or_none(gw: Gateway, name: str) -> Any:
         return None
 
 
-def _wire_budgets(gw: Gateway) -> None:
-    """Budget reserve right after the policy decision (before routing); settle runs in its finish."""
+def _wire_budgets(gw: Gateway) -> Any:
+    """Budget reserve after the policy decision (before routing); settle runs in its finish."""
     from gateway.budget.service import BudgetService
     from gateway.budget.stage import BudgetStage
 
     svc = BudgetService(gw.config)
     gw.services.append(svc)
-    names = [getattr(st, "name", "") for st in gw.stages]
-    at = names.index("decide") + 1 if "decide" in names else (names.index("route") if "route" in names else len(names))
-    gw.stages.insert(at, BudgetStage(svc))
-    gw.pipeline.stages = gw.stages
+    gw.budgets = svc
+    return BudgetStage(svc)
 
 
-def _wire_routing(gw: Gateway) -> None:
-    """Replace the plain round-robin route stage with the predictive router (prediction, plugins, admission)."""
+def _wire_routing(gw: Gateway) -> Any:
+    """The predictive router (candidates, prediction, plugins, admission) as the route stage."""
     from gateway.routing.admin import routing_admin_route
     from gateway.routing.stage import PredictiveRouteStage
 
-    stage = PredictiveRouteStage(lambda: gw.config, gw.health, lambda: getattr(gw, "telemetry", None))
-    gw.stages = [stage if getattr(st, "name", "") == "route" else st for st in gw.stages]
-    gw.pipeline.stages = gw.stages
-    gw.router = stage  # type: ignore[attr-defined]
+    stage = PredictiveRouteStage(lambda: gw.config, gw.health, lambda: gw.telemetry)
+    gw.router = stage
     gw.extra_routes.append(routing_admin_route(gw, stage))
+    return stage
 
 
 def _wire_batch(gw: Gateway) -> None:
@@ -265,7 +257,7 @@ def _wire_batch(gw: Gateway) -> None:
 
     svc = BatchService(gw)
     gw.services.append(svc)
-    gw.batch = svc  # type: ignore[attr-defined]
+    gw.batch = svc
     gw.extra_routes.extend(batch_routes(svc))
 
     async def batch_admin(request: Request, principal: Any) -> Response:

@@ -23,7 +23,7 @@ from gateway.batch.jsonl import ENDPOINTS, parse_input, prompt_prefix
 from gateway.batch.scheduler import Pacer, pick_jobs
 from gateway.batch.store import BatchStore, Line, PostgresBatchStore, SqliteBatchStore
 from gateway.errors import GatewayError
-from gateway.pipeline import Pipeline, RequestContext, RequestHeaders
+from gateway.pipeline import Lifecycle, RequestContext, RequestHeaders
 
 log = logging.getLogger("gateway.batch")
 
@@ -310,40 +310,29 @@ class BatchService:
     async def execute(self, job: dict[str, Any], ln: Line) -> tuple[int, Any, str | None, GatewayError | None]:
         """Run one line through the realtime pipeline and dispatcher as its owner, at priority `batch`.
         Returns (status, response body, the gateway request id, the refusal if one)."""
-        from gateway.api.parse import PARSERS
-        from gateway.app import new_request_id, prompt_token_bound
-        from gateway.proxy.forward import JsonResult, response_facts, usage_from
+        from gateway.api.endpoints import BY_NAME, prepare
+        from gateway.api.ingress import new_request_id
+        from gateway.proxy.forward import JsonResult
 
         gw = self.gw
-        endpoint = ENDPOINTS[job["endpoint"]]
+        ep = BY_NAME[ENDPOINTS[job["endpoint"]]]
         body = ln.body
-        ctx = RequestContext(request_id=new_request_id(), endpoint=endpoint, headers=RequestHeaders(), body=body,
+        ctx = RequestContext(request_id=new_request_id(), endpoint=ep.name, headers=RequestHeaders(), body=body,
                              client_addr="batch")
         ctx.principal = principal_from(job["principal"])
         ctx.batch = {"batch_id": ln.batch_id, "line": ln.line_no, "custom_id": ln.custom_id,
                      "principal_valid_until": job.get("principal_valid_until")}
-        stages = list(gw.pipeline.stages)
-        names = [getattr(s, "name", "") for s in stages]
-        stages.insert(names.index("decide") + 1 if "decide" in names else len(stages), BatchPriorityStage())
-        pipeline = Pipeline(stages)
         try:
-            parsed = PARSERS[endpoint](body)
+            parsed = ep.parse(body)
         except GatewayError as e:
             return e.status, e.body(), ctx.request_id, e
-        raw = orjson.dumps(body)
-        ctx.model = parsed.model
+        prepare(ctx, parsed, orjson.dumps(body), gw.config)
         ctx.stream = False
-        ctx.max_tokens = parsed.max_tokens
-        ctx.prompt_tokens_est = max(1, parsed.prompt_chars // 4)
-        ctx.prompt_tokens_max = prompt_token_bound(raw, body, parsed.prompt_chars)
-        ctx.model_chain = gw.config.resolve_model(parsed.model)
-        started: list[Any] = []
+        life = Lifecycle(gw.pipeline.with_stage_after("decide", BatchPriorityStage()), ctx)
         try:
             try:
-                started = await pipeline.run(ctx)
-                result = await gw.dispatcher.open(ctx)
+                result = await life.run()
             except GatewayError as e:
-                ctx.status, ctx.error = e.status, e.code
                 return e.status, e.body(), ctx.request_id, e
             if not isinstance(result, JsonResult):  # a stream (the body asked for none): read it to the end
                 ctx.status, ctx.error = 502, "upstream_stream"
@@ -359,12 +348,11 @@ class BatchService:
                 err = GatewayError(502, "Upstream answered with invalid JSON.", code="upstream_error")
                 return 502, err.body(), ctx.request_id, None
             if result.status == 200:
-                ctx.usage = usage_from(obj)
-                response_facts(ctx, obj)
+                ctx.usage = ep.wire.usage(obj)
+                ep.wire.facts(ctx, obj)
             return result.status, obj, ctx.request_id, None
         finally:
-            if started:
-                await asyncio.shield(Pipeline.finish(ctx, started))
+            await life.finish()
 
     def snapshot(self) -> dict[str, Any]:
         return {"worker": self.worker, "inflight": len(self.inflight), **self.pacer.snapshot(), **self.stats}

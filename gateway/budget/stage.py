@@ -56,18 +56,18 @@ class BudgetStage:
         response cannot be cut part-way, so without it an engine generated past the budget (49 tokens left,
         102 generated). Streams are still cut at the allowance as well (docs/budgets.md)."""
         allowance = ctx.completion_token_allowance
-        if allowance is None or ctx.endpoint == "embeddings":
+        ep = ctx.ep
+        if allowance is None or ep is None or not ep.generates:
             return
-        # the length the engine would use: the request's max_tokens, else 16 for /v1/completions (the OpenAI
-        # and vLLM default), else none (chat runs to the context or a stop)
-        implied = ctx.max_tokens if ctx.max_tokens is not None else (16 if ctx.endpoint == "completions" else None)
+        # the length the engine would use: the request's max_tokens, else the endpoint's default (16 for
+        # /v1/completions, the OpenAI and vLLM default), else none (chat runs to the context or a stop)
+        implied = ep.implied_max_tokens(ctx.max_tokens)
         if implied is not None and implied <= allowance:
             return
         ctx.evidence["budget_max_tokens"] = {"requested": ctx.max_tokens, "set_max_tokens": allowance,
                                              "reason": "remaining completion budget"}
-        ctx.max_tokens = allowance  # the proxy writes it as max_tokens or max_completion_tokens (as the client did)
-        ctx.body_overrides.pop("max_tokens", None)  # a lower value from here wins over an earlier cap
-        ctx.body_overrides.pop("max_completion_tokens", None)
+        ctx.max_tokens = allowance  # the exchange writes it into the endpoint's field (chat: as the client did)
+        ctx.body_overrides.pop(ep.max_tokens_key(ctx.body), None)  # a lower value from here wins over a cap
 
     async def finish(self, ctx: RequestContext) -> None:
         """Settle (if reserved) and record the cost of every dispatched request in the ledger."""

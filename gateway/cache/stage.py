@@ -80,7 +80,7 @@ class CacheStage:
         cc = self.config().raw.cache
         tier = spec.mode
         body = ctx.body
-        if ctx.endpoint not in ("chat", "completions") or not isinstance(body, dict):
+        if ctx.ep is None or not ctx.ep.cacheable or not isinstance(body, dict):
             return self._bypass(ctx, "endpoint", tier)
         if ctx.batch is not None:  # the batch lane dispatches on its own (gateway/batch): it never reads ctx.answer
             return self._bypass(ctx, "batch", tier)

@@ -1,17 +1,22 @@
 """OpenTelemetry GenAI semantic-convention names the gateway uses in both spans and metrics (one source, so a
-span's `gen_ai.operation.name` and a metric's `gen_ai_operation_name` label never disagree)."""
+span's `gen_ai.operation.name` and a metric's `gen_ai_operation_name` label never disagree). The names come
+from the endpoint table (gateway/api/endpoints.py: `operation`) and the backend dialects
+(gateway/proxy/dialects: `provider`)."""
 from __future__ import annotations
-
-# endpoint -> gen_ai.operation.name
-OPERATION = {"chat": "chat", "completions": "text_completion", "embeddings": "embeddings"}
-# backend kind -> gen_ai.provider.name
-PROVIDER = {"vllm": "vllm", "sim": "vllm", "openai": "openai"}
 
 
 def operation_name(endpoint: str) -> str:
-    return OPERATION.get(endpoint, endpoint)
+    from gateway.api.endpoints import BY_NAME
+
+    ep = BY_NAME.get(endpoint)
+    return ep.operation if ep is not None else endpoint
 
 
 def provider_name(kind: str | None) -> str:
     """The provider of a backend kind; "" when no backend served (a refusal before dispatch)."""
-    return PROVIDER.get(kind, kind) if kind else ""
+    if not kind:
+        return ""
+    from gateway.proxy.dialects import DIALECTS
+
+    d = DIALECTS.get(kind)
+    return d.provider if d is not None else kind

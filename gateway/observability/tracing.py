@@ -32,7 +32,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcess
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from gateway.observability.semconv import OPERATION, PROVIDER  # shared with gateway.metrics
+from gateway.observability.semconv import operation_name, provider_name  # shared with gateway.metrics
 from gateway.pipeline import RequestContext
 
 log = logging.getLogger("gateway.tracing")
@@ -60,7 +60,7 @@ def request_attributes(ctx: RequestContext) -> dict[str, Any]:
     """gen_ai.request.* and gateway.* attributes known before dispatch. Pure; never reads message content."""
     body = ctx.body or {}
     a: dict[str, Any] = {
-        "gen_ai.operation.name": OPERATION.get(ctx.endpoint, ctx.endpoint),
+        "gen_ai.operation.name": operation_name(ctx.endpoint),
         "gen_ai.request.model": ctx.model or "unknown",
         "gateway.request_id": ctx.request_id,
         "gateway.endpoint": ctx.endpoint,
@@ -79,7 +79,7 @@ def request_attributes(ctx: RequestContext) -> dict[str, Any]:
     n = body.get("n")
     if isinstance(n, int) and n != 1:
         a["gen_ai.request.choice.count"] = n
-    if ctx.endpoint == "embeddings" and isinstance(body.get("encoding_format"), str):
+    if ctx.ep is not None and not ctx.ep.generates and isinstance(body.get("encoding_format"), str):
         a["gen_ai.request.encoding_formats"] = [body["encoding_format"]]
     stop = body.get("stop")
     if ctx.content_retainable and stop:
@@ -108,7 +108,7 @@ def response_attributes(ctx: RequestContext, backend: Any) -> dict[str, Any]:
     status = ctx.status or 200
     a["http.response.status_code"] = status
     if backend is not None:
-        a["gen_ai.provider.name"] = PROVIDER.get(backend.kind, backend.kind)
+        a["gen_ai.provider.name"] = provider_name(backend.kind)
         host, port = server_address(backend.url)
         if host:
             a["server.address"] = host
@@ -127,7 +127,7 @@ def response_attributes(ctx: RequestContext, backend: Any) -> dict[str, Any]:
     u = ctx.usage
     if u is not None:
         a["gen_ai.usage.input_tokens"] = u.prompt_tokens
-        if ctx.endpoint != "embeddings":
+        if ctx.ep is None or ctx.ep.generates:
             a["gen_ai.usage.output_tokens"] = u.completion_tokens
         if u.cached_tokens is not None:
             a["gen_ai.usage.cache_read.input_tokens"] = u.cached_tokens
@@ -291,7 +291,7 @@ class Tracing:
     def _end_upstream(self, ctx: RequestContext, up: Any, attrs: dict[str, Any], end_perf: float) -> None:
         up_attrs = {k: v for k, v in attrs.items() if k.startswith(("server.", "gen_ai.provider", "gen_ai.usage",
                                                                      "gen_ai.response", "error.type", "http."))}
-        up_attrs["gen_ai.operation.name"] = OPERATION.get(ctx.endpoint, ctx.endpoint)
+        up_attrs["gen_ai.operation.name"] = operation_name(ctx.endpoint)
         if ctx.backend_model:
             up_attrs["gen_ai.request.model"] = ctx.backend_model
         up_attrs["http.request.method"] = "POST"

@@ -44,7 +44,6 @@ def enable_tracing(gw: Any, exporter: SpanExporter | None = None) -> Tracing:
                       lambda: gw.config.raw.observability.capture_content)
     gw.tracing = tracing
     gw.services.append(tracing)
-    gw.stages.append(UpstreamTraceStage(tracing))
-    gw.pipeline.stages = gw.stages
+    gw.pipeline.stages.append(UpstreamTraceStage(tracing))  # the last stage before dispatch
     gw.finish_hooks.append(tracing.finish)
     return tracing

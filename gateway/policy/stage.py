@@ -25,13 +25,11 @@ def lower_headers(headers: Any) -> dict[str, str]:
     return {str(k).lower(): str(v) for k, v in items}
 
 
-# OpenAI's (and vLLM's) default max_tokens for /v1/completions when the request sends none
-_COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-
 
 def _max_tokens_key(ctx: RequestContext) -> str:
-    """The body field a max_tokens override goes into: the one the client used (chat may send either)."""
-    return "max_completion_tokens" if "max_completion_tokens" in (ctx.body or {}) else "max_tokens"
+    """The body field a max_tokens override goes into (the endpoint's; chat: the one the client used)."""
+    key = ctx.ep.max_tokens_key if ctx.ep is not None else None
+    return key(ctx.body or {}) if key is not None else "max_tokens"
 
 
 def _setting_rule(policy: Any, d: Decision, key: str) -> str:
@@ -41,11 +39,9 @@ def _setting_rule(policy: Any, d: Decision, key: str) -> str:
 
 
 def _implied_max_tokens(ctx: RequestContext) -> int | None:
-    """The completion length the engine will use: the request's max_tokens, else the engine default of 16 for
-    /v1/completions, else None (chat: until the context or a stop ends it)."""
-    if ctx.max_tokens is not None:
-        return ctx.max_tokens
-    return _COMPLETIONS_DEFAULT_MAX_TOKENS if ctx.endpoint == "completions" else None
+    """The completion length the engine will use: the request's max_tokens, else the endpoint's default (16 for
+    /v1/completions), else None (chat: until the context or a stop ends it)."""
+    return ctx.ep.implied_max_tokens(ctx.max_tokens) if ctx.ep is not None else ctx.max_tokens
 
 
 class PolicyStage:
@@ -111,7 +107,7 @@ class PolicyStage:
         limit = int(d.max_context)  # type: ignore[arg-type]
         prompt = ctx.prompt_tokens_est
         room = limit - prompt  # completion tokens that still fit
-        if ctx.endpoint == "embeddings":
+        if not ctx.ep.generates:
             completion = 0
             if prompt <= limit:
                 return
@@ -135,14 +131,14 @@ class PolicyStage:
         ctx.evidence["max_context"] = {"rule": rule, "max_context": limit, "prompt_tokens_est": prompt,
                                        "max_tokens": ctx.max_tokens, "requested_context": prompt + completion,
                                        "outcome": "refused"}
-        if ctx.endpoint == "embeddings":
+        if not ctx.ep.generates:
             msg = (f"This request's input is about {prompt} tokens (estimated), over the context limit of {limit} "
                    f"tokens set by policy rule {rule}.")
-            param = "input"
+            param = ctx.ep.prompt_param
         elif room < 1:
             msg = (f"This request's prompt is about {prompt} tokens (estimated), which leaves no room for a "
                    f"completion within the context limit of {limit} tokens set by policy rule {rule}.")
-            param = "prompt" if ctx.endpoint == "completions" else "messages"
+            param = ctx.ep.prompt_param
         else:
             msg = (f"This request needs about {prompt + completion} tokens of context ({prompt} in the prompt, "
                    f"estimated, + {completion} max_tokens), over the limit of {limit} tokens set by policy rule "

@@ -13,14 +13,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import orjson
 
+from gateway.api.wire.base import StreamState
+from gateway.api.wire.openai import response_facts, usage_from  # noqa: F401  (re-exported: tests, batch)
 from gateway.errors import GatewayError, retry_headers
 from gateway.pipeline import RequestContext, Usage
 from gateway.proxy import sse
+from gateway.proxy.dialects import Dialect, Exchange, StreamTranslator, dialect_for
 from gateway.proxy.health import Health
 from gateway.proxy.transport import UpstreamBroken, UpstreamConnectError, UpstreamResponse
 from gateway.proxy.upstream import Upstreams
@@ -28,7 +31,6 @@ from gateway.routing.plan import Candidate, RoutePlan
 
 log = logging.getLogger("gateway.proxy")
 
-PATHS = {"chat": "chat/completions", "completions": "completions", "embeddings": "embeddings"}
 _RETRYABLE_STATUS = {502, 503}
 _MAX_ERROR_BODY = 64 * 1024
 
@@ -71,6 +73,7 @@ class StreamStart:
     started_at: float
     done: bool = False
     health: Health | None = None  # a break or stall after the first token counts against the backend too
+    translator: StreamTranslator | None = None  # upstream events -> the client's API (None: the same API)
 
 
 @dataclass(slots=True)
@@ -80,93 +83,53 @@ class JsonResult:
     candidate: Candidate | None
 
 
-@dataclass(slots=True)
-class _StreamState:
-    done: bool = False
-    delivered_tokens: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
+def exchange_for(ctx: RequestContext, cand: Candidate) -> Exchange | None:
+    """How this request reaches this candidate: its dialect's exchange for the request's endpoint."""
+    return dialect_for(cand.backend.kind).exchange(ctx.ep)
 
 
 def upstream_body(ctx: RequestContext, cand: Candidate) -> bytes:
-    """The body sent upstream: the client's, with the upstream model name, usage always requested for
-    streams, policy caps and the routing stage's overrides (cache_salt, priority); never the client's
-    `provider` preferences."""
-    body = dict(ctx.body)
-    body["model"] = cand.backend.upstream_model(cand.model)
-    body.pop("provider", None)  # the client's provider preferences are ours (gateway/policy/provider_prefs.py)
-    if ctx.stream:
-        so = dict(body.get("stream_options") or {})
-        so["include_usage"] = True
-        body["stream_options"] = so
-    if ctx.max_tokens is not None and ctx.endpoint != "embeddings":
-        if "max_completion_tokens" in body:
-            body["max_completion_tokens"] = ctx.max_tokens
-        else:
-            body["max_tokens"] = ctx.max_tokens
-    if ctx.body_overrides:
-        body.update(ctx.body_overrides)
-    if cand.backend.kind == "openai":  # partner routes are plain OpenAI: drop vLLM-only fields
-        body.pop("cache_salt", None)
-        if not cand.backend.priority_scheduling:
-            body.pop("priority", None)
-    elif not cand.backend.priority_scheduling:
-        body.pop("priority", None)
-    return orjson.dumps(body)
+    """The body sent upstream (gateway/proxy/dialects/base.py `Exchange.body`)."""
+    ex = exchange_for(ctx, cand)
+    if ex is None:
+        raise ValueError(f"backend kind {cand.backend.kind!r} does not serve {ctx.ep.path}")
+    return ex.body(ctx, cand)
 
 
-def response_facts(ctx: RequestContext, obj: Any) -> None:
-    """The completion id and the finish reasons of a response body or of a stream chunk (for traces and the
-    audit record; finish reasons are what tells a length cut from a natural stop)."""
-    if not isinstance(obj, dict):
-        return
-    rid = obj.get("id")
-    if isinstance(rid, str) and ctx.response_id is None:
-        ctx.response_id = rid[:128]
-    choices = obj.get("choices")
-    if isinstance(choices, list):
-        reasons = [c.get("finish_reason") for c in choices if isinstance(c, dict)]
-        found = tuple(r for r in reasons if isinstance(r, str))
-        if found:
-            ctx.finish_reasons = ctx.finish_reasons + found
+def client_error_body(status: int, body: bytes, dialect: Dialect | None = None, ctx: RequestContext | None = None
+                      ) -> bytes:
+    """An upstream 4xx the client must fix, in the client API's error shape whatever the upstream sent: its
+    message (at most 500 chars), type and param when they are strings, and a string code (vLLM sends the HTTP
+    status as a number in `code`; partners add fields of their own, which are not passed on)."""
+    d = dialect or dialect_for("openai")
+    err = d.error_fields(body)
 
-
-def usage_from(obj: dict[str, Any]) -> Usage | None:
-    u = obj.get("usage")
-    if not isinstance(u, dict):
-        return None
-    details = u.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    return Usage(prompt_tokens=int(u.get("prompt_tokens") or 0), completion_tokens=int(u.get("completion_tokens") or 0),
-                 cached_tokens=int(cached) if isinstance(cached, int) else None)
-
-
-def _upstream_error_message(status: int, body: bytes) -> str:
-    try:
-        obj = orjson.loads(body)
-        msg = obj.get("error", {}).get("message") if isinstance(obj.get("error"), dict) else obj.get("message")
-        if isinstance(msg, str):
-            return msg[:500]
-    except (orjson.JSONDecodeError, AttributeError):
-        pass
-    return f"upstream answered HTTP {status}"
-
-
-def client_error_body(status: int, body: bytes) -> bytes:
-    """An upstream 4xx the client must fix, in OpenAI's error shape whatever the upstream sent: its message
-    (at most 500 chars), type and param when they are strings, and a string code (vLLM sends the HTTP status as
-    a number in `code`; partners add fields of their own, which are not passed on)."""
-    err: dict = {}
-    try:
-        obj = orjson.loads(body)
-        if isinstance(obj, dict) and isinstance(obj.get("error"), dict):
-            err = obj["error"]
-    except orjson.JSONDecodeError:
-        pass
     def short(v: Any) -> str | None:
         return v if isinstance(v, str) and 0 < len(v) <= 64 else None
 
-    return GatewayError(status, _upstream_error_message(status, body), code=short(err.get("code")) or "upstream_rejected",
-                        param=short(err.get("param")), type=short(err.get("type"))).to_bytes()
+    e = GatewayError(status, d.error_message(status, body), code=short(err.get("code")) or "upstream_rejected",
+                     param=short(err.get("param")), type=short(err.get("type")))
+    return ctx.ep.wire.error_body(e) if ctx is not None and ctx.ep is not None else e.to_bytes()
+
+
+class DispatchStage:
+    """The terminal stage: opens the upstream request (or takes the answer a stage prepared, a cache hit) into
+    `ctx.result`. The time it waits is the upstream's (`ctx.dispatched_at` .. `ctx.answered_at`)."""
+
+    name = "dispatch"
+
+    def __init__(self, dispatcher: "Dispatcher") -> None:
+        self.dispatcher = dispatcher
+
+    async def run(self, ctx: RequestContext) -> None:
+        ctx.dispatched_at = time.perf_counter()
+        try:
+            ctx.result = ctx.answer if ctx.answer is not None else await self.dispatcher.open(ctx)
+        finally:
+            ctx.answered_at = time.perf_counter()
+
+    async def finish(self, ctx: RequestContext) -> None:
+        return None
 
 
 class Dispatcher:
@@ -181,11 +144,9 @@ class Dispatcher:
         self.max_attempts = max_attempts
         self.retry_budget = RetryBudget()
 
-    def _headers(self, ctx: RequestContext, cand: Candidate) -> dict[str, str]:
+    def _headers(self, ctx: RequestContext, cand: Candidate, dialect: Dialect) -> dict[str, str]:
         h = {"content-type": "application/json", "x-request-id": ctx.request_id}
-        auth = self._upstreams().auth(cand.backend.name)
-        if auth:
-            h["authorization"] = auth
+        h.update(dialect.auth_headers(self._upstreams().auth(cand.backend.name)))
         tp = ctx.headers.get("traceparent")
         if tp:
             h["traceparent"] = tp
@@ -208,6 +169,10 @@ class Dispatcher:
                 continue
             if not self.health.available(name):
                 ctx.attempts.append({"backend": name, "skipped": "circuit open"})
+                continue
+            if exchange_for(ctx, cand) is None:  # this backend kind does not serve the endpoint
+                ctx.attempts.append({"backend": name, "skipped": f"kind {cand.backend.kind} does not serve "
+                                                                 f"{ctx.ep.path}"})
                 continue
             if attempts >= self.max_attempts:
                 break
@@ -238,40 +203,49 @@ class Dispatcher:
 
     async def _attempt(self, ctx: RequestContext, cand: Candidate) -> StreamStart | JsonResult:
         b = cand.backend
+        dialect = dialect_for(b.kind)
+        ex = dialect.exchange(ctx.ep)
+        assert ex is not None  # open() skipped candidates that cannot serve the endpoint
+        wire = ctx.ep.wire
         client = self._upstreams().client(b.name)
         self.health.begin(b.name)
-        body = upstream_body(ctx, cand)
+        body = ex.body(ctx, cand)
         t0 = time.perf_counter()
         limit = b.timeouts.first_token_s if ctx.stream else b.timeouts.total_s
         resp: UpstreamResponse | None = None
         try:
             async with asyncio.timeout(limit):
-                resp = await client.post(PATHS[ctx.endpoint], body, self._headers(ctx, cand))
+                resp = await client.post(ex.path, body, self._headers(ctx, cand, dialect))
                 if resp.status != 200:
                     err_body = await _read_limited(resp, _MAX_ERROR_BODY)
                     await resp.aclose()
-                    return self._upstream_status(ctx, cand, resp.status, err_body, resp.headers)
+                    return self._upstream_status(ctx, cand, dialect, resp.status, err_body, resp.headers)
                 if not ctx.stream:
                     body = await resp.aread()
                     await resp.aclose()
                     self.health.success(b.name)
-                    return JsonResult(200, body, cand)
+                    return JsonResult(200, ex.response(body) if ex.translates else body, cand)
                 splitter = sse.EventSplitter()
+                tr = ex.stream()
                 it = resp.aiter_raw()
                 first: list[bytes] = []
                 while True:  # read until the first generated token (or the end) arrives
                     try:
                         chunk = await it.__anext__()
                     except StopAsyncIteration:
+                        if tr is not None:
+                            first.extend(tr.end())
                         break
                     events = splitter.feed(chunk)
+                    if tr is not None:
+                        events = [out for e in events for out in tr.feed(e)]
                     first.extend(events)
-                    if any(_is_first_token(e) for e in events):
+                    if any(wire.is_first_token(e) for e in events):
                         break
                 if not first:
                     raise UpstreamBroken("upstream closed the stream before any event")
                 self.health.success(b.name)
-                return StreamStart(resp, cand, first, splitter, it, t0, health=self.health)
+                return StreamStart(resp, cand, first, splitter, it, t0, health=self.health, translator=tr)
         except TimeoutError:
             if resp is not None:
                 await resp.aclose()
@@ -290,10 +264,10 @@ class Dispatcher:
             raise GatewayError(502, "Upstream failed before the first token.", code="upstream_error",
                                extra={"_retryable": True}) from None
 
-    def _upstream_status(self, ctx: RequestContext, cand: Candidate, status: int, body: bytes,
+    def _upstream_status(self, ctx: RequestContext, cand: Candidate, dialect: Dialect, status: int, body: bytes,
                          headers) -> JsonResult:
         name = cand.backend.name
-        msg = _upstream_error_message(status, body)
+        msg = dialect.error_message(status, body)
         if status >= 500:
             self.health.failure(name, f"HTTP {status}")
             raise GatewayError(502, f"Upstream error: {msg}", code="upstream_error",
@@ -312,14 +286,7 @@ class Dispatcher:
                                extra={"_retryable": True})
         self.health.success(name)
         # 4xx about the request itself (context too long, bad parameter): the client's to fix.
-        return JsonResult(status, client_error_body(status, body), cand)
-
-
-def _is_first_token(event: bytes) -> bool:
-    data = sse.event_data(event)
-    if data is None:
-        return False
-    return data == sse.DONE or sse.has_usage(data) or sse.has_token(data)
+        return JsonResult(status, client_error_body(status, body, dialect, ctx), cand)
 
 
 async def _read_limited(resp: UpstreamResponse, limit: int) -> bytes:
@@ -339,10 +306,13 @@ def observe_first_events(ctx: RequestContext, start: StreamStart) -> None:
 
 async def stream_body(ctx: RequestContext, start: StreamStart,
                       on_end: Callable[[], Awaitable[None]]) -> AsyncIterator[bytes]:
-    """Forward a started stream event by event; capture usage; strip the usage-only chunk the client did
-    not ask for; cut at the budget allowance; end with an error event if the upstream breaks."""
+    """Forward a started stream event by event (translated into the client's API when the backend speaks
+    another), applying the client wire's rules: capture usage, strip what the client did not ask for, cut at the
+    budget allowance; end with the wire's error event if the upstream breaks."""
     b = start.candidate.backend
-    st = _StreamState()
+    wire = ctx.ep.wire
+    tr = start.translator
+    st = StreamState()
     deadline = start.started_at + b.timeouts.total_s
     it = start.iterator
     try:
@@ -361,8 +331,15 @@ async def stream_body(ctx: RequestContext, start: StreamStart,
                 async with asyncio.timeout(min(b.timeouts.idle_s, remaining)):
                     chunk = await it.__anext__()
             except StopAsyncIteration:
+                if tr is not None:
+                    out = _process_all(ctx, st, tr.end())
+                    if out:
+                        yield out
                 break
-            out = _process_all(ctx, st, start.splitter.feed(chunk))
+            events = start.splitter.feed(chunk)
+            if tr is not None:
+                events = [e for ev in events for e in tr.feed(ev)]
+            out = _process_all(ctx, st, events)
             if out:
                 yield out
             if ctx.cut_by_budget:
@@ -370,18 +347,20 @@ async def stream_body(ctx: RequestContext, start: StreamStart,
         if not st.done:
             ctx.error = "upstream_stream_broken"
             ctx.status = 502
-            _mid_stream_failure(start, "stream closed before [DONE]")
-            yield GatewayError(502, "Upstream closed the stream before it finished.", code="upstream_error").sse_event()
+            _mid_stream_failure(start, "stream closed before its end")
+            yield wire.error_event(GatewayError(502, "Upstream closed the stream before it finished.",
+                                                code="upstream_error"))
     except TimeoutError:
         ctx.error = "upstream_timeout"
         ctx.status = 504
         _mid_stream_failure(start, "stream idle or total timeout")
-        yield GatewayError(504, "Upstream stopped sending (idle or total timeout).", code="upstream_timeout").sse_event()
+        yield wire.error_event(GatewayError(504, "Upstream stopped sending (idle or total timeout).",
+                                            code="upstream_timeout"))
     except (UpstreamBroken, OSError):
         ctx.error = "upstream_stream_broken"
         ctx.status = 502
         _mid_stream_failure(start, "connection broke mid-stream")
-        yield GatewayError(502, "Upstream connection broke mid-stream.", code="upstream_error").sse_event()
+        yield wire.error_event(GatewayError(502, "Upstream connection broke mid-stream.", code="upstream_error"))
     finally:
         if ctx.usage is None:
             ctx.usage = Usage(prompt_tokens=ctx.prompt_tokens_est, completion_tokens=st.delivered_tokens)
@@ -399,49 +378,13 @@ def _mid_stream_failure(start: StreamStart, reason: str) -> None:
         start.health.failure(start.candidate.backend.name, reason)
 
 
-def _process_all(ctx: RequestContext, st: _StreamState, events: list[bytes]) -> bytes:
+def _process_all(ctx: RequestContext, st: StreamState, events: list[bytes]) -> bytes:
+    process = ctx.ep.wire.process
     outs = []
     for ev in events:
-        out = _process(ctx, st, ev)
+        out = process(ctx, st, ev)
         if out is not None:
             outs.append(out)
         if ctx.cut_by_budget:
             break
     return b"".join(outs)
-
-
-def _process(ctx: RequestContext, st: _StreamState, ev: bytes) -> bytes | None:
-    data = sse.event_data(ev)
-    if data is None:
-        return ev + b"\n\n"
-    if data == sse.DONE:
-        st.done = True
-        return ev + b"\n\n"
-    if ((b'"finish_reason"' in data and b'"finish_reason":null' not in data)
-            or (ctx.response_id is None and b'"id"' in data)):
-        response_facts(ctx, sse.parse_chunk(data))  # the first chunk (id) and the last of each choice only
-    if sse.has_usage(data):
-        chunk = sse.parse_chunk(data)
-        if chunk is not None:
-            u = usage_from(chunk)
-            if u is not None:
-                ctx.usage = u
-            if sse.is_usage_only(chunk) and not ctx.client_wants_usage:
-                return None
-    allowance = ctx.completion_token_allowance
-    if allowance is None:  # cheap lower bound (one token per content event) in case the usage never arrives
-        st.delivered_tokens += 1
-        ctx.delivered_completion_tokens = st.delivered_tokens
-    else:
-        chunk = sse.parse_chunk(data)
-        n = sse.chunk_text_len(chunk) if chunk else 0
-        if n:
-            st.delivered_tokens += max(1, (n + 3) // 4)
-            ctx.delivered_completion_tokens = st.delivered_tokens
-            if st.delivered_tokens >= allowance:
-                ctx.cut_by_budget = True
-                ctx.error = "insufficient_quota"
-                return ev + b"\n\n" + GatewayError(
-                    429, "Budget exhausted: the stream was stopped at the remaining budget.",
-                    code="insufficient_quota").sse_event()
-    return ev + b"\n\n"

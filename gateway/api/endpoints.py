@@ -1,0 +1,114 @@
+"""The endpoint table: every inference API the gateway serves, one `Endpoint` entry each.
+
+An entry says everything the request path needs to know about one API: its path, the parser that validates
+a body (gateway/api/parse.py), the upstream path on an engine speaking it natively, the wire rules of its
+responses and errors (gateway/api/wire/), the body field a max-tokens cap goes into and the engine's default
+when the client sends none, whether it generates tokens at all, its OpenTelemetry operation name, the
+parameter that carries the prompt (named in context errors) and the prompt as text for routing.
+
+Adding an endpoint: one entry here, one parser, and its wire rules when its wire is new (docs/architecture.md).
+Stages read `ctx.ep` (this entry); none compares endpoint names.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from gateway.api import parse
+from gateway.api.wire.base import ClientWire
+from gateway.api.wire.openai import OPENAI
+
+
+def _messages_text(body: dict[str, Any]) -> str:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list):
+        return ""
+    from gateway.telemetry.tokens import render_messages_plain
+
+    return render_messages_plain([m for m in msgs if isinstance(m, dict)])
+
+
+def _field_text(name: str) -> Callable[[dict[str, Any]], str]:
+    def text(body: dict[str, Any]) -> str:
+        p = body.get(name, "")
+        return p if isinstance(p, str) else "".join(map(str, p)) if isinstance(p, list) else str(p)
+
+    return text
+
+
+def _chat_max_tokens_key(body: dict[str, Any]) -> str:
+    """Chat accepts either name: a cap goes into the one the client used."""
+    return "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    name: str  # ctx.endpoint: the name in metrics, audit records and batch lines
+    path: str  # the client-facing path
+    parse: Callable[[dict[str, Any]], parse.Parsed]
+    upstream_path: str  # relative to a backend's base URL, for a backend serving this API natively
+    wire: ClientWire
+    operation: str  # OpenTelemetry gen_ai.operation.name
+    prompt_param: str  # the body parameter holding the prompt (named in context-length errors)
+    prompt_text: Callable[[dict[str, Any]], str]  # the prompt as text (the router's approximate prefix tree)
+    max_tokens_key: Callable[[dict[str, Any]], str] | None = None  # None: generates no tokens (embeddings, ...)
+    default_max_tokens: int | None = None  # the engine's completion length when the client sends none
+    cacheable: bool = False  # the response cache may answer it (gateway/cache)
+    batchable: bool = False  # a batch line may target it (gateway/batch)
+
+    @property
+    def generates(self) -> bool:
+        return self.max_tokens_key is not None
+
+    def implied_max_tokens(self, requested: int | None) -> int | None:
+        """The completion length the engine will use: the request's, else this API's default (None: until a
+        stop or the context ends it)."""
+        return requested if requested is not None else self.default_max_tokens
+
+
+def _const(key: str) -> Callable[[dict[str, Any]], str]:
+    return lambda body: key
+
+
+ENDPOINTS: tuple[Endpoint, ...] = (
+    Endpoint("chat", "/v1/chat/completions", parse.parse_chat, "chat/completions", OPENAI, "chat",
+             "messages", _messages_text, _chat_max_tokens_key, cacheable=True, batchable=True),
+    # OpenAI's and vLLM's default completion length for /v1/completions is 16 tokens
+    Endpoint("completions", "/v1/completions", parse.parse_completions, "completions", OPENAI, "text_completion",
+             "prompt", _field_text("prompt"), _const("max_tokens"), default_max_tokens=16, cacheable=True,
+             batchable=True),
+    Endpoint("embeddings", "/v1/embeddings", parse.parse_embeddings, "embeddings", OPENAI, "embeddings",
+             "input", _field_text("input"), batchable=True),
+)
+
+BY_NAME: dict[str, Endpoint] = {e.name: e for e in ENDPOINTS}
+BY_PATH: dict[str, Endpoint] = {e.path: e for e in ENDPOINTS}
+
+
+def endpoint(name: str) -> Endpoint:
+    return BY_NAME[name]
+
+
+def prompt_token_bound(raw: bytes, body: dict, prompt_chars: int) -> int:
+    """An upper bound on the prompt tokens an engine will count, for budget reservations.
+
+    Byte-level BPE tokenizers never emit more tokens than the text has bytes; for ASCII bodies that is the
+    content's characters, plus a chat template's special tokens (generously 16 per message, 16 for the
+    generation prompt). For non-ASCII bodies the raw body size is used (it bounds content bytes + template).
+    """
+    if not raw.isascii():
+        return len(raw)
+    msgs = body.get("messages")
+    n = len(msgs) if isinstance(msgs, list) else 1
+    return prompt_chars + 16 * n + 16
+
+
+def prepare(ctx: Any, parsed: parse.Parsed, raw: bytes, config: Any) -> None:
+    """Fill a request context from its validated body (the same for HTTP requests and batch lines)."""
+    ctx.model = parsed.model
+    ctx.stream = parsed.stream
+    ctx.client_wants_usage = parsed.include_usage
+    ctx.max_tokens = parsed.max_tokens
+    ctx.prompt_tokens_est = max(1, parsed.prompt_chars // 4)
+    ctx.prompt_tokens_max = prompt_token_bound(raw, ctx.body, parsed.prompt_chars)
+    ctx.model_chain = config.resolve_model(parsed.model)

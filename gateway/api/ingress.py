@@ -1,0 +1,378 @@
+"""HTTP ingress of the data plane: raw ASGI endpoints for the inference APIs of the endpoint table.
+
+Everything about HTTP lives here and nowhere in the composition root (gateway/app.py): method and content
+type checks, the body limit and timeout, client disconnects (which cancel the upstream at once), request ids,
+error responses in the endpoint's shape, Server-Timing, and writing the JSON response or the stream. The
+request itself runs as one `Lifecycle` (gateway/pipeline.py) over the gateway's pipeline.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import time
+from typing import Any
+
+import orjson
+from starlette.applications import Starlette
+from starlette.datastructures import Headers
+
+from gateway.api.endpoints import Endpoint, prepare
+from gateway.api.parse import decode_json
+from gateway.api.wire.base import ClientWire
+from gateway.api.wire.openai import OPENAI
+from gateway.errors import GatewayError, retry_headers
+from gateway.pipeline import Lifecycle, RequestContext, RequestHeaders
+from gateway.proxy.forward import JsonResult, stream_body
+
+log = logging.getLogger("gateway")
+
+_RID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+def new_request_id() -> str:
+    return "req_" + os.urandom(12).hex()  # what secrets.token_hex does, without its three Python-level calls
+
+
+def client_request_id(headers: Any) -> str | None:
+    """The client's own x-request-id when it is usable (1-128 of [A-Za-z0-9._:-]), else None."""
+    rid = headers.get("x-request-id")
+    return rid if rid and _RID.match(rid) else None
+
+
+def request_id(headers: Any) -> str:
+    """The id a response echoes in x-request-id: the client's when valid, else a new one."""
+    return client_request_id(headers) or new_request_id()
+
+
+
+
+async def send_bytes(send, status: int, body: bytes, headers: dict[str, str], content_type: bytes = b"application/json") -> None:
+    raw = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
+    raw += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+SDK_MAX_RETRY_AFTER_S = 60.0  # the openai SDKs honour Retry-After up to this; above it they retry after ~1 s
+
+
+def error_headers(err: GatewayError, rid: str, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Headers of an error response: every 429 and 503 carries Retry-After and retry-after-ms (1 s when the
+    refusing stage named no better time), so a client or partner aggregator can fail over at once.
+
+    `x-should-retry: false` (read first by the openai SDKs' retry logic) where retrying cannot help: every 403
+    (a permission or residency answer does not change by asking again), `residency_unsatisfiable`, and a
+    429/503 whose Retry-After is beyond the 60 s the SDKs honour (they would otherwise ignore it and retry at
+    once, e.g. a monthly quota refused again and again)."""
+    h = {"x-request-id": rid, **(extra or {}), **err.headers}
+    lower = {k.lower(): v for k, v in h.items()}
+    if err.status in (429, 503) and "retry-after" not in lower:
+        h.update(retry_headers(1.0))
+        lower = {k.lower(): v for k, v in h.items()}
+    if "x-should-retry" not in lower and (err.status == 403 or err.code == "residency_unsatisfiable"
+                                          or (err.status in (429, 503) and _retry_after_s(lower) > SDK_MAX_RETRY_AFTER_S)):
+        h["x-should-retry"] = "false"
+    return h
+
+
+def _retry_after_s(lower: dict[str, str]) -> float:
+    """The retry delay a response announces (retry-after-ms first, as the SDKs read it), 0 when none."""
+    try:
+        if "retry-after-ms" in lower:
+            return float(lower["retry-after-ms"]) / 1000
+        return float(lower.get("retry-after", 0))
+    except ValueError:  # an HTTP-date Retry-After: the gateway never sends one
+        return 0.0
+
+
+def server_timing(ctx: RequestContext | None, since: float, dispatched: float | None = None,
+                  answered: float | None = None) -> str:
+    """The Server-Timing value of a response: `gw` is the gateway's own time (ms) from the parsed body (or the
+    start of the request, for a refusal before one) to the response headers, the upstream's wait excluded;
+    `upstream` the dispatcher's wait for the backend (attempts and fallbacks included, a stream's first bytes
+    only); then each pipeline stage's own time."""
+    now = time.perf_counter()
+    if dispatched is None:
+        parts = [f"gw;dur={(now - since) * 1000:.3f}"]
+    else:
+        up = (answered if answered is not None else now) - dispatched
+        parts = [f"gw;dur={(now - since - up) * 1000:.3f}", f"upstream;dur={up * 1000:.3f}"]
+    if ctx is not None:
+        parts += [f"{st};dur={us / 1000:.3f}" for st, us in ctx.stage_timings_us.items()]
+    return ", ".join(parts)
+
+
+async def send_error(send, err: GatewayError, rid: str, extra: dict[str, str] | None = None,
+                     wire: ClientWire = OPENAI) -> None:
+    """A refusal in the endpoint's own error shape (OpenAI's unless the endpoint's wire says otherwise)."""
+    await send_bytes(send, err.status, wire.error_body(err), error_headers(err, rid, extra))
+
+
+async def read_body(receive, limit: int) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            raise asyncio.CancelledError("client disconnected")
+        body = msg.get("body", b"")
+        if body:
+            size += len(body)
+            if size > limit:
+                raise GatewayError(413, f"Request body is larger than the limit of {limit} bytes.",
+                                   code="request_too_large")
+            chunks.append(body)
+        if not msg.get("more_body", False):
+            break
+    return b"".join(chunks)
+
+
+async def _until_disconnect(receive) -> None:
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+
+class InferenceEndpoint:
+    """One inference API of the endpoint table: HTTP checks -> parse -> Lifecycle (stages, dispatch) -> respond."""
+
+    def __init__(self, gw: Any, ep: Endpoint) -> None:
+        self.gw = gw
+        self.ep = ep
+        self.endpoint = ep.name
+        self.wire = ep.wire
+
+    async def __call__(self, scope, receive, send) -> None:
+        gw = self.gw
+        wire = self.wire
+        headers = RequestHeaders.from_scope(scope)
+        # The client's x-request-id is echoed, never trusted as a key: budgets (reservation, settle marker),
+        # the spend ledger, routing's in-flight table and the audit record are keyed by an id the gateway
+        # generates for every request, so a client reusing an id cannot merge, skip or overwrite them.
+        t0 = time.perf_counter()
+        cid = client_request_id(headers)
+        rid = cid or new_request_id()
+        if scope["method"] != "POST":
+            await send_error(send, GatewayError(405, "Method not allowed; use POST.", code="method_not_allowed"), rid,
+                             {"allow": "POST", "server-timing": server_timing(None, t0)}, wire)
+            return
+        limit = gw.config.server.max_body_bytes
+        try:
+            ctype = headers.get("content-type", "")
+            if ctype.split(";", 1)[0].strip().lower() != "application/json":
+                raise GatewayError(415, "Content-Type must be application/json.", code="unsupported_media_type")
+            cl = headers.get("content-length")
+            if cl is not None:
+                if not cl.isdigit():
+                    raise GatewayError(400, "Invalid Content-Length header.", code="invalid_request")
+                if int(cl) > limit:
+                    raise GatewayError(413, f"Request body is larger than the limit of {limit} bytes.",
+                                       code="request_too_large")
+            try:
+                if scope.get("gateway.body_complete"):  # already buffered by the server protocol: no wait
+                    raw = await read_body(receive, limit)
+                else:
+                    async with asyncio.timeout(gw.config.server.body_timeout_s):  # slow-loris uploads
+                        raw = await read_body(receive, limit)
+            except TimeoutError:
+                err = GatewayError(408, "Request body not received in time.", code="request_timeout")
+                gw.metrics.rejections.labels("parse", "request_timeout").inc()
+                await send_error(send, err, rid, {"connection": "close", "server-timing": server_timing(None, t0)},
+                                 wire)
+                return
+            try:
+                body = decode_json(raw)
+                parsed = self.ep.parse(body)
+            except GatewayError as bad_body:
+                # Authenticate before answering about the body: an unauthenticated caller learns nothing about
+                # validation (it gets 401, not 400). Only on this refusal path: a good body is authenticated by
+                # the pipeline as usual. The cheap checks above (415, 413, 408) still come first.
+                await self._authenticate(headers, rid, scope)
+                raise bad_body
+        except GatewayError as e:
+            stage = "authenticate" if e.status in (401, 403) or e.code == "auth_rate_limited" else "parse"
+            gw.metrics.rejections.labels(stage, e.code or "error").inc()
+            # a 413 leaves the body unread: close the connection (the server drains a bounded amount first,
+            # gateway/server_protocol.py) instead of reading an unbounded body on a kept-alive connection
+            extra = {"server-timing": server_timing(None, t0)}
+            if e.status == 413:
+                extra["connection"] = "close"
+            await send_error(send, e, rid, extra, wire)
+            return
+        except asyncio.CancelledError:
+            return
+        client = scope.get("client")
+        ctx = RequestContext(request_id=rid if cid is None else new_request_id(), endpoint=self.endpoint,
+                             headers=headers, body=body, client_addr=client[0] if client else "")
+        if cid is not None:  # echoed as x-request-id; the gateway's own id rides along for the audit lookup
+            ctx.client_request_id = cid
+            ctx.extra_headers["x-request-id"] = cid
+            ctx.extra_headers["x-gateway-request-id"] = ctx.request_id
+        prepare(ctx, parsed, raw, gw.config)
+        # A vanished client cancels upstream work at once: this task is cancelled, which unwinds the handler
+        # (closing the upstream connection) right away. Under the gateway's own server protocol the connection
+        # tells us (no extra task); under any other ASGI server a watcher task waits on receive() instead.
+        me = asyncio.current_task()
+        gone = False
+
+        def lost() -> None:
+            nonlocal gone
+            gone = True
+            if me is not None:
+                me.cancel()
+
+        conn = scope.get("gateway.conn")
+        watcher: asyncio.Future | None = None
+        if conn is not None:
+            conn.on_lost = lost
+        else:
+            async def watch() -> None:
+                await _until_disconnect(receive)
+                lost()
+
+            watcher = asyncio.ensure_future(watch())
+        try:
+            await self._handle(ctx, send)
+        except asyncio.CancelledError:
+            if not gone:
+                raise
+            if me is not None:
+                me.uncancel()  # the cancellation was ours, for a client that left: nothing more to do
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+            elif conn.on_lost is lost:
+                conn.on_lost = None
+
+    async def _authenticate(self, headers: RequestHeaders, rid: str, scope) -> None:
+        """Run the authenticate stage alone (for a request whose body is refused); raises its refusal."""
+        client = scope.get("client")
+        ctx = RequestContext(request_id=rid, endpoint=self.endpoint, headers=headers, body={},
+                             client_addr=client[0] if client else "")
+        await self.gw.auth.run(ctx)
+
+    def _timing(self, ctx: RequestContext) -> str:
+        return server_timing(ctx, ctx.received_at, ctx.dispatched_at, ctx.answered_at)
+
+    async def _handle(self, ctx: RequestContext, send) -> None:
+        gw = self.gw
+        wire = self.wire
+        life = Lifecycle(gw.pipeline, ctx)
+        try:
+            try:
+                result = await life.run()
+            except GatewayError as e:
+                gw.metrics.rejections.labels(gw.pipeline.refusing_stage(ctx), e.code or "error").inc()
+                await send_error(send, e, ctx.request_id, {**ctx.extra_headers, "server-timing": self._timing(ctx)},
+                                 wire)
+                return
+            hdrs = {"x-request-id": ctx.request_id, **ctx.extra_headers}
+            if isinstance(result, JsonResult):
+                ctx.status = result.status
+                if result.status == 200:
+                    try:
+                        obj = orjson.loads(result.body)
+                    except orjson.JSONDecodeError:
+                        ctx.status, ctx.error = 502, "upstream_bad_json"
+                        err = GatewayError(502, "Upstream answered with invalid JSON.", code="upstream_error")
+                        await life.finish()
+                        await send_error(send, err, ctx.request_id,
+                                         {**ctx.extra_headers, "server-timing": self._timing(ctx)}, wire)
+                        return
+                    ctx.usage = wire.usage(obj)
+                    wire.facts(ctx, obj)
+                    if ctx.cache is not None:
+                        ctx.cache.capture.json(obj)
+                    ctx.ttft_s = None
+                await life.finish()
+                hdrs["server-timing"] = self._timing(ctx)
+                await send_bytes(send, result.status, result.body, hdrs)
+                return
+            # stream
+            ctx.status = 200
+
+            async def on_end() -> None:
+                if not life.finished:
+                    task = asyncio.current_task()
+                    if task is not None and task.cancelling() and not ctx.cut_by_shutdown:
+                        # the client left mid-stream (its connection dropped and cancelled us): record 499 and
+                        # what was delivered, not the 200 the response started with
+                        ctx.status = 499 if ctx.status in (0, 200) else ctx.status
+                        ctx.error = ctx.error or "client_disconnected"
+                    await life.finish()
+
+            hdrs["server-timing"] = self._timing(ctx)
+            raw = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
+                   (b"x-accel-buffering", b"no")]
+            raw += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in hdrs.items()]
+            await send({"type": "http.response.start", "status": 200, "headers": raw})
+            replay = getattr(result, "replay", None)  # a cache hit (gateway/cache/replay.py)
+            gen = replay(ctx, on_end) if replay is not None else stream_body(ctx, result, on_end)
+            capture = ctx.cache.capture if ctx.cache is not None and replay is None else None
+            me = asyncio.current_task()
+            gw.streams[me] = ctx  # type: ignore[index]
+            try:
+                try:
+                    async for chunk in gen:
+                        if capture is not None:
+                            capture.chunk(chunk)
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                except asyncio.CancelledError:
+                    if not ctx.cut_by_shutdown:
+                        raise
+                    me.uncancel()  # type: ignore[union-attr]  # our own cut at the drain deadline
+                    await on_end()  # settle what was delivered before the client sees the end
+                    err = GatewayError(503, "The gateway is shutting down and cut this stream at its drain deadline; "
+                                       "retry the request.", code="server_shutting_down")
+                    await send({"type": "http.response.body", "body": wire.error_event(err), "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            finally:
+                gw.streams.pop(me, None)  # type: ignore[arg-type]
+                await gen.aclose()
+        except asyncio.CancelledError:
+            ctx.status = ctx.status if ctx.status and ctx.status != 200 else 499
+            ctx.error = ctx.error or "client_disconnected"
+            raise
+        finally:
+            await life.finish()
+
+
+class GatewayApp(Starlette):
+    """Starlette for the admin plane and probes; the data-plane paths go straight to their ASGI
+    endpoints (they produce their own OpenAI-shaped errors), skipping the middleware stack and the router on
+    the hot path. An unexpected exception there still becomes an OpenAI-shaped 500 when nothing was sent."""
+
+    def __init__(self, data_plane: dict[str, Any], **kw: Any) -> None:
+        super().__init__(**kw)
+        self._data_plane = data_plane
+        # Starlette redirects /v1/chat/completions/ to the slash-less URL built from the client's Host header:
+        # an open redirect. Unknown paths (a trailing slash included) are an OpenAI-shaped 404 instead.
+        self.router.redirect_slashes = False
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            ep = self._data_plane.get(scope["path"])
+            if ep is not None:
+                started = False
+
+                async def tracked(msg) -> None:
+                    nonlocal started
+                    if msg["type"] == "http.response.start":
+                        started = True
+                    await send(msg)
+
+                try:
+                    await ep(scope, receive, tracked)
+                except Exception:
+                    log.exception("unhandled error on %s", scope["path"])
+                    if not started:
+                        err = GatewayError(500, "Internal gateway error.", code="internal_error")
+                        await send_error(send, err, request_id(Headers(scope=scope)), None, ep.wire)
+                return
+        await super().__call__(scope, receive, send)
+
+

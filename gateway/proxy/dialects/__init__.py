@@ -1,0 +1,19 @@
+"""Backend dialects by `kind` (gateway/proxy/dialects/base.py): one registry line per kind."""
+from __future__ import annotations
+
+from gateway.proxy.dialects.base import Dialect, Exchange, StreamTranslator
+from gateway.proxy.dialects.openai import OpenAIDialect
+from gateway.proxy.dialects.vllm import VLLMDialect
+
+DIALECTS: dict[str, Dialect] = {d.kind: d for d in (
+    VLLMDialect("vllm"),
+    VLLMDialect("sim"),
+    OpenAIDialect(),
+)}
+
+
+def dialect_for(kind: str) -> Dialect:
+    return DIALECTS[kind]
+
+
+__all__ = ["DIALECTS", "Dialect", "Exchange", "StreamTranslator", "dialect_for"]
