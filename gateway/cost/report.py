@@ -1,5 +1,5 @@
 """`gateway report`: unit economics from the spend ledger (budgets.sqlite_path, or budgets.ledger_dsn on
-Postgres), grouped by tenant, team, project, partner, model and/or backend over a time range, as CSV or JSON.
+Postgres: table budget_ledger, plus cost_unbilled for cache hits and early refusals), grouped by tenant, team, project, partner, model and/or backend over a time range, as CSV or JSON.
 
 Per group: requests (and per cost category), tokens, the price charged, the engine time apportioned to the
 requests (GPU-seconds) and what it cost, the margin, cost and charge per million tokens, and the GPU-seconds
@@ -44,28 +44,41 @@ def parse_time(s: str | None) -> float | None:
     return d.timestamp()
 
 
+# the spend ledger, and the requests it does not record (cache hits, early refusals: gateway/cost/wiring.py)
+TABLES = ("budget_ledger", "cost_unbilled")
+
+
 def read_sqlite(path: str, since: float | None, until: float | None,
-                table: str = "budget_ledger") -> list[dict[str, Any]]:
+                tables: Sequence[str] = TABLES) -> list[dict[str, Any]]:
     db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
     try:
-        have = {r[1] for r in db.execute(f"PRAGMA table_info({table})")}
-        cols = [c if c in have else f"NULL AS {c}" for c in _READ]
-        q = f"SELECT {', '.join(cols)} FROM {table} WHERE (? IS NULL OR ts >= ?) AND (? IS NULL OR ts < ?)"
-        cur = db.execute(q, (since, since, until, until))
-        return [dict(zip(_READ, r)) for r in cur.fetchall()]
+        out: list[dict[str, Any]] = []
+        for table in tables:
+            have = {r[1] for r in db.execute(f"PRAGMA table_info({table})")}
+            if not have:
+                continue  # not created yet (no unbilled request so far)
+            cols = [c if c in have else f"NULL AS {c}" for c in _READ]
+            q = f"SELECT {', '.join(cols)} FROM {table} WHERE (? IS NULL OR ts >= ?) AND (? IS NULL OR ts < ?)"
+            out.extend(dict(zip(_READ, r)) for r in db.execute(q, (since, since, until, until)).fetchall())
+        return out
     finally:
         db.close()
 
 
 async def read_postgres(dsn: str, since: float | None, until: float | None,
-                        table: str = "budget_ledger") -> list[dict[str, Any]]:
+                        tables: Sequence[str] = TABLES) -> list[dict[str, Any]]:
     import asyncpg
 
     c = await asyncpg.connect(dsn, timeout=10)
     try:
-        rows = await c.fetch(f"SELECT {', '.join(_READ)} FROM {table} WHERE ($1::float8 IS NULL OR ts >= $1) "
-                             "AND ($2::float8 IS NULL OR ts < $2)", since, until)
-        return [dict(r) for r in rows]
+        out: list[dict[str, Any]] = []
+        for table in tables:
+            if not await c.fetchval("SELECT to_regclass($1) IS NOT NULL", table):
+                continue
+            rows = await c.fetch(f"SELECT {', '.join(_READ)} FROM {table} WHERE ($1::float8 IS NULL OR ts >= $1) "
+                                 "AND ($2::float8 IS NULL OR ts < $2)", since, until)
+            out.extend(dict(r) for r in rows)
+        return out
     finally:
         await c.close()
 

@@ -1,6 +1,6 @@
 """Assembly of cost engineering into a Gateway (called from gateway.wiring.wire once the stage list is built):
 the meter stage goes last before dispatch, its finish hook first (before the audit recorder's),
-the ledger gets the apportioned fields, /metrics the per-engine busy series, /admin/cost the snapshot."""
+the spend ledger gets the apportioned fields (and unbilled requests a table of their own), /metrics the per-engine busy series, /admin/cost the snapshot."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.admin_guard import PLATFORM_ADMIN, gateway_guard
+from gateway.budget.ledger import Ledger, PostgresSink, SqliteSink
 from gateway.cost.meter import CostMeter
 
 
@@ -47,13 +48,32 @@ def _service(gw: Any, cls_name: str) -> Any:
     return None
 
 
+UNBILLED_TABLE = "cost_unbilled"
+
+
+def unbilled_ledger(config: Any) -> Ledger:
+    """Rows of requests the budget stage does not record (response-cache hits, early refusals): the spend
+    ledger's outbox and columns, its own table next to `budget_ledger` (same SQLite file or Postgres), its own
+    spool (`cost-<budgets.spool_path name>`, outside the spend ledger's replay glob). The spend ledger stays
+    one row per request that spent; `gateway report` reads both."""
+    b = config.raw.budgets
+    if b.ledger == "postgres" and b.ledger_dsn:
+        sink: Any = PostgresSink(os.path.expandvars(b.ledger_dsn), table=UNBILLED_TABLE)
+    else:
+        sink = SqliteSink(config.resolve_path(b.sqlite_path), table=UNBILLED_TABLE)
+    spool = config.resolve_path(b.spool_path)
+    return Ledger(sink, spool.with_name("cost-" + spool.name), b.ledger_flush_s)
+
+
 def wire_cost(gw: Any) -> CostMeter | None:
     if not gw.config.raw.cost.enabled:
         return None
     budgets = _service(gw, "BudgetService")
+    unbilled = unbilled_ledger(gw.config)
+    gw.services.append(unbilled)
     meter = CostMeter(lambda: gw.config,
                       predictor=lambda: getattr(getattr(gw, "router", None), "predictor", None),
-                      ledger=lambda: budgets.ledger if budgets is not None else None, metrics=gw.metrics)
+                      ledger=lambda: unbilled, metrics=gw.metrics)
     gw.cost = meter  # type: ignore[attr-defined]
     # last before dispatch: its run is the dispatch, its finish the first of the finishes (before the budget
     # settles, so a GPU-second price charges the apportioned time)

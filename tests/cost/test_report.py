@@ -39,12 +39,16 @@ def ledger(tmp_path):
                      "engine_cost": gpu * 2.5 / 3600, "cost_category": cat,
                      "saved_gpu_seconds": rng.uniform(0, 0.5), "wasted_gpu_seconds": gpu if cat == "aborted" else 0.0,
                      "retries": rng.choice([0, 0, 1])})
-    sink = SqliteSink(tmp_path / "budgets.db")
+    # spend rows in the budget ledger, cache hits and early refusals in the meter's own table (as wired)
+    unbilled = [r for r in rows if r["cost_category"] in ("cache_hit", "rejected")]
+    spent = [r for r in rows if r["cost_category"] not in ("cache_hit", "rejected")]
 
     async def write() -> None:
-        await sink.open()
-        await sink.write(rows)
-        await sink.close()
+        for table, part in (("budget_ledger", spent), ("cost_unbilled", unbilled)):
+            sink = SqliteSink(tmp_path / "budgets.db", table=table)
+            await sink.open()
+            await sink.write(part)
+            await sink.close()
 
     asyncio.run(write())
     cfg = tmp_path / "gw.yaml"
@@ -66,7 +70,8 @@ def sql(db, where: str = "1=1", group: str | None = None) -> list[tuple]:
     try:
         g = f" group by {group} order by {group}" if group else ""
         sel = (f"{group}, " if group else "") + ", ".join(SUMS)
-        return c.execute(f"select {sel} from budget_ledger where {where}{g}").fetchall()
+        both = "(select * from budget_ledger union all select * from cost_unbilled)"
+        return c.execute(f"select {sel} from {both} where {where}{g}").fetchall()
     finally:
         c.close()
 
