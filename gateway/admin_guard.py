@@ -130,12 +130,12 @@ class AdminGuard:
 
 def gateway_guard(gw: Any) -> AdminGuard:
     """The guard of a Gateway: its identity service authenticates (503 `identity_unavailable` without one)."""
-    guard = getattr(gw, "admin_guard", None)
+    guard = gw.admin_guard
     if guard is not None:
         return guard
 
     async def authenticate(headers: Mapping[str, str], addr: str) -> Principal:
-        svc = getattr(gw, "identity", None)
+        svc = gw.identity
         if svc is None:
             return await gw.admin_auth(headers)  # the Gateway's placeholder: 503 until identity is wired
         return await svc.authenticate_admin(headers, addr)

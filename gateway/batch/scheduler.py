@@ -23,13 +23,15 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from gateway.proxy.dialects import publishes_kv_events
+
 HALVE_COOLDOWN_S = 0.5
 
 
 def realtime_prediction(gw: Any) -> float | None:
     """The lowest upper-bound TTFT (ms) over own healthy engines for a typical realtime request, or None
     when there is no predictive router (then only max_concurrency bounds the lane)."""
-    router = getattr(gw, "router", None)
+    router = gw.router
     if router is None or not hasattr(router, "predictor") or not hasattr(router, "_view"):
         return None
     from gateway.routing.predictor import Features
@@ -38,7 +40,7 @@ def realtime_prediction(gw: Any) -> float | None:
     tel = router.telemetry
     best: float | None = None
     for name, b in own_engines(gw):
-        v = router._view(name, now, tel is not None and b.kind in ("vllm", "sim"))
+        v = router._view(name, now, tel is not None and publishes_kv_events(b))
         f = Features(ahead_tokens=v.ahead_tokens, uncached_tokens=router.avg_uncached.get(name, 512.0),
                      running=v.running)
         _, upper = router.predictor.predict(name, f)
@@ -153,7 +155,7 @@ class Pacer:
         """How many lines may start for prefill room now: own healthy engines with room (engine_room), less
         the lines already started that routing has not placed yet (they will take a room); None without a
         router that tracks flights (then concurrency alone bounds the lane)."""
-        router = getattr(gw, "router", None)
+        router = gw.router
         if router is None or not hasattr(router, "flights") or not hasattr(router, "clock"):
             return None
         bc = self._bc

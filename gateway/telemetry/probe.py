@@ -156,7 +156,9 @@ async def probe_config(cfg, timeout_s: float = 5.0) -> list[ProbeResult]:  # typ
     tc = cfg.raw.telemetry
     if not tc.kv_events:
         return []
-    todo = [b for b in cfg.backends if b.kind in ("vllm", "sim") and b.kv_events]
+    from gateway.proxy.dialects import publishes_kv_events
+
+    todo = [b for b in cfg.backends if publishes_kv_events(b) and b.kv_events]
     return list(await asyncio.gather(*(
         probe_stream(b.name, b.kv_events, b.replay, b.kv_topic if b.kv_topic is not None else tc.kv_topic,
                      timeout_s) for b in todo)))

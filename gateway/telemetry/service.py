@@ -74,7 +74,9 @@ class InFlight:
 
 
 def _telemetry_backends(config: Config) -> list[BackendConfig]:
-    return [b for b in config.backends if b.kind in ("vllm", "sim")]
+    from gateway.proxy.dialects import publishes_kv_events
+
+    return [b for b in config.backends if publishes_kv_events(b)]
 
 
 class TelemetryService:

@@ -16,4 +16,10 @@ def dialect_for(kind: str) -> Dialect:
     return DIALECTS[kind]
 
 
-__all__ = ["DIALECTS", "Dialect", "Exchange", "StreamTranslator", "dialect_for"]
+def publishes_kv_events(backend: object) -> bool:
+    """Does this backend's kind publish vLLM KV-cache events and engine metrics (the router's telemetry)?"""
+    d = DIALECTS.get(getattr(backend, "kind", ""))
+    return d is not None and d.kv_events
+
+
+__all__ = ["DIALECTS", "Dialect", "Exchange", "StreamTranslator", "dialect_for", "publishes_kv_events"]
