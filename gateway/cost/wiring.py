@@ -1,8 +1,10 @@
 """Assembly of cost engineering into a Gateway (called from gateway.wiring.wire once the stage list is built):
 the meter stage goes last before dispatch, its finish hook first (before the audit recorder's),
-the spend ledger gets the apportioned fields (and unbilled requests a table of their own), /metrics the per-engine busy series, /admin/cost the snapshot."""
+the spend ledger gets the apportioned fields (and unbilled requests a table of their own), /metrics the
+per-engine busy series, /admin/cost the snapshot."""
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 

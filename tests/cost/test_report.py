@@ -119,3 +119,62 @@ def test_two_groups_and_errors(ledger, capsys, tmp_path):
     missing = tmp_path / "none.yaml"
     missing.write_text(yaml.safe_dump({"budgets": {"sqlite_path": str(tmp_path / "nope.db")}}))
     assert main(["report", "--config", str(missing)]) == 2
+
+
+PG = "postgresql://postgres@127.0.0.1:5432/test"
+
+
+def test_postgres_ledger_both_tables(tmp_path, capsys):
+    """budgets.ledger: postgres - the report reads budget_ledger and cost_unbilled there (rows of this test
+    only: a time window of its own, far from any other test's rows)."""
+    import uuid
+
+    import asyncpg
+
+    from gateway.budget.ledger import PostgresSink
+    from tests.conftest import require_service
+
+    async def ok() -> bool:
+        try:
+            c = await asyncpg.connect(PG, timeout=3)
+            await c.close()
+            return True
+        except (OSError, asyncpg.PostgresError):
+            return False
+
+    require_service(asyncio.run(ok()), "PostgreSQL on 127.0.0.1:5432")
+    tag = uuid.uuid4().hex[:8]
+    base = 4_000_000_000.0 + random.Random(tag).randrange(10**6) * 100
+    spent = [{"request_id": f"rep-{tag}-{i}", "ts": base + i, "tenant": "pg", "model": "m", "backend": "b",
+              "total_tokens": 100, "cost": 0.5, "gpu_seconds_apportioned": 2.0, "engine_cost": 0.1,
+              "cost_category": "served", "currency": "EUR"} for i in range(5)]
+    unbilled = [{"request_id": f"rep-{tag}-u{i}", "ts": base + 10 + i, "tenant": "pg", "model": "m",
+                 "total_tokens": 0, "cost": 0.0, "cost_category": "rejected"} for i in range(3)]
+
+    async def write() -> None:
+        for table, part in (("budget_ledger", spent), ("cost_unbilled", unbilled)):
+            s = PostgresSink(PG, table=table)
+            await s.open()
+            await s.write(part)
+            await s.close()
+
+    async def clean() -> None:
+        c = await asyncpg.connect(PG)
+        try:
+            for t in ("budget_ledger", "cost_unbilled"):
+                await c.execute(f"DELETE FROM {t} WHERE request_id LIKE $1", f"rep-{tag}-%")
+        finally:
+            await c.close()
+
+    asyncio.run(write())
+    try:
+        cfg = tmp_path / "pg.yaml"
+        cfg.write_text(yaml.safe_dump({"budgets": {"ledger": "postgres", "ledger_dsn": PG}}))
+        out = json.loads(run(capsys, "--config", str(cfg), "--format", "json", "--since", str(base),
+                             "--until", str(base + 100)))
+        (g,) = out["groups"]
+        assert g["requests"] == 8 and g["requests_served"] == 5 and g["requests_rejected"] == 3
+        assert g["charged"] == pytest.approx(2.5) and g["gpu_seconds"] == pytest.approx(10.0)
+        assert g["margin"] == pytest.approx(2.5 - 0.5)
+    finally:
+        asyncio.run(clean())
