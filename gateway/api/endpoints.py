@@ -46,7 +46,9 @@ class Endpoint:
     name: str  # ctx.endpoint: the name in metrics, audit records and batch lines
     path: str  # the client-facing path
     parse: Callable[[dict[str, Any]], parse.Parsed]
-    upstream_path: str  # relative to a backend's base URL, for a backend serving this API natively
+    # relative to a backend's base URL, for a backend serving this API natively; a leading '/' makes it relative to
+    # the server root instead (the base URL without a trailing /v1: vLLM serves /tokenize there, not under /v1)
+    upstream_path: str
     wire: ClientWire
     operation: str  # OpenTelemetry gen_ai.operation.name
     prompt_param: str  # the body parameter holding the prompt (named in context-length errors)
@@ -55,6 +57,8 @@ class Endpoint:
     default_max_tokens: int | None = None  # the engine's completion length when the client sends none
     cacheable: bool = False  # the response cache may answer it (gateway/cache)
     batchable: bool = False  # a batch line may target it (gateway/batch)
+    # a backend serves it only when this is in its `capabilities` (pooling APIs need a pooling model); None: any
+    capability: str | None = None
 
     @property
     def generates(self) -> bool:
@@ -78,7 +82,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
              "prompt", _field_text("prompt"), _const("max_tokens"), default_max_tokens=16, cacheable=True,
              batchable=True),
     Endpoint("embeddings", "/v1/embeddings", parse.parse_embeddings, "embeddings", OPENAI, "embeddings",
-             "input", _field_text("input"), batchable=True),
+             "input", _field_text("input"), batchable=True, capability="embeddings"),
 )
 
 BY_NAME: dict[str, Endpoint] = {e.name: e for e in ENDPOINTS}
