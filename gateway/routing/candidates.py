@@ -33,14 +33,15 @@ def candidates(config: Config, ctx: RequestContext, health: Health) -> RoutePlan
     """Every (backend, model) pair that may serve this request, in alias-chain order, with drop reasons."""
     kept: list[Candidate] = []
     dropped: list[dict] = []
+    need = ctx.ep.capability if ctx.ep is not None else None  # e.g. pooling APIs need a pooling model
     for model in ctx.model_chain:
         for name in config.models.get(model, ()):
             b = config.backend(name)
             why, kind = residency_reason(ctx.decision, b), "residency"
             if why is None and not health.available(name):
                 why, kind = "circuit open", "health"
-            if why is None and ctx.endpoint == "embeddings" and "embeddings" not in b.capabilities:
-                why, kind = "backend does not serve embeddings", "capability"
+            if why is None and need is not None and need not in b.capabilities:
+                why, kind = f"backend does not serve {need}", "capability"
             if why is not None:
                 dropped.append({"backend": name, "model": model, "reason": why, "filter": kind})
             else:
