@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from gateway.api import parse
+from gateway.api.parse_messages import parse_messages
+from gateway.api.wire.anthropic import ANTHROPIC
 from gateway.api.wire.base import ClientWire
 from gateway.api.wire.openai import OPENAI
 
@@ -26,6 +28,15 @@ def _messages_text(body: dict[str, Any]) -> str:
     from gateway.telemetry.tokens import render_messages_plain
 
     return render_messages_plain([m for m in msgs if isinstance(m, dict)])
+
+
+def _anthropic_text(body: dict[str, Any]) -> str:
+    """An Anthropic Messages prompt as text: the top-level `system` as the first turn, then the messages."""
+    system = body.get("system")
+    if isinstance(system, list):
+        system = "".join(b.get("text", "") for b in system if isinstance(b, dict))
+    head = {"role": "system", "content": system} if isinstance(system, str) and system else None
+    return _messages_text({"messages": ([head] if head else []) + list(body.get("messages") or [])})
 
 
 def _field_text(name: str) -> Callable[[dict[str, Any]], str]:
@@ -83,6 +94,9 @@ ENDPOINTS: tuple[Endpoint, ...] = (
              batchable=True),
     Endpoint("embeddings", "/v1/embeddings", parse.parse_embeddings, "embeddings", OPENAI, "embeddings",
              "input", _field_text("input"), batchable=True, capability="embeddings"),
+    # Anthropic Messages: max_tokens is required by its parser, so there is no default
+    Endpoint("messages", "/v1/messages", parse_messages, "messages", ANTHROPIC, "chat", "messages",
+             _anthropic_text, _const("max_tokens")),
 )
 
 BY_NAME: dict[str, Endpoint] = {e.name: e for e in ENDPOINTS}
