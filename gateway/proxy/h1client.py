@@ -36,7 +36,7 @@ _HIGH_WATER = 1 << 20  # unread response bytes past which reading from the upstr
 class _Endpoint:
     """Where a URL's requests go: (host, port, TLS) and the Host header / path prefix to send."""
 
-    __slots__ = ("host", "port", "tls", "host_header", "prefix")
+    __slots__ = ("host", "port", "tls", "host_header", "prefix", "root")
 
     def __init__(self, url: str) -> None:
         u = urlsplit(url)
@@ -49,6 +49,8 @@ class _Endpoint:
         host = f"[{self.host}]" if ":" in self.host else self.host
         self.host_header = host if default else f"{host}:{self.port}"
         self.prefix = u.path.rstrip("/") + "/"
+        base = u.path.rstrip("/")  # the server root (without a trailing /v1): where a path with a leading '/' goes
+        self.root = base[:-3] if base.endswith("/v1") else base
 
 
 def _head(method: str, target: str, host: str, headers: dict[str, str], length: int | None) -> bytes:
@@ -407,7 +409,8 @@ class H1Transport:
         raise AssertionError("unreachable")
 
     async def post(self, path: str, body: bytes, headers: dict[str, str]) -> _Response:
-        return await self._send("POST", self._ep.prefix + path, headers, body)
+        ep = self._ep
+        return await self._send("POST", (ep.root if path[:1] == "/" else ep.prefix) + path, headers, body)
 
     async def get(self, url: str, timeout: float) -> int:
         u = urlsplit(url)

@@ -36,6 +36,8 @@ class UpstreamResponse(Protocol):
 
 
 class Transport(Protocol):
+    # `path` is relative to the backend's URL; one with a leading '/' is relative to its server root instead
+    # (BackendConfig.server_root: the URL without a trailing /v1, where vLLM serves /tokenize)
     async def post(self, path: str, body: bytes, headers: dict[str, str]) -> UpstreamResponse: ...
 
     async def get(self, path: str, timeout: float) -> int: ...
@@ -81,6 +83,7 @@ class _AiohttpResponse:
 class AiohttpTransport:
     def __init__(self, b: BackendConfig) -> None:
         self._base = b.url.rstrip("/") + "/"
+        self._root = b.server_root.rstrip("/")
         self._b = b
         self._session: aiohttp.ClientSession | None = None
 
@@ -99,7 +102,8 @@ class AiohttpTransport:
 
     async def post(self, path: str, body: bytes, headers: dict[str, str]) -> UpstreamResponse:
         try:
-            r = await self._sess().post(self._base + path, data=body, headers=headers, allow_redirects=False)
+            url = (self._root if path[:1] == "/" else self._base) + path
+            r = await self._sess().post(url, data=body, headers=headers, allow_redirects=False)
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
             raise UpstreamConnectError(type(e).__name__) from None
         except (aiohttp.ClientError, OSError) as e:
@@ -159,9 +163,11 @@ class HttpxTransport:
         # trust_env / proxy: a partner route behind an egress proxy (per backend, opt-in; BackendConfig)
         self._c = httpx.AsyncClient(base_url=b.url.rstrip("/") + "/", limits=limits, timeout=timeout, http1=True,
                                     http2=False, follow_redirects=False, trust_env=b.trust_env, proxy=b.proxy)
+        self._root = b.server_root.rstrip("/")
 
     async def post(self, path: str, body: bytes, headers: dict[str, str]) -> UpstreamResponse:
-        req = self._c.build_request("POST", path, content=body, headers=headers)
+        req = self._c.build_request("POST", self._root + path if path[:1] == "/" else path, content=body,
+                                    headers=headers)
         try:
             return _HttpxResponse(await self._c.send(req, stream=True))
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as e:
