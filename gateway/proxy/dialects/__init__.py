@@ -1,6 +1,7 @@
 """Backend dialects by `kind` (gateway/proxy/dialects/base.py): one registry line per kind."""
 from __future__ import annotations
 
+from gateway.proxy.dialects.anthropic import AnthropicDialect
 from gateway.proxy.dialects.base import Dialect, Exchange, StreamTranslator
 from gateway.proxy.dialects.openai import OpenAIDialect
 from gateway.proxy.dialects.vllm import VLLMDialect
@@ -9,6 +10,7 @@ DIALECTS: dict[str, Dialect] = {d.kind: d for d in (
     VLLMDialect("vllm"),
     VLLMDialect("sim"),
     OpenAIDialect(),
+    AnthropicDialect(),
 )}
 
 
