@@ -93,7 +93,7 @@ class DnsDiscovery(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class BackendConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     name: str
     url: str
-    kind: Literal["openai", "vllm", "sim"] = "openai"
+    kind: Literal["openai", "vllm", "sim", "anthropic"] = "openai"
     models: list[str] = msgspec.field(default_factory=list)
     model_map: dict[str, str] = msgspec.field(default_factory=dict)  # our model name -> upstream's name
     location: Location | None = None
