@@ -1,0 +1,222 @@
+"""Anthropic Messages end to end: the official `anthropic` SDK (`client.messages.create`, stream and not) and
+the official `openai` SDK against a real `python -m gateway serve` in front of a simulated fleet process.
+
+Engine 0 is a kind `sim` backend (vLLM's native /v1/messages); engine 1 is registered as kind `anthropic` (a
+partner speaking Anthropic's Messages API; the simulator's /v1/messages plays that upstream), reached both by
+/v1/messages natively and by OpenAI chat completions translated both ways. Bad inputs on /v1/messages get
+Anthropic-shaped 4xx (`{"type": "error", "error": {"type", "message"}}`), refusals from identity, ingress,
+budgets and residency included; the audit record carries the usage the budget was charged from."""
+from __future__ import annotations
+
+import json
+import time
+
+import anthropic
+import httpx
+import openai
+import pytest
+import yaml
+
+from backends.sim.fleet import FleetProcess
+from tests.support.procs import free_port, start_gateway
+
+pytestmark = pytest.mark.e2e
+KEY = "anth-e2e-key-0123456789"
+QUOTA_KEY = "anth-quota-key-0123456789"
+EU_KEY = "anth-eu-key-0123456789"
+PARTNER_SECRET = "partner-anthropic-secret-0123"
+MSGS = [{"role": "user", "content": "Name three prime numbers and say why they are prime."}]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("anthropic")
+    fleet = FleetProcess(["--engines", "2", "--profile", "tiny", "--base-port", "0", "--locations", "US,US"],
+                         tmp / "fleet.json")
+    man = fleet.start()
+    e0, e1 = man["engines"]
+    (tmp / "policy.yaml").write_text(yaml.safe_dump({"version": 1, "defaults": {"allow": True}, "rules": [
+        {"id": "tiny-daily-quota", "match": {"tenant": "quota"}, "budgets": [{"window": "day", "tokens": 10}]},
+        {"id": "eu-stays-in-eea", "match": {"tenant": "eu"}, "require": {"jurisdiction": "EEA"}}]}))
+    (tmp / "partner.key").write_text(PARTNER_SECRET)
+    port = free_port()
+    cfg = {"server": {"host": "127.0.0.1", "port": port, "max_body_bytes": 200_000},
+           "backends": [
+               {"name": "engine", "url": e0["url"], "kind": "sim", "models": ["sim-model"],
+                "metrics": e0["metrics"], "location": {"country": "US"}, "retention": "zero"},
+               {"name": "claude-partner", "url": e1["url"], "kind": "anthropic", "models": ["claude-sim"],
+                "model_map": {"claude-sim": "sim-model"}, "api_key_file": str(tmp / "partner.key"),
+                "location": {"country": "US"}, "retention": "zero", "operator": "partner"}],
+           "keys": [{"key": KEY, "tenant": "acme", "name": "k"}, {"key": QUOTA_KEY, "tenant": "quota", "name": "q"},
+                    {"key": EU_KEY, "tenant": "eu", "name": "e"}],
+           "policy": {"files": [str(tmp / "policy.yaml")], "audit_path": str(tmp / "audit.jsonl")},
+           "identity": {"sqlite_path": str(tmp / "id.db")},
+           "budgets": {"sqlite_path": str(tmp / "budgets.db")}}
+    path = tmp / "gw.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    gw, _ = start_gateway(path)
+    yield {"base": f"http://127.0.0.1:{port}", "tmp": tmp}
+    gw.stop()
+    fleet.stop()
+
+
+def audit(tmp, rid: str, timeout: float = 5.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        p = tmp / "audit.jsonl"
+        if p.exists():
+            for line in p.read_text().splitlines():
+                rec = json.loads(line)
+                if rid in (rec.get("request_id"), rec.get("client_request_id")):
+                    return rec
+        time.sleep(0.05)
+    raise AssertionError(f"no audit record for {rid}")
+
+
+def client(stack, key: str = KEY, **kw) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=stack["base"], api_key=key, max_retries=0, **kw)
+
+
+@pytest.mark.parametrize("model", ["sim-model", "claude-sim"])
+def test_messages_create_json(stack, model):
+    """Natively on a vLLM-kind engine and on an Anthropic-kind partner: the SDK parses a Message; the audit
+    record's usage is Anthropic's input (+ cache reads) and output tokens."""
+    c = client(stack)
+    raw = c.messages.with_raw_response.create(model=model, max_tokens=7, system="Be terse.", messages=MSGS,
+                                              extra_headers={"x-request-id": f"anth-json-{model}"})
+    msg = raw.parse()
+    assert msg.type == "message" and msg.role == "assistant" and msg.id.startswith("msg_")
+    assert msg.content[0].type == "text" and msg.content[0].text
+    assert msg.stop_reason == "max_tokens" and msg.usage.output_tokens == 7 and msg.usage.input_tokens > 0
+    rec = audit(stack["tmp"], f"anth-json-{model}")
+    assert rec["endpoint"] == "messages" and rec["status"] == 200
+    assert rec["backend"] == ("engine" if model == "sim-model" else "claude-partner")
+    prompt = msg.usage.input_tokens + (msg.usage.cache_read_input_tokens or 0)
+    assert rec["usage"]["prompt_tokens"] == prompt and rec["usage"]["completion_tokens"] == 7
+    assert rec["response_id"] == msg.id and rec["finish_reasons"] == ["max_tokens"]
+
+
+@pytest.mark.parametrize("model", ["sim-model", "claude-sim"])
+def test_messages_create_stream(stack, model):
+    c = client(stack)
+    stream = c.messages.create(model=model, max_tokens=9, messages=MSGS, stream=True,
+                               extra_headers={"x-request-id": f"anth-stream-{model}"})
+    kinds, text = [], []
+    for ev in stream:
+        kinds.append(ev.type)
+        if ev.type == "content_block_delta":
+            text.append(ev.delta.text)
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "message_delta" in kinds
+    assert "".join(text)
+    # the SDK's stream helper accumulates the same events into a final Message with usage
+    with c.messages.stream(model=model, max_tokens=9, messages=MSGS) as s:
+        joined = "".join(s.text_stream)
+        final = s.get_final_message()
+    assert joined and final.usage.output_tokens == 9 and final.stop_reason == "max_tokens"
+    rec = audit(stack["tmp"], f"anth-stream-{model}")
+    assert rec["stream"] and rec["status"] == 200 and rec["usage"]["completion_tokens"] == 9
+    assert rec["usage"]["prompt_tokens"] > 0 and rec["ttft_ms"]["actual"] is not None
+
+
+def test_openai_chat_through_an_anthropic_partner(stack):
+    """OpenAI chat completions reach the Anthropic-kind backend translated to Messages and come back as chat
+    completions, JSON and streamed (usage chunk and [DONE] included)."""
+    c = openai.OpenAI(base_url=stack["base"] + "/v1", api_key=KEY, max_retries=0)
+    msgs = [{"role": "system", "content": "Be terse."}, *MSGS]
+    r = c.chat.completions.create(model="claude-sim", max_tokens=6, messages=msgs,
+                                  extra_headers={"x-request-id": "oai-anth-json"})
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 6 and r.usage.prompt_tokens > 0
+    rec = audit(stack["tmp"], "oai-anth-json")
+    assert rec["backend"] == "claude-partner" and rec["usage"]["prompt_tokens"] == r.usage.prompt_tokens
+
+    chunks = list(c.chat.completions.create(model="claude-sim", max_tokens=6, messages=msgs, stream=True,
+                                            stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text
+    finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
+    # without include_usage the gateway strips the usage-only chunk, as for any chat stream
+    plain = list(c.chat.completions.create(model="claude-sim", max_tokens=4, messages=msgs, stream=True))
+    assert all(ch.usage is None for ch in plain) and "".join(
+        ch.choices[0].delta.content or "" for ch in plain if ch.choices)
+
+
+def anth_error(r: httpx.Response, status: int, etype: str) -> str:
+    assert r.status_code == status, (r.status_code, r.text)
+    body = r.json()
+    assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+    assert body["error"]["type"] == etype
+    return body["error"]["message"]
+
+
+def test_bad_inputs_get_anthropic_shaped_4xx(stack):
+    c = client(stack)
+    with pytest.raises(anthropic.BadRequestError) as ei:
+        # NOT_GIVEN leaves the field out of the body (the SDK's type hints require it; the API does too)
+        c.messages.create(model="sim-model", messages=MSGS, max_tokens=anthropic.NOT_GIVEN, timeout=30)
+    assert ei.value.body["error"]["type"] == "invalid_request_error" and "max_tokens" in ei.value.message
+    with pytest.raises(anthropic.BadRequestError) as ei:
+        c.messages.create(model="sim-model", max_tokens=5, messages=[{"role": "tool", "content": "x"}])
+    assert "messages[0].role" in ei.value.message
+    with pytest.raises(anthropic.BadRequestError) as ei:
+        c.messages.create(model="sim-model", max_tokens=5, messages=[{"role": "user", "content": 5}])
+    assert "messages[0].content" in ei.value.message
+    with pytest.raises(anthropic.AuthenticationError) as ei:
+        client(stack, "wrong-key-0123456789").messages.create(model="sim-model", max_tokens=5, messages=MSGS)
+    assert ei.value.status_code == 401 and ei.value.body["error"]["type"] == "authentication_error"
+    with pytest.raises(anthropic.NotFoundError) as ei:
+        c.messages.create(model="no-such-model", max_tokens=5, messages=MSGS)
+    assert ei.value.body["type"] == "error" and ei.value.body["error"]["type"] == "not_found_error"
+
+    url = stack["base"] + "/v1/messages"
+    ok = {"x-api-key": KEY, "anthropic-version": "2023-06-01"}
+    body = {"model": "sim-model", "max_tokens": 5, "messages": MSGS}
+    anth_error(httpx.post(url, content=json.dumps(body), headers={**ok, "content-type": "text/plain"}), 415,
+               "invalid_request_error")
+    anth_error(httpx.get(url, headers=ok), 405, "invalid_request_error")
+    anth_error(httpx.post(url, json={**body, "system": "x" * 300_000}, headers=ok), 413, "request_too_large")
+    anth_error(httpx.post(url, content=b"{", headers={**ok, "content-type": "application/json"}), 400,
+               "invalid_request_error")
+    anth_error(httpx.post(url, json=body), 401, "authentication_error")  # no key at all
+    # an unauthenticated caller learns nothing about its body: 401 before the 400
+    anth_error(httpx.post(url, json={"model": "sim-model"}, headers={"x-api-key": "nope-0123456789"}), 401,
+               "authentication_error")
+    msg = anth_error(httpx.post(url, json={**body, "temperature": 1.5}, headers=ok), 400, "invalid_request_error")
+    assert "temperature" in msg
+
+
+def test_authorization_bearer_works_like_x_api_key(stack):
+    url = stack["base"] + "/v1/messages"
+    body = {"model": "sim-model", "max_tokens": 3, "messages": MSGS}
+    for headers in ({"authorization": f"Bearer {KEY}"}, {"x-api-key": KEY, "anthropic-version": "2023-06-01"}):
+        r = httpx.post(url, json=body, headers=headers, timeout=30)
+        assert r.status_code == 200 and r.json()["type"] == "message", r.text
+
+
+def test_budget_and_residency_refusals_are_anthropic_shaped(stack):
+    with pytest.raises(anthropic.RateLimitError) as ei:
+        client(stack, QUOTA_KEY).messages.create(model="sim-model", max_tokens=50, messages=MSGS)
+    err = ei.value
+    assert err.status_code == 429 and err.body["error"]["type"] == "rate_limit_error"
+    assert int(err.response.headers["retry-after"]) >= 1 and err.response.headers["x-should-retry"] == "false"
+    with pytest.raises(anthropic.PermissionDeniedError) as ei:
+        client(stack, EU_KEY).messages.create(model="sim-model", max_tokens=5, messages=MSGS)
+    assert ei.value.status_code == 403 and ei.value.body["error"]["type"] == "permission_error"
+    # a refused stream request is refused before the stream starts, in the same shape
+    with pytest.raises(anthropic.RateLimitError):
+        client(stack, QUOTA_KEY).messages.create(model="sim-model", max_tokens=50, messages=MSGS, stream=True)
+
+
+def test_upstream_rejection_is_relayed_in_the_clients_shape(stack):
+    """An Anthropic partner's own 4xx (here: the prompt is longer than its context) reaches an OpenAI client as
+    an OpenAI error and an Anthropic client as an Anthropic error, with the partner's message."""
+    long = [{"role": "user", "content": "word " * 3000}]
+    r = httpx.post(stack["base"] + "/v1/chat/completions", headers={"authorization": f"Bearer {KEY}"},
+                   json={"model": "claude-sim", "max_tokens": 5, "messages": long}, timeout=30)
+    assert r.status_code == 400 and "context length" in r.json()["error"]["message"]
+    r = httpx.post(stack["base"] + "/v1/messages", headers={"x-api-key": KEY},
+                   json={"model": "claude-sim", "max_tokens": 5, "messages": long}, timeout=30)
+    assert "context length" in anth_error(r, 400, "invalid_request_error")
