@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import inspect
 import json
-import os
 import re
 import shutil
 import subprocess

@@ -50,7 +50,6 @@ async def client(c: httpx.AsyncClient, url: str, stop: float, rng: random.Random
 
 async def drive(manifest: dict, args: argparse.Namespace, pid: int) -> list[tuple[str, str]]:
     engines = manifest["engines"]
-    rng = random.Random(1)
     prefixes = [" ".join(f"sys{p}w{j}" for j in range(args.prompt_tokens)) for p in range(8)]
     stats = {"done": 0, "errors": 0}
     limits = httpx.Limits(max_connections=args.concurrency * len(engines) + 10)

@@ -23,7 +23,7 @@ import httpx
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.hardening.stack import ADMIN_KEY, GW_KEY, proc_stats, start_stack, wait_ready  # noqa: E402
+from tests.hardening.stack import GW_KEY, proc_stats, start_stack, wait_ready  # noqa: E402
 from tests.resilience.stack import engine_root  # noqa: E402
 
 CHAT = {"model": "sim-model", "messages": [{"role": "user", "content": "soak test, say something"}], "max_tokens": 16}

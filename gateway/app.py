@@ -247,7 +247,7 @@ class Gateway:
 # ------------------------------------------------------------------------------------------- routes
 
 
-def build_app(gw: Gateway) -> Starlette:
+def build_app(gw: Gateway) -> GatewayApp:
     async def healthz(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 

@@ -15,7 +15,6 @@ import re
 import sys
 import tokenize
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import msgspec.inspect as mi

@@ -15,7 +15,7 @@ from gateway.policy.eea import EEA_COUNTRIES, EU_COUNTRIES
 from gateway.policy.model import RequestAttrs, Rule
 from gateway.types import BudgetSpec, Decision, Principal
 
-__all__ = ["CompiledPolicy", "RequestAttrs", "load_policies", "PolicyError"]
+__all__ = ["CompiledPolicy", "RequestAttrs"]  # load_policies and PolicyError live in gateway.policy.compiler
 
 
 def _jurisdiction_label(countries: frozenset[str]) -> str:

@@ -16,7 +16,6 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-import orjson
 
 from gateway.api.wire.base import StreamState
 from gateway.api.wire.openai import response_facts, usage_from  # noqa: F401  (re-exported: tests, batch)

@@ -6,7 +6,6 @@ import asyncio
 import json
 import random
 import sys
-import tempfile
 from pathlib import Path
 
 import yaml

@@ -4,7 +4,6 @@ cancellation on client disconnect."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 
 import httpx

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from .conftest import KEY, TIGHT_KEY, open_stack
+from .conftest import TIGHT_KEY, open_stack
 
 # OpenTelemetry GenAI semantic conventions, explicit bucket boundaries advice (metrics spec)
 SEMCONV_TTFT = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0]

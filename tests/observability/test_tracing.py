@@ -5,7 +5,6 @@ from pathlib import Path
 
 import httpx
 import orjson
-import pytest
 import yaml
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode

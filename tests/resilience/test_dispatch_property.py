@@ -136,7 +136,7 @@ def _backend(i: int, spec: dict) -> BackendConfig:
     loc = None
     if spec["located"]:
         loc = {"country": spec["country"], **({"storage_country": spec["storage"]} if spec["storage"] else {})}
-    raw = {"name": f"b{i}", "url": f"http://127.0.0.1:1/v1", "models": ["m"], "retention": spec["retention"],
+    raw = {"name": f"b{i}", "url": "http://127.0.0.1:1/v1", "models": ["m"], "retention": spec["retention"],
            "timeouts": {"first_token_s": 0.05, "total_s": 0.05, "idle_s": 0.05},
            "health": {"failures_to_open": 1000}}
     if loc:

@@ -3,7 +3,6 @@ gaps, restarts, clears, floods."""
 import asyncio
 
 import pytest
-import zmq.asyncio
 
 from backends.sim.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored
 from backends.sim.publisher import KVEventPublisher
