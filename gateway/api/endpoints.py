@@ -19,6 +19,9 @@ from gateway.api.parse_messages import parse_messages
 from gateway.api.wire.anthropic import ANTHROPIC
 from gateway.api.wire.base import ClientWire
 from gateway.api.wire.openai import OPENAI
+from gateway.api import parse_pooling, parse_responses
+from gateway.api.wire.pooling import POOLING
+from gateway.api.wire.responses import RESPONSES
 
 
 def _messages_text(body: dict[str, Any]) -> str:
@@ -94,6 +97,17 @@ ENDPOINTS: tuple[Endpoint, ...] = (
              batchable=True),
     Endpoint("embeddings", "/v1/embeddings", parse.parse_embeddings, "embeddings", OPENAI, "embeddings",
              "input", _field_text("input"), batchable=True, capability="embeddings"),
+    # OpenAI's Responses API, stateless (store: true refused by the parser, store: false sent upstream)
+    Endpoint("responses", "/v1/responses", parse_responses.parse_responses, "responses", RESPONSES, "chat",
+             "input", parse_responses.prompt_text, _const("max_output_tokens")),
+    # vLLM's pooling APIs (a backend serves them when its capabilities say so) and its tokenizer, which vLLM
+    # serves at the server root: budgets on the input tokens they count
+    Endpoint("rerank", "/v1/rerank", parse_pooling.parse_rerank, "rerank", POOLING, "rerank", "documents",
+             parse_pooling.rerank_text, capability="rerank"),
+    Endpoint("score", "/v1/score", parse_pooling.parse_score, "score", POOLING, "score", "text_2",
+             parse_pooling.score_text, capability="score"),
+    Endpoint("tokenize", "/tokenize", parse_pooling.parse_tokenize, "/tokenize", POOLING, "tokenize", "prompt",
+             parse_pooling.tokenize_text),
     # Anthropic Messages: max_tokens is required by its parser, so there is no default
     Endpoint("messages", "/v1/messages", parse_messages, "messages", ANTHROPIC, "chat", "messages",
              _anthropic_text, _const("max_tokens")),
