@@ -110,9 +110,7 @@ class RequestContext:
     @property
     def ep(self) -> Any:
         """The endpoint table entry of this request (gateway/api/endpoints.py); None outside inference."""
-        from gateway.api.endpoints import BY_NAME
-
-        return BY_NAME.get(self.endpoint)
+        return (_ENDPOINTS or _endpoint_table()).get(self.endpoint)
 
     @property
     def zero_retention(self) -> bool:
@@ -124,6 +122,17 @@ class RequestContext:
         retention (refused before the decision: bad or revoked key, a model the key may not use, a parse
         error) counts as zero: such a request's content is never captured in audit, logs or spans."""
         return self.principal is not None and self.decision is not None and self.decision.retention != "zero"
+
+
+_ENDPOINTS: dict[str, Any] = {}
+
+
+def _endpoint_table() -> dict[str, Any]:
+    """The endpoint table by name, imported on first use (gateway.api imports this module)."""
+    from gateway.api.endpoints import BY_NAME
+
+    _ENDPOINTS.update(BY_NAME)
+    return _ENDPOINTS
 
 
 class Stage(Protocol):
