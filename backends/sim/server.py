@@ -26,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from backends.sim import anthropic_api
+from backends.sim import anthropic_api, extra_api
 from backends.sim.engine import EngineDead, SimEngine
 from backends.sim.metrics import make_registry, render
 from backends.sim.scheduler import SimRequest
@@ -175,6 +175,9 @@ class EngineServer:
             Route("/v1/completions", self._wrap(self.completions), methods=["POST"]),
             Route("/v1/embeddings", self._wrap(self.embeddings), methods=["POST"]),
             Route("/v1/messages", self._wrap(lambda r: anthropic_api.messages(self, r)), methods=["POST"]),
+            Route("/v1/responses", self._wrap(lambda r: extra_api.responses(self, r)), methods=["POST"]),
+            Route("/v1/rerank", self._wrap(lambda r: extra_api.rerank(self, r)), methods=["POST"]),
+            Route("/v1/score", self._wrap(lambda r: extra_api.score(self, r)), methods=["POST"]),
             Route("/v1/models", self._wrap(self.models), methods=["GET"]),
             Route("/tokenize", self._wrap(self.tokenize), methods=["POST"]),
             Route("/detokenize", self._wrap(self.detokenize), methods=["POST"]),
