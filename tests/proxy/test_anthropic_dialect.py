@@ -207,10 +207,21 @@ async def stack(tmp_path: Path):
             seen.append({"path": request.url.path, "headers": dict(request.headers), "body": orjson.loads(raw)})
             up = await fwd.send(fwd.build_request("POST", sim + "/messages", content=raw,
                                                   headers={"content-type": "application/json"}), stream=True)
+            md = seen[-1]["body"].get("metadata") or {}
+            cut = md.get("user_id") == "cut-after-first-delta"  # a partner whose stream dies part-way
+
             if up.headers.get("content-type", "").startswith("text/event-stream"):
                 async def body():
+                    buf = b""
                     async for chunk in up.aiter_raw():
-                        yield chunk
+                        if not cut:
+                            yield chunk
+                            continue
+                        buf += chunk
+                        if b"content_block_delta" in buf:
+                            head = buf[:buf.index(b"content_block_delta")]
+                            yield buf[:buf.index(b"\n\n", len(head)) + 2]
+                            break
                     await up.aclose()
                 return StreamingResponse(body(), up.status_code, media_type="text/event-stream")
             data = await up.aread()
@@ -286,3 +297,26 @@ async def test_messages_pass_through_natively(stack):
     # embeddings cannot go to an Anthropic partner: no backend serves them
     r = await c.post("/v1/embeddings", json={"model": "claude-sim", "input": "x"})
     assert r.status_code >= 400 and "error" in r.json()
+
+
+async def test_a_partner_stream_that_dies_ends_in_the_clients_error_shape(stack):
+    """The partner closes its stream after the first delta: an Anthropic client gets Anthropic's `event: error`,
+    an OpenAI client an OpenAI error chunk and [DONE]."""
+    c, seen = stack
+    body = {"model": "claude-sim", "max_tokens": 30, "stream": True, "metadata": {"user_id": "cut-after-first-delta"},
+            "messages": [{"role": "user", "content": "Hello"}]}
+    r = await c.post("/v1/messages", json=body)
+    assert r.status_code == 200
+    events = [e for e in r.text.split("\n\n") if e.strip()]
+    assert events[0].startswith("event: message_start") and "content_block_delta" in r.text
+    assert "message_stop" not in r.text
+    last = events[-1].split("\n")
+    assert last[0] == "event: error"
+    assert orjson.loads(last[1][6:])["error"] == {"type": "api_error",
+                                                  "message": "Upstream closed the stream before it finished."}
+
+    r = await c.post("/v1/chat/completions", json={"model": "claude-sim", "max_tokens": 30, "stream": True,
+                                                   "user": "cut-after-first-delta",
+                                                   "messages": [{"role": "user", "content": "Hello"}]})
+    data = [line[6:] for line in r.text.split("\n") if line.startswith("data: ")]
+    assert data[-1] == "[DONE]" and orjson.loads(data[-2])["error"]["code"] == "upstream_error"
