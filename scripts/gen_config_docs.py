@@ -64,7 +64,7 @@ NOTES: dict[str, str] = {
     "Location.region": "free text (e.g. eu-central-1); informational, shown in evidence",
     "BackendConfig.name": "unique; used in evidence, metrics labels, `x-gateway-backend` and budgets.prices `<backend>:<model>`",
     "BackendConfig.url": "OpenAI-compatible base URL including /v1",
-    "BackendConfig.kind": "`vllm`/`sim` engines publish KV events and /metrics; `openai` is any OpenAI-compatible HTTP API (partners)",
+    "BackendConfig.kind": "`vllm`/`sim` engines publish KV events and /metrics; `openai` is any OpenAI-compatible HTTP API (partners); `anthropic` a partner speaking Anthropic Messages (docs/messages.md)",
     "BackendConfig.models": "model names clients use that this backend serves",
     "BackendConfig.location": "a backend without a location never satisfies a residency requirement",
     "BackendConfig.operator": "`partner` routes are used only when the model has no own engine or policy sets spill_to_partner",
