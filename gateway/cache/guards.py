@@ -58,7 +58,7 @@ def features(turns: list[tuple[str, str]]) -> dict[str, Any]:
 
 def compare(a: dict[str, Any], b: dict[str, Any]) -> tuple[bool, list[str], str | None]:
     """(all passed, guards passed, the first that failed)."""
-    passed = []
+    passed: list[str] = []
     for g in ("roles", "numbers", "negations"):
         if a.get(g) != b.get(g):
             return False, passed, g

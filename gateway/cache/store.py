@@ -72,11 +72,11 @@ class MemoryStore:
             return None, -1.0
         idx = self._index.get(partition)
         if idx is None:
-            live = [e for e in part.values() if e.vector is not None]
-            dims = {e.vector.shape for e in live}
-            if not live or len(dims) != 1:
+            with_vec = [(e, e.vector) for e in part.values() if e.vector is not None]
+            dims = {v.shape for _, v in with_vec}
+            if not with_vec or len(dims) != 1:
                 return None, -1.0
-            idx = self._index[partition] = (live, np.stack([e.vector for e in live]))
+            idx = self._index[partition] = ([e for e, _ in with_vec], np.stack([v for _, v in with_vec]))
         live, mat = idx
         if mat.shape[1] != vector.shape[0]:
             return None, -1.0

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 log = logging.getLogger("gateway.metrics")
@@ -24,7 +24,7 @@ class GatewayStateCollector(Collector):
     def describe(self) -> list:  # names are dynamic per source; skip the registry's duplicate check
         return []
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         try:
             yield from self._health()
             yield from self._telemetry()
@@ -32,7 +32,7 @@ class GatewayStateCollector(Collector):
         except Exception:  # a broken source must not break /metrics
             log.exception("collecting gateway state metrics failed")
 
-    def _health(self) -> Iterator[GaugeMetricFamily]:
+    def _health(self) -> Iterator[Metric]:
         snap = self.gw.health.snapshot()
         state = GaugeMetricFamily("gateway_backend_circuit_state", "1 for the backend's current circuit state",
                                   labels=["backend", "state"])
@@ -45,7 +45,7 @@ class GatewayStateCollector(Collector):
         yield state
         yield fails
 
-    def _telemetry(self) -> Iterator[GaugeMetricFamily]:
+    def _telemetry(self) -> Iterator[Metric]:
         tel = getattr(self.gw, "telemetry", None)
         if tel is None or not hasattr(tel, "fleet_snapshot"):
             return
@@ -118,7 +118,7 @@ class GatewayStateCollector(Collector):
         yield from (running, waiting, kv, inflight, blocks, stale, sstale, sbatches, sother, sage, tok, win, req,
                     apred, aact, aagr, areq)
 
-    def _router(self) -> Iterator[GaugeMetricFamily]:
+    def _router(self) -> Iterator[Metric]:
         router = getattr(self.gw, "router", None)
         pred = getattr(router, "predictor", None)
         if pred is None or not hasattr(pred, "snapshot"):

@@ -87,8 +87,8 @@ class _Table:
         self._views()
 
     def _views(self) -> None:
-        self._k = memoryview(self.keys).cast("B").cast("Q")
-        self._v = [memoryview(v).cast("B").cast("Q") for v in self.vals]
+        self._k = self.keys.data.cast("B").cast("Q")  # ndarray.data: the array's buffer as a memoryview
+        self._v = [v.data.cast("B").cast("Q") for v in self.vals]
 
     def add_values(self, init: np.ndarray | None = None) -> int:
         self.vals.append(init.copy() if init is not None else np.zeros(self.cap, dtype=np.uint64))

@@ -107,12 +107,13 @@ def _batch_types(ev: Any) -> tuple[type, type]:
 _BatchArray, _BatchMap = _batch_types(_MapEvent)
 _BatchArrayA, _BatchMapA = _batch_types(_ArrEvent)
 _BatchArrayR, _BatchMapR = _batch_types(msgspec.Raw)
-# (batch is array?, events are array?) -> decoder; tried in order, the current vLLM form first.
-_DECODERS = {
+# (batch is array?, events are array?) -> decoder; tried in order, the current vLLM form first. The batch types are
+# made at run time (defstruct), so what a decoder returns is typed Any.
+_DECODERS: dict[tuple[bool, bool], msgspec.msgpack.Decoder[Any]] = {
     (True, False): msgspec.msgpack.Decoder(_BatchArray), (False, False): msgspec.msgpack.Decoder(_BatchMap),
     (True, True): msgspec.msgpack.Decoder(_BatchArrayA), (False, True): msgspec.msgpack.Decoder(_BatchMapA),
 }
-_RAW = {True: msgspec.msgpack.Decoder(_BatchArrayR), False: msgspec.msgpack.Decoder(_BatchMapR)}
+_RAW: dict[bool, msgspec.msgpack.Decoder[Any]] = {True: msgspec.msgpack.Decoder(_BatchArrayR), False: msgspec.msgpack.Decoder(_BatchMapR)}
 _EV_MAP = msgspec.msgpack.Decoder(_MapEvent)
 _EV_ARR = msgspec.msgpack.Decoder(_ArrEvent)
 _ENC = msgspec.msgpack.Encoder()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Literal, TypedDict
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -31,7 +31,24 @@ class EngineLoad:
         return asdict(self)
 
 
-_SUMS = {  # sample name -> field (samples of every engine/model label set are summed)
+_SumField = Literal["running", "waiting", "kv_usage", "prefix_hits", "prefix_queries", "prompt_tokens",
+                    "prompt_tokens_cached", "preemptions"]
+
+
+class _Sums(TypedDict, total=False):
+    """The summed EngineLoad fields seen in one scrape (the keys of _SUMS' values)."""
+
+    running: float
+    waiting: float
+    kv_usage: float
+    prefix_hits: float
+    prefix_queries: float
+    prompt_tokens: float
+    prompt_tokens_cached: float
+    preemptions: float
+
+
+_SUMS: dict[str, _SumField] = {  # sample name -> field (samples of every engine/model label set are summed)
     "vllm:num_requests_running": "running",
     "vllm:num_requests_waiting": "waiting",
     "vllm:kv_cache_usage_perc": "kv_usage",
@@ -46,7 +63,7 @@ _SUMS = {  # sample name -> field (samples of every engine/model label set are s
 
 def parse_metrics(text: str, now: float | None = None) -> EngineLoad:
     """Pure parse of Prometheus text exposition into EngineLoad."""
-    vals: dict[str, float] = {}
+    vals: _Sums = {}
     seen_usage: dict[str, list[float]] = {}
     block_size = num_blocks = None
     for fam in text_string_to_metric_families(text):
