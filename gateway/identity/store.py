@@ -69,8 +69,16 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 
+class Row(Protocol):
+    """A result row, its columns read by name: asyncpg.Record and sqlite3.Row both are one (neither is a Mapping)."""
+
+    def __getitem__(self, key: str, /) -> Any: ...
+
+    def keys(self) -> Any: ...
+
+
 class Tx(Protocol):
-    async def fetch(self, sql: str, *args: Any) -> list[Mapping[str, Any]]: ...
+    async def fetch(self, sql: str, *args: Any) -> list[Row]: ...
 
     async def execute(self, sql: str, *args: Any) -> None: ...
 
@@ -122,7 +130,7 @@ def _l(v: str | None) -> Any:
     return orjson.loads(v) if v else {}
 
 
-def _key(r: Mapping[str, Any]) -> ApiKey:
+def _key(r: Row) -> ApiKey:
     return ApiKey(
         id=r["id"], tenant=r["tenant"], secret_hash=r["secret_hash"], team=r["team"], project=r["project"],
         partner=r["partner"], name=r["name"], purpose=r["purpose"], labels=_l(r["labels"]),
@@ -132,19 +140,19 @@ def _key(r: Mapping[str, Any]) -> ApiKey:
     )
 
 
-def _tenant(r: Mapping[str, Any]) -> Tenant:
+def _tenant(r: Row) -> Tenant:
     return Tenant(r["id"], r["name"], _l(r["labels"]), r["created_at"])
 
 
-def _team(r: Mapping[str, Any]) -> Team:
+def _team(r: Row) -> Team:
     return Team(r["tenant"], r["id"], r["name"], _l(r["labels"]), r["created_at"])
 
 
-def _project(r: Mapping[str, Any]) -> Project:
+def _project(r: Row) -> Project:
     return Project(r["tenant"], r["team"], r["id"], r["name"], _l(r["labels"]), r["created_at"])
 
 
-def _partner(r: Mapping[str, Any]) -> Partner:
+def _partner(r: Row) -> Partner:
     return Partner(r["id"], r["tenant"], r["name"], _l(r["labels"]), r["created_at"])
 
 
@@ -229,17 +237,17 @@ class SqlIdentityStore:
                 raise NotFound("a parent record does not exist") from None
             raise
 
-    async def _one(self, sql: str, *args: Any) -> Mapping[str, Any] | None:
+    async def _one(self, sql: str, *args: Any) -> Row | None:
         async with self._tx() as tx:
             rows = await tx.fetch(sql, *args)
         return rows[0] if rows else None
 
-    async def _all(self, sql: str, *args: Any) -> list[Mapping[str, Any]]:
+    async def _all(self, sql: str, *args: Any) -> list[Row]:
         async with self._tx() as tx:
             return list(await tx.fetch(sql, *args))
 
     async def _update(self, table: str, where: str, args: Sequence[Any], changes: Mapping[str, Any],
-                      editable: Mapping[str, Callable[[Any], Any]], event: str) -> Mapping[str, Any] | None:
+                      editable: Mapping[str, Callable[[Any], Any]], event: str) -> Row | None:
         """Set the given columns of one row and publish `event`; the row as it is now, or None if absent."""
         sets = _sets(changes, editable)
         async with self._tx() as tx:
@@ -450,7 +458,7 @@ class SqlIdentityStore:
         the condition is part of the UPDATE, so a concurrent revoke or rotate cannot slip in between."""
         sets = _sets(changes, _KEY_EDITABLE)
         async with self._tx() as tx:
-            rows: list[Mapping[str, Any]] = []
+            rows: list[Row] = []
             if sets:
                 cond = "revoked_at IS NULL" + (" AND rotated_to IS NULL" if "expires_at" in sets else "")
                 cols = ", ".join(f"{c} = ?" for c in sets)

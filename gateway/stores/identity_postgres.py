@@ -10,11 +10,11 @@ import asyncio
 import logging
 import re
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Mapping
+from typing import Any, AsyncIterator
 
 import asyncpg
 
-from gateway.identity.store import EventCallback, SqlIdentityStore
+from gateway.identity.store import EventCallback, Row, SqlIdentityStore
 from gateway.stores.sql import to_dollar
 
 log = logging.getLogger("gateway.identity.postgres")
@@ -33,7 +33,7 @@ class _PgTx:
             s = self.cache[sql] = to_dollar(sql)
         return s
 
-    async def fetch(self, sql: str, *args: Any) -> list[Mapping[str, Any]]:
+    async def fetch(self, sql: str, *args: Any) -> list[Row]:
         return list(await self.conn.fetch(self._sql(sql), *args))
 
     async def execute(self, sql: str, *args: Any) -> None:

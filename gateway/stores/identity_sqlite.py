@@ -9,11 +9,11 @@ import asyncio
 import sqlite3
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator, Mapping
+from typing import Any, AsyncIterator
 
 import aiosqlite
 
-from gateway.identity.store import EventCallback, SqlIdentityStore
+from gateway.identity.store import EventCallback, Row, SqlIdentityStore
 from gateway.stores.sql import open_sqlite
 
 
@@ -22,7 +22,7 @@ class _SqliteTx:
         self.conn = conn
         self.events: list[str] = []
 
-    async def fetch(self, sql: str, *args: Any) -> list[Mapping[str, Any]]:
+    async def fetch(self, sql: str, *args: Any) -> list[Row]:
         async with self.conn.execute(sql, args) as cur:
             return list(await cur.fetchall())
 
