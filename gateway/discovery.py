@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 if TYPE_CHECKING:
-    from gateway.config import BackendConfig
+    from gateway.config import BackendConfig, DnsDiscovery
 
 log = logging.getLogger("gateway.discovery")
 
@@ -108,6 +108,10 @@ class DiscoveryService:
         path = self.gw.config.path
         return TEMPLATES.get(str(path) if path is not None else None, ())
 
+    def _watched(self) -> list[tuple[BackendConfig, DnsDiscovery]]:
+        """Each template with its discovery settings (parse_config puts only backends that have them in TEMPLATES)."""
+        return [(t, t.discovery) for t in self.templates() if t.discovery is not None]
+
     async def start(self) -> None:
         if self.templates():
             await self.refresh(force=True)
@@ -125,8 +129,7 @@ class DiscoveryService:
         """Resolve the names that are due; reload when any address set changed. Returns whether it did."""
         now = self.clock()
         changed = False
-        for t in self.templates():
-            d = t.discovery
+        for t, d in self._watched():
             if not force and self._due.get(d.dns, 0.0) > now:
                 continue
             self._due[d.dns] = now + d.refresh_s
@@ -157,8 +160,7 @@ class DiscoveryService:
 
     async def _loop(self) -> None:
         while True:
-            ts = self.templates()
-            step = min((t.discovery.refresh_s for t in ts), default=5.0)
+            step = min((d.refresh_s for _, d in self._watched()), default=5.0)
             await asyncio.sleep(max(0.05, min(step, 5.0)))
             try:
                 await self.refresh()
