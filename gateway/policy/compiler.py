@@ -19,7 +19,7 @@ import jsonschema
 
 from gateway.config import ConfigError, load_yaml_with_lines
 from gateway.policy.eea import JURISDICTIONS, country_error
-from gateway.policy.model import Condition, RequestAttrs, Rule
+from gateway.policy.model import Condition, Predicate, RequestAttrs, Rule
 from gateway.types import BudgetSpec, Principal
 
 # package data (importlib.resources), so an installed wheel validates policies too; policies/schema.json is
@@ -206,22 +206,26 @@ def _range_test(spec: Any) -> tuple[Any, str, tuple[float, float, bool, bool]]:
     return test, f"max_tokens {desc} (absent never matches)", (lo, hi, lo_incl, hi_incl)
 
 
+def _stream_test(want: bool) -> Predicate:
+    return lambda p, r: r.stream is want
+
+
 def _time_cond(spec: dict[str, Any]) -> Condition:
     tz = ZoneInfo(spec.get("tz", "UTC"))
     days = frozenset(_DAYS.index(d) for d in spec.get("days", _DAYS))
     hours = spec.get("hours")
-    lo_min = hi_min = None
+    window: tuple[int, int] | None = None  # (from, to) in minutes of the day; None: any time of day
     if hours:
         a, b = hours.split("-")
-        lo_min = int(a[:2]) * 60 + int(a[3:5])
-        hi_min = int(b[:2]) * 60 + int(b[3:5])
+        window = (int(a[:2]) * 60 + int(a[3:5]), int(b[:2]) * 60 + int(b[3:5]))
 
     def test(p: Principal, r: RequestAttrs) -> bool:
         t = datetime.fromtimestamp(r.now, tz)
         if t.weekday() not in days:
             return False
-        if lo_min is None:
+        if window is None:
             return True
+        lo_min, hi_min = window
         m = t.hour * 60 + t.minute
         return lo_min <= m < hi_min if lo_min <= hi_min else (m >= lo_min or m < hi_min)
 
@@ -290,7 +294,7 @@ def _compile_rule(raw: dict[str, Any], order: int, path: str, src: _Src, errors:
             conds.append(Condition("max_tokens", desc, test))
         if "stream" in match:
             want = bool(match["stream"])
-            conds.append(Condition("stream", f"stream is {want}", lambda p, r, _w=want: r.stream is _w))
+            conds.append(Condition("stream", f"stream is {want}", _stream_test(want)))
         if "time" in match:
             t = match["time"]
             if "tz" in t:

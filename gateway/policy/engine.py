@@ -12,7 +12,7 @@ import fnmatch
 from typing import Any, Iterable
 
 from gateway.policy.eea import EEA_COUNTRIES, EU_COUNTRIES
-from gateway.policy.model import RequestAttrs, Rule
+from gateway.policy.model import Condition, RequestAttrs, Rule
 from gateway.types import BudgetSpec, Decision, Principal
 
 __all__ = ["CompiledPolicy", "RequestAttrs"]  # load_policies and PolicyError live in gateway.policy.compiler
@@ -51,7 +51,7 @@ class CompiledPolicy:
             idx = [c for c in r.conditions if c.dim is not None and c.exact is not None]
             idx.sort(key=lambda c: c.dim or "")
             combos = 1
-            chosen = []
+            chosen: list[Condition] = []
             for c in idx:
                 if combos * len(c.exact or ()) <= self._MAX_COMBOS and all(c.dim != x.dim for x in chosen):
                     chosen.append(c)

@@ -51,8 +51,8 @@ def check_expectation(d: Decision, expect: dict[str, Any]) -> list[str]:
         else:
             got = getattr(d, k)
             if got != want:
-                extra = f" (reason: {d.reason})" if k == "allow" and d.reason else ""
-                fails.append(f"{k}: expected {want!r}, got {got!r}{extra}")
+                why = f" (reason: {d.reason})" if k == "allow" and d.reason else ""
+                fails.append(f"{k}: expected {want!r}, got {got!r}{why}")
     return fails
 
 
