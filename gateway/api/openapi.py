@@ -25,6 +25,27 @@ _ERROR = {
     },
 }
 
+# Anthropic's error shape: every refusal on /v1/messages (gateway/api/wire/anthropic.py)
+_ANTHROPIC_ERROR = {
+    "type": "object",
+    "required": ["type", "error"],
+    "properties": {
+        "type": {"const": "error"},
+        "error": {"type": "object", "required": ["type", "message"],
+                  "properties": {"type": {"type": "string"}, "message": {"type": "string"}}},
+    },
+}
+_TEXT_BLOCK = {"type": "object", "required": ["type", "text"],
+               "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+_ANTHROPIC_MESSAGE = {
+    "type": "object",
+    "required": ["role", "content"],
+    "properties": {
+        "role": {"type": "string", "enum": ["user", "assistant"]},
+        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": _TEXT_BLOCK}]},
+    },
+}
+
 _STOP = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 4}, {"type": "null"}]}
 _SAMPLING = {
     "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2},
@@ -60,18 +81,30 @@ _MESSAGE = {
     },
 }
 
+_RESPONSES_ITEM = {
+    "type": "object", "required": ["role", "content"],
+    "properties": {
+        "type": {"const": "message"},
+        "role": {"type": "string", "enum": ["user", "assistant", "system", "developer"]},
+        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {
+            "type": "object", "required": ["type", "text"],
+            "properties": {"type": {"enum": ["input_text", "output_text"]}, "text": {"type": "string"}}}}]},
+    },
+}
+_TEXTS = {"oneOf": [{"type": "string"}, {"type": "array", "minItems": 1, "maxItems": 8, "items": {"type": "string"}}]}
+
 
 def _json_body(schema: dict[str, Any]) -> dict[str, Any]:
     return {"required": True, "content": {"application/json": {"schema": schema}}}
 
 
-def _errors(*statuses: int) -> dict[str, Any]:
+def _errors(*statuses: int, schema: str = "Error") -> dict[str, Any]:
     text = {400: "Invalid request (names the param)", 401: "Missing or invalid API key",
             403: "Denied by policy", 404: "Unknown model", 405: "Method not allowed",
             413: "Body larger than server.max_body_bytes", 415: "Content-Type is not application/json",
             429: "Budget, rate limit or admission refusal (Retry-After)", 502: "Upstream failed",
             503: "No healthy backend in the allowed residency class (Retry-After)", 504: "Upstream timed out"}
-    return {str(s): {"description": text[s], "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    return {str(s): {"description": text[s], "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}}}
             for s in statuses}
 
 
@@ -95,7 +128,8 @@ def openapi_spec(server_url: str | None = None) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": "Policy-engine LLM gateway", "version": "1",
-                 "description": "OpenAI-compatible data plane. Every refusal is {error: {message, type, param, code}}."},
+                 "description": "OpenAI-compatible data plane. Every refusal is {error: {message, type, param, code}}; "
+                                "on /v1/messages Anthropic's {type: error, error: {type, message}}."},
         "security": [{"bearer": []}],
         "paths": {
             "/v1/chat/completions": _completion_op("createChatCompletion", "Chat completion (OpenAI-compatible)",
@@ -104,6 +138,24 @@ def openapi_spec(server_url: str | None = None) -> dict[str, Any]:
                                               "#/components/schemas/CompletionRequest", True),
             "/v1/embeddings": _completion_op("createEmbedding", "Embeddings (OpenAI-compatible)",
                                              "#/components/schemas/EmbeddingRequest", False),
+            "/v1/messages": {"post": {
+                "operationId": "createMessage", "summary": "Anthropic Messages (x-api-key or Bearer; Anthropic-shaped errors)",
+                "security": [{"bearer": []}, {"x-api-key": []}],
+                "requestBody": _json_body({"$ref": "#/components/schemas/MessagesRequest"}),
+                "responses": {"200": {"description": "A message (typed SSE events when stream is true)",
+                                      "content": {"application/json": {"schema": {"type": "object"}},
+                                                  "text/event-stream": {"schema": {"type": "string"}}}},
+                              **_errors(*_POST_ERRORS, schema="AnthropicError")},
+            }},
+            "/v1/responses": _completion_op("createResponse", "Responses API, stateless (OpenAI-compatible; "
+                                            "store: true and previous_response_id are refused with 400)",
+                                            "#/components/schemas/ResponsesRequest", True),
+            "/v1/rerank": _completion_op("rerank", "Rerank documents against a query (vLLM's API; backends with "
+                                         "the rerank capability)", "#/components/schemas/RerankRequest", False),
+            "/v1/score": _completion_op("score", "Score text pairs (vLLM's API; backends with the score capability)",
+                                        "#/components/schemas/ScoreRequest", False),
+            "/tokenize": _completion_op("tokenize", "Tokenize a prompt or a chat (vLLM's API)",
+                                        "#/components/schemas/TokenizeRequest", False),
             "/v1/models": {"get": {
                 "operationId": "listModels", "summary": "Models with where they run and what they retain",
                 "responses": {"200": {"description": "model list", "content": {"application/json": {"schema": {
@@ -127,9 +179,22 @@ def openapi_spec(server_url: str | None = None) -> dict[str, Any]:
         },
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",
-                                           "description": "an API key (gw_<id>_<secret>, static key) or a JWT"}},
+                                           "description": "an API key (gw_<id>_<secret>, static key) or a JWT"},
+                                "x-api-key": {"type": "apiKey", "in": "header", "name": "x-api-key",
+                                              "description": "the same API key, as Anthropic's SDKs send it"}},
             "schemas": {
                 "Error": _ERROR,
+                "AnthropicError": _ANTHROPIC_ERROR,
+                "MessagesRequest": {"type": "object", "required": ["model", "max_tokens", "messages"], "properties": {
+                    "model": _MODEL, "max_tokens": {"type": "integer", "minimum": 1, "maximum": 64},
+                    "messages": {"type": "array", "minItems": 1, "maxItems": 8, "items": _ANTHROPIC_MESSAGE},
+                    "system": {"oneOf": [{"type": "string"}, {"type": "array", "items": _TEXT_BLOCK}]},
+                    "stream": {"type": "boolean"},
+                    "temperature": {"type": "number", "minimum": 0, "maximum": 1},
+                    "top_p": {"type": "number", "minimum": 0, "maximum": 1},
+                    "top_k": {"type": "integer", "minimum": 0},
+                    "stop_sequences": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+                    "metadata": {"type": "object", "properties": {"user_id": {"type": "string"}}}}},
                 "ChatRequest": {"type": "object", "required": ["model", "messages"], "properties": {
                     "model": _MODEL, "messages": {"type": "array", "minItems": 1, "maxItems": 8, "items": _MESSAGE},
                     "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1, "maximum": 64},
@@ -140,6 +205,28 @@ def openapi_spec(server_url: str | None = None) -> dict[str, Any]:
                                          {"type": "array", "minItems": 1, "items": {"type": "string"}},
                                          {"type": "array", "minItems": 1, "items": {"type": "integer"}}]},
                     **_SAMPLING}},
+                "ResponsesRequest": {"type": "object", "required": ["model", "input"], "properties": {
+                    "model": _MODEL,
+                    "input": {"oneOf": [{"type": "string", "minLength": 1},
+                                        {"type": "array", "minItems": 1, "maxItems": 8, "items": _RESPONSES_ITEM}]},
+                    "instructions": {"type": ["string", "null"]},
+                    "max_output_tokens": {"type": ["integer", "null"], "minimum": 1, "maximum": 64},
+                    "stream": {"type": ["boolean", "null"]},
+                    "temperature": _SAMPLING["temperature"], "top_p": _SAMPLING["top_p"],
+                    "store": {"enum": [False, None], "description": "stateless: an absent store means false; true "
+                                                                    "is refused with 400"},
+                    "tools": {"type": "array", "items": {"type": "object", "required": ["type"],
+                                                         "properties": {"type": {"type": "string"}}}},
+                    "metadata": {"type": "object"}, "user": {"type": "string"}}},
+                "RerankRequest": {"type": "object", "required": ["model", "query", "documents"], "properties": {
+                    "model": _MODEL, "query": {"type": "string"},
+                    "documents": {"type": "array", "minItems": 1, "maxItems": 8, "items": {"type": "string"}},
+                    "top_n": {"type": "integer", "minimum": 0}, "return_documents": {"type": "boolean"}}},
+                "ScoreRequest": {"type": "object", "required": ["model", "text_1", "text_2"], "properties": {
+                    "model": _MODEL, "text_1": _TEXTS, "text_2": _TEXTS}},
+                "TokenizeRequest": {"type": "object", "required": ["model", "prompt"], "properties": {
+                    "model": _MODEL, "prompt": {"type": "string", "description": "or `messages` instead (a chat)"},
+                    "add_special_tokens": {"type": "boolean"}, "return_token_strs": {"type": "boolean"}}},
                 "EmbeddingRequest": {"type": "object", "required": ["model", "input"], "properties": {
                     "model": _MODEL,
                     "input": {"oneOf": [{"type": "string"},
