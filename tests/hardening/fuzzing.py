@@ -1,6 +1,7 @@
 """Schema-driven fuzzing of the gateway's public API with schemathesis (shared by the in-suite test and
 bench/fuzz_api.py): every operation of /openapi.json, positive and negative generation, with and without
-credentials; each answer is checked: no 5xx, no hang, every refusal an OpenAI-shaped error."""
+credentials; each answer is checked: no 5xx, no hang, every refusal an OpenAI-shaped error (Anthropic-shaped
+on /v1/messages)."""
 from __future__ import annotations
 
 import json
@@ -44,12 +45,18 @@ def check_answer(method: str, path: str, status: int, ctype: str, body: bytes) -
     if status >= 400 and path != "/readyz":
         if not ctype.startswith("application/json"):
             return f"{method} {path}: {status} refusal is not JSON ({ctype}): {body[:200]!r}"
+        anthropic = path == "/v1/messages"  # Anthropic's error shape on its own API (gateway/api/wire/anthropic.py)
         try:
-            err = orjson.loads(body)["error"]
-            assert isinstance(err["message"], str) and err["message"] and "type" in err and "param" in err \
-                and "code" in err
+            obj = orjson.loads(body)
+            err = obj["error"]
+            assert isinstance(err["message"], str) and err["message"] and "type" in err
+            if anthropic:
+                assert obj["type"] == "error" and set(err) == {"type", "message"}
+            else:
+                assert "param" in err and "code" in err
         except Exception:
-            return f"{method} {path}: {status} refusal is not OpenAI-shaped: {body[:300]!r}"
+            shape = "Anthropic" if anthropic else "OpenAI"
+            return f"{method} {path}: {status} refusal is not {shape}-shaped: {body[:300]!r}"
     return None
 
 
