@@ -115,6 +115,10 @@ def no_candidates(ctx: RequestContext, plan: RoutePlan) -> GatewayError:
     drops = [x for x in plan.dropped if x["filter"] != "spill"]
     spill = (" Partner routes serve this model only where policy sets spill_to_partner."
              if len(drops) < len(plan.dropped) else "")
+    if drops and all(x["filter"] == "capability" for x in drops):  # permanent: retrying cannot help
+        ep = ctx.ep
+        return GatewayError(400, f"No backend serving '{ctx.model}' has the '{ep.capability}' capability that "
+                            f"{ep.path} needs.", param="model", code="model_not_supported")
     if drops and d is not None and all(x["filter"] == "residency" for x in drops):
         return GatewayError(403, f"No backend for '{ctx.model}' satisfies the residency/retention required by "
                             f"rule {named}.{spill}", code="residency_unsatisfiable")
