@@ -41,7 +41,8 @@ def stack(tmp_path_factory):
         e0, e1 = man["engines"]
         backends = [{"name": "pool", "kind": "sim", "url": e0["url"], "models": ["sim-model"],
                      "capabilities": ["chat", "completions", "rerank", "score"]},
-                    {"name": "gen", "kind": "sim", "url": e1["url"], "models": ["sim-model"]}]
+                    {"name": "gen", "kind": "sim", "url": e1["url"], "models": ["sim-model", "gen-only"],
+                     "model_map": {"gen-only": "sim-model"}}]
         port = free_port()
         cfg = tmp / "gateway.yaml"
         cfg.write_text(json.dumps({
@@ -230,3 +231,15 @@ def test_responses_stream_is_cut_at_the_remaining_budget(stack):
     assert row["total_tokens"] <= CUT_BUDGET + 8  # never more than the budget plus one delta past the allowance
     with pytest.raises(openai.RateLimitError):  # and the budget is spent
         sdk(stack, CUT_KEY).responses.create(model="sim-model", input="go", max_output_tokens=30)
+
+
+def test_a_model_no_capable_backend_serves_is_a_400_not_a_retry(stack):
+    """Only "gen" serves gen-only and it lacks the rerank capability: a permanent answer (400 naming the
+    model), not a 503 with Retry-After that clients would retry forever."""
+    r = _post(stack, "/v1/rerank", {"model": "gen-only", "query": "q", "documents": ["d"]}, "nocap-1")
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "model_not_supported" and err["param"] == "model" and "rerank" in err["message"]
+    assert "retry-after" not in r.headers
+    r = _post(stack, "/v1/responses", {"model": "gen-only", "input": "hi", "max_output_tokens": 2}, "nocap-2")
+    assert r.status_code == 200 and r.headers["x-gateway-backend"] == "gen"  # generation needs no capability
