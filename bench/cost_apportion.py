@@ -6,6 +6,9 @@ The fleet runs as a child process (`python -m backends.sim`); the gateway is wir
 --rate-start to --rate-end req/s. Truth is each engine's `/sim/state` busy_s (the modelled time of every step
 it ran); "old" is the sum over the requests an engine served of the gateway's wall time per request (what
 `gpu_seconds` recorded before gateway/cost); "new" is the sum of the apportioned GPU-seconds in the ledger.
+Per request, the apportioned GPU-seconds are compared with the simulator's own split of every step
+(`/sim/costs`: prefill tokens x b or, decoding, c + d x context, plus an equal part of the per-step a):
+req_err_p50/p90 are the median and 90th percentile of |apportioned - true| / true.
 
     python bench/cost_apportion.py --engines 4 --profile h200-8b,l40s-8b --rate-start 6 --rate-end 12 --duration 40
 """
@@ -80,6 +83,13 @@ async def drive(cl: httpx.AsyncClient, args: argparse.Namespace) -> dict[str, in
     return dict(stats)
 
 
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return round(xs[min(len(xs) - 1, int(q * len(xs)))], 3)
+
+
 async def run(args: argparse.Namespace) -> int:
     from gateway.app import Gateway, build_app
     from gateway.config import parse_config
@@ -111,8 +121,16 @@ async def run(args: argparse.Namespace) -> int:
         async with httpx.AsyncClient() as c:
             truth = {e["name"]: (await c.get(e["url"].rsplit("/v1", 1)[0] + "/sim/state")).json()
                      for e in man["engines"]}
+            per_req: dict[str, float] = {}
+            for e in man["engines"]:
+                per_req.update((await c.get(e["url"].rsplit("/v1", 1)[0] + "/sim/costs")).json()["costs"])
     db = sqlite3.connect(tmp / "budgets.db")
     new = dict(db.execute("select engine, sum(gpu_seconds_apportioned) from budget_ledger group by engine"))
+    errs: dict[str, list[float]] = defaultdict(list)  # per request: |apportioned - true| / true
+    for rid, engine, g in db.execute("select request_id, engine, gpu_seconds_apportioned from budget_ledger"):
+        t = per_req.get(rid)
+        if t and g is not None:
+            errs[engine].append(abs(g - t) / t)
     db.close()
     rows = []
     for e in man["engines"]:
@@ -122,10 +140,11 @@ async def run(args: argparse.Namespace) -> int:
                      "old_wall_gpu_s": round(wall[n], 2), "apportioned_gpu_s": round(new.get(n) or 0.0, 2),
                      "gateway_busy_s": round(seen.get(n, {}).get("busy_s", 0.0), 2),
                      "old_over_true": round(wall[n] / t, 2) if t else None,
-                     "new_over_true": round((new.get(n) or 0.0) / t, 3) if t else None})
+                     "new_over_true": round((new.get(n) or 0.0) / t, 3) if t else None,
+                     "req_err_p50": pct(errs[n], 0.5), "req_err_p90": pct(errs[n], 0.9)})
     print(f"requests: {stats}")
     cols = ["engine", "profile", "requests", "true_busy_s", "old_wall_gpu_s", "apportioned_gpu_s", "gateway_busy_s",
-            "old_over_true", "new_over_true"]
+            "old_over_true", "new_over_true", "req_err_p50", "req_err_p90"]
     w = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in cols}
     print(" | ".join(c.ljust(w[c]) for c in cols))
     print("-|-".join("-" * w[c] for c in cols))

@@ -11,6 +11,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import zmq
@@ -80,6 +81,7 @@ class SimEngine:
         self._unhang = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.generation = 0  # bumps on every restart
+        self.costs: OrderedDict[str, float] = OrderedDict()  # sim only: request id -> its true engine seconds
         self.started_at = time.time()
 
     # ------------------------------------------------------------------ lifecycle
@@ -177,9 +179,16 @@ class SimEngine:
         self._wake.set()
         return req
 
+    def record_truth(self, req: SimRequest) -> None:
+        """Keep a finished or aborted request's true cost for /sim/costs (bounded, oldest dropped)."""
+        self.costs[req.external_id or req.rid] = req.true_s
+        while len(self.costs) > 50_000:
+            self.costs.popitem(last=False)
+
     def abort(self, req: SimRequest) -> None:
         if req.status not in (FINISHED, ABORTED):
             self.sched.abort(req)
+            self.record_truth(req)
             w: Waiters = req.listener
             for f in (w.first, w.done):
                 if not f.done():
@@ -233,6 +242,7 @@ class SimEngine:
                 if not f.done():
                     f.set_result(None)
             for req in out.finished:
+                self.record_truth(req)
                 f = req.listener.done
                 if not f.done():
                     f.set_result(None)

@@ -53,6 +53,8 @@ class SimRequest:
     finished_at: float | None = None
     finish_reason: str | None = None
     listener: Any = None  # set by the driver: gets first-token / finish notifications
+    external_id: str | None = None  # the client's x-request-id (sim only: keys the per-request truth)
+    true_s: float = 0.0  # sim only: this request's share of the steps it was in (see Scheduler.commit)
 
     def full_hashes(self, n_tokens: int, block_size: int) -> list[int]:
         """Chained hashes of the full blocks among the first n_tokens tokens (computed lazily, memoised)."""
@@ -263,6 +265,14 @@ class Scheduler:
         firsts: list[SimRequest] = []
         finished: list[SimRequest] = []
         ntok = 0
+        # the truth per request (sim only): each entry gets its prefill tokens x b, or as a decode c + d x its
+        # context, and an equal part of the fixed per-step cost a; the shares sum to the step's duration
+        p, sf = self.profile, self.slow_factor
+        fixed = p.step_overhead_s * sf / len(plan.entries) if plan.entries else 0.0
+        for req, n, is_decode in plan.entries:
+            own = ((p.decode_s_per_seq + p.attn_s_per_ctx_token * req.num_computed) if is_decode
+                   else p.prefill_s_per_token * n)
+            req.true_s += fixed + own * sf
         for req, n, _ in plan.entries:
             if req.status != RUNNING:
                 continue  # aborted during the step

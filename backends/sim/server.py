@@ -188,6 +188,7 @@ class EngineServer:
             Route("/sim/faults", self._wrap(self.faults), methods=["GET", "POST"]),
             Route("/sim/restart", self._wrap(self.restart_route), methods=["POST"]),
             Route("/sim/state", self._wrap(self.state), methods=["GET"]),
+            Route("/sim/costs", self._wrap(self.costs), methods=["GET"]),
         ]
         return Starlette(routes=routes)
 
@@ -296,6 +297,7 @@ class EngineServer:
         ids = self.engine.tokenizer.encode(text)
         await self._gate()
         req = self._submit(ids, body, c)
+        req.external_id = request.headers.get("x-request-id")
         model = body.get("model") or self.engine.model
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -331,6 +333,7 @@ class EngineServer:
             raise ApiError(400, "prompt must not be empty", "prompt")
         await self._gate()
         req = self._submit(ids, body, c)
+        req.external_id = request.headers.get("x-request-id")
         model = body.get("model") or self.engine.model
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -506,6 +509,12 @@ class EngineServer:
         snap = self.engine.snapshot()
         snap.update({"url": self.url, "crashed": self.crashed, "location": self.location})
         return _json(snap)
+
+    async def costs(self, request: Request) -> Response:
+        """Sim only: each finished or aborted request's true engine seconds (its share of every step it was
+        in), keyed by the x-request-id it was sent with (else the engine's own id); what per-request
+        apportioning is checked against (bench/cost_apportion.py)."""
+        return _json({"engine": self.engine.name, "costs": dict(self.engine.costs)})
 
     async def faults(self, request: Request) -> Response:
         e = self.engine

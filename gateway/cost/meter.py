@@ -60,7 +60,7 @@ class CostMeter:
         self.metrics = metrics
         self.engines: dict[str, EngineClock] = {}
         self._open: dict[str, tuple[str, int, int]] = {}  # request id -> (engine, clock token, estimate)
-        self._est_ratio: dict[str, float] = {}  # engine -> EWMA of uncached tokens used / estimated at dispatch
+        self._est_ratio: dict[str, float] = {}  # engine -> EWMA of prompt tokens counted / estimated at dispatch
         self._facts: dict[str, dict[str, Any]] = {}  # request id -> ledger fields until its row is enqueued
         self.stage = CostStage(self)
         # fleet-wide GPU-seconds per token of served requests (a response-cache hit's saving is priced with it)
@@ -85,11 +85,10 @@ class CostMeter:
         """The router's learned prefill cost per token on this engine (its public learner), else the prior."""
         p = self._predictor()
         learner = getattr(p, "learner", None)
-        if learner is not None:
-            v = float(learner(engine).s_per_token())
-            if v > 0:
-                return v
-        return PRIOR_S_PER_TOKEN
+        if learner is None:
+            return PRIOR_S_PER_TOKEN
+        v = float(learner(engine).s_per_token())
+        return v if v > 0 else PRIOR_S_PER_TOKEN
 
     def _own(self, name: str) -> bool:
         try:
@@ -109,10 +108,11 @@ class CostMeter:
         engine = cands[0].backend.name
         if not self._own(engine):
             return
-        # what it will prefill: the gateway's prompt estimate less the cached tokens routing predicted, times
-        # how far that estimate ran from the engine's usage on this engine lately, times the cost per token
-        est = max(0, ctx.prompt_tokens_est - (getattr(cands[0], "cached_tokens", None) or 0))
-        expected = est * self._est_ratio.get(engine, 1.0)
+        # what it will prefill: the gateway's prompt estimate, scaled by how far it ran from the engine's own
+        # count on this engine lately (chars/4 counted 2x the sim's tokens), less the cached tokens routing
+        # predicted (the KV index counts engine tokens), times the learned cost per token
+        est = ctx.prompt_tokens_est
+        expected = max(0.0, est * self._est_ratio.get(engine, 1.0) - (getattr(cands[0], "cached_tokens", None) or 0))
         token = self.clock_of(engine).begin(self.clock(), expected * self.s_per_token(engine))
         self._open[ctx.request_id] = (engine, token, est)
 
@@ -131,8 +131,8 @@ class CostMeter:
         else:
             prompt, cached = (ctx.prompt_tokens_est if dispatched else 0), 0
         spt = self.s_per_token(engine)
-        if u is not None and est > 0:
-            r = min(max((prompt - cached) / est, 0.05), 20.0)
+        if u is not None and est > 0:  # the gateway's prompt estimate vs the engine's count, on this engine
+            r = min(max(prompt / est, 0.05), 20.0)
             self._est_ratio[engine] = 0.9 * self._est_ratio.get(engine, 1.0) + 0.1 * r
         bc = backend_cost(self.cfg, engine)
         gpus = bc.gpus if bc is not None else 1

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import sqlite3
 
+import pytest
+
 import yaml
 
 from backends.sim.fleet import start_fleet
@@ -71,8 +73,9 @@ async def test_cache_hits_rejections_aborts_and_prefix_savings(tmp_path):
 def test_the_simulators_busy_time_is_the_sum_of_its_step_times():
     prof = get_profile("tiny")
     s = Scheduler(prof, lambda r: 7)
-    for i in range(3):
-        s.add(SimRequest(f"r{i}", 40, list(range(i * 100, i * 100 + 40)), max_tokens=5))
+    reqs = [SimRequest(f"r{i}", 40, list(range(i * 100, i * 100 + 40)), max_tokens=5) for i in range(3)]
+    for r in reqs:
+        s.add(r)
     now, total, prefill = 0.0, 0.0, 0.0
     while s.has_work():
         plan = s.schedule(now)
@@ -82,3 +85,6 @@ def test_the_simulators_busy_time_is_the_sum_of_its_step_times():
         now += plan.duration
         s.commit(plan, now)
     assert s.stats.busy_s == total and s.stats.busy_prefill_s == prefill and s.stats.steps == 5  # one prefill step, four decodes
+    # the per-request truth splits every step: its sum is the busy time
+    assert sum(r.true_s for r in reqs) == pytest.approx(s.stats.busy_s, rel=1e-12)
+    assert all(r.true_s > 0 for r in reqs)
