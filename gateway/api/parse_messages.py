@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
+
 from gateway.api.parse import Parsed, _model, _opt_bool, _opt_int, _opt_number, _type_error
 from gateway.errors import bad_request
 
@@ -127,3 +129,71 @@ def parse_messages(body: dict[str, Any]) -> Parsed:
         raise _type_error("metadata", "an object", md)
     # Anthropic streams always carry usage (message_start, message_delta): nothing to ask for or strip
     return Parsed(model, stream, False, max_tokens, chars)
+
+
+def _openai_part(block: dict[str, Any]) -> dict[str, Any] | None:
+    kind = block.get("type")
+    if kind == "text":
+        return {"type": "text", "text": block.get("text", "")}
+    if kind == "image":
+        raw = block.get("source")
+        src: dict[str, Any] = raw if isinstance(raw, dict) else {}
+        url = (f"data:{src.get('media_type')};base64,{src.get('data')}" if src.get("type") == "base64"
+               else src.get("url", ""))
+        return {"type": "image_url", "image_url": {"url": url}}
+    return None
+
+
+def _result_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(b.get("text", "") for b in content if isinstance(b, dict) and b.get("type") == "text")
+    return ""
+
+
+def as_chat(body: dict[str, Any]) -> dict[str, Any]:
+    """A (validated) Messages body as the OpenAI chat body an engine renders for it, as vLLM's Anthropic
+    adapter converts it: `system` first, text and image blocks as content parts, `tool_use` blocks as the
+    assistant's `tool_calls`, `tool_result` blocks as `tool` messages, `tools` as function tools. Routing
+    tokenizes and keys the prompt from this (the endpoint's `chat_view`)."""
+    msgs: list[dict[str, Any]] = []
+    system = body.get("system")
+    if isinstance(system, list):
+        system = "".join(b.get("text", "") for b in system if isinstance(b, dict))
+    if isinstance(system, str) and system:
+        msgs.append({"role": "system", "content": system})
+    for m in body.get("messages") or ():
+        if not isinstance(m, dict):
+            continue
+        content = m.get("content")
+        if not isinstance(content, list):
+            msgs.append({"role": m.get("role"), "content": content})
+            continue
+        parts: list[dict[str, Any]] = []
+        calls: list[dict[str, Any]] = []
+        for b in content:
+            if not isinstance(b, dict):
+                continue
+            if b.get("type") == "tool_use":
+                calls.append({"id": b.get("id"), "type": "function",
+                              "function": {"name": b.get("name"), "arguments": orjson.dumps(b.get("input")).decode()}})
+            elif b.get("type") == "tool_result":
+                msgs.append({"role": "tool", "tool_call_id": b.get("tool_use_id"),
+                             "content": _result_text(b.get("content"))})
+            else:
+                p = _openai_part(b)
+                if p is not None:
+                    parts.append(p)
+        if parts or calls:
+            out: dict[str, Any] = {"role": m.get("role"), "content": parts}
+            if calls:
+                out["tool_calls"] = calls
+            msgs.append(out)
+    chat: dict[str, Any] = {"model": body.get("model"), "messages": msgs}
+    tools = [t for t in body.get("tools") or () if isinstance(t, dict) and isinstance(t.get("name"), str)]
+    if tools:
+        chat["tools"] = [{"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
+                                                           "parameters": t.get("input_schema") or {}}}
+                         for t in tools]
+    return chat

@@ -110,3 +110,31 @@ def test_any_body_is_parsed_or_refused_with_a_400_naming_a_param(body):
         assert e.status == 400 and e.param
         return
     assert isinstance(p.max_tokens, int) and p.max_tokens >= 1 and p.prompt_chars >= 4
+
+
+def test_the_chat_view_is_what_an_engine_renders():
+    from gateway.api.parse_messages import as_chat
+
+    body = {"model": "m", "max_tokens": 5, "system": [{"type": "text", "text": "Sys."}],
+            "tools": [{"name": "add", "description": "adds", "input_schema": {"type": "object"}}],
+            "messages": [
+                {"role": "user", "content": "2+2?"},
+                {"role": "assistant", "content": [{"type": "text", "text": "Calling."},
+                                                  {"type": "tool_use", "id": "t1", "name": "add",
+                                                   "input": {"a": 2}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                              "content": [{"type": "text", "text": "4"}]},
+                                             {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                                          "data": "QQ=="}}]}]}
+    chat = as_chat(body)
+    assert chat["model"] == "m"
+    assert chat["messages"] == [
+        {"role": "system", "content": "Sys."},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": [{"type": "text", "text": "Calling."}],
+         "tool_calls": [{"id": "t1", "type": "function", "function": {"name": "add", "arguments": '{"a":2}'}}]},
+        {"role": "tool", "tool_call_id": "t1", "content": "4"},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,QQ=="}}]}]
+    assert chat["tools"] == [{"type": "function", "function": {"name": "add", "description": "adds",
+                                                               "parameters": {"type": "object"}}}]
+    assert BY_PATH["/v1/messages"].chat_view is as_chat and BY_PATH["/v1/chat/completions"].chat_view is None
