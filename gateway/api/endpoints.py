@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from gateway.api import parse
-from gateway.api.parse_messages import parse_messages
+from gateway.api.parse_messages import as_chat, parse_messages
 from gateway.api.wire.anthropic import ANTHROPIC
 from gateway.api.wire.base import ClientWire
 from gateway.api.wire.openai import OPENAI
@@ -34,12 +34,8 @@ def _messages_text(body: dict[str, Any]) -> str:
 
 
 def _anthropic_text(body: dict[str, Any]) -> str:
-    """An Anthropic Messages prompt as text: the top-level `system` as the first turn, then the messages."""
-    system = body.get("system")
-    if isinstance(system, list):
-        system = "".join(b.get("text", "") for b in system if isinstance(b, dict))
-    head = {"role": "system", "content": system} if isinstance(system, str) and system else None
-    return _messages_text({"messages": ([head] if head else []) + list(body.get("messages") or [])})
+    """An Anthropic Messages prompt as text: the chat an engine renders for it (`system` first)."""
+    return _messages_text(as_chat(body))
 
 
 def _field_text(name: str) -> Callable[[dict[str, Any]], str]:
@@ -73,6 +69,9 @@ class Endpoint:
     batchable: bool = False  # a batch line may target it (gateway/batch)
     # a backend serves it only when this is in its `capabilities` (pooling APIs need a pooling model); None: any
     capability: str | None = None
+    # the body as the OpenAI chat body an engine renders for it, where this API is not chat's (routing tokenizes
+    # it, keys its message prefixes and builds the approximate tree from it); None: the body as it is
+    chat_view: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 
     @property
     def generates(self) -> bool:
@@ -110,7 +109,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
              parse_pooling.tokenize_text),
     # Anthropic Messages: max_tokens is required by its parser, so there is no default
     Endpoint("messages", "/v1/messages", parse_messages, "messages", ANTHROPIC, "chat", "messages",
-             _anthropic_text, _const("max_tokens")),
+             _anthropic_text, _const("max_tokens"), chat_view=as_chat),
 )
 
 BY_NAME: dict[str, Endpoint] = {e.name: e for e in ENDPOINTS}
