@@ -17,7 +17,7 @@ from gateway.routing.pending import PendingCache
 from gateway.routing.plan import Candidate
 from gateway.routing.plugin import EngineView
 from gateway.routing.predictor import Features, Predictor
-from gateway.routing.prompt import lora_name
+from gateway.routing.prompt import lora_name, routing_body
 from gateway.telemetry.index import RequestKeys
 
 MAX_LEARNING = 64  # background /tokenize of message prefixes at once
@@ -91,7 +91,7 @@ def uncached_lower_bounds(ctx: RequestContext, own: list[Candidate], salt: str |
     if ts is None or not tc or ctx.zero_retention or not hasattr(ts, "cached_prefix"):
         return {}
     try:
-        hit = ts.cached_prefix(tc[0].backend.server_root, ctx.body, salt)
+        hit = ts.cached_prefix(tc[0].backend.server_root, routing_body(ctx), salt)
         if hit is None:
             return {}
         ids, tail_lb = hit
@@ -126,12 +126,13 @@ def learn_prefix(ctx: RequestContext, cand: Candidate, toks: list[int], salt: st
     once per distinct prefix), for the refusal before tokenizing of later requests sharing it. `tasks` holds
     the running ones (bounded by MAX_LEARNING)."""
     ts = getattr(tel, "tokens", None)
-    msgs = ctx.body.get("messages")
+    body = routing_body(ctx)
+    msgs = body.get("messages")
     if ts is None or ctx.zero_retention or not isinstance(msgs, list) or len(msgs) < 2 \
             or not hasattr(ts, "learn_prefix") or len(tasks) >= MAX_LEARNING:
         return
     try:
-        t = asyncio.get_running_loop().create_task(ts.learn_prefix(cand.backend.server_root, ctx.body, toks, salt))
+        t = asyncio.get_running_loop().create_task(ts.learn_prefix(cand.backend.server_root, body, toks, salt))
     except RuntimeError:
         return
     tasks.add(t)

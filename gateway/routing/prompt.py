@@ -25,6 +25,13 @@ def prompt_text(body: dict[str, Any]) -> str:
     return p if isinstance(p, str) else "".join(map(str, p)) if isinstance(p, list) else str(p)
 
 
+def routing_body(ctx: RequestContext) -> dict[str, Any]:
+    """The body routing reads the prompt from: the endpoint's chat view when its API is not chat's (an Anthropic
+    Messages body as the chat the engine renders, `system` first), else the body itself."""
+    view = ctx.ep.chat_view if ctx.ep is not None else None
+    return view(ctx.body) if view is not None else ctx.body
+
+
 def lora_name(cand: Candidate) -> str | None:
     """The LoRA adapter a candidate serves the request with (the KV index's lora key), or None for the base."""
     up = cand.backend.upstream_model(cand.model)
@@ -49,7 +56,8 @@ async def prompt_facts(ctx: RequestContext, cands: list[Candidate], salt: str | 
     """Tokenize once (the first candidate with telemetry), look the tokens up in the KV index per LoRA key and
     extend through own pending prefill; candidates without telemetry get the approximate tree's estimate.
     `learn(cand, toks)` is called with engine-tokenized ids (the early refusal's prefix cache)."""
-    text = prompt_text(ctx.body)
+    body = routing_body(ctx)
+    text = prompt_text(body)
     blocks = text_blocks((salt or "") + text, APPROX_BLOCK_CHARS)
     n_tokens = max(1, ctx.prompt_tokens_est)
     cached: dict[str, int] = {}
@@ -58,7 +66,7 @@ async def prompt_facts(ctx: RequestContext, cands: list[Candidate], salt: str | 
     tel = [c for c in cands if has_telemetry(c)]
     if tel:
         try:
-            toks, source = await telemetry.tokens_for(tel[0].backend.name, None, ctx.body,
+            toks, source = await telemetry.tokens_for(tel[0].backend.name, None, body,
                                                       retain=not ctx.zero_retention)
             n_tokens = max(1, len(toks))
             if source == "engine":
