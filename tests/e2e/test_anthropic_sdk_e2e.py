@@ -43,7 +43,8 @@ def stack(tmp_path_factory):
     cfg = {"server": {"host": "127.0.0.1", "port": port, "max_body_bytes": 200_000},
            "backends": [
                {"name": "engine", "url": e0["url"], "kind": "sim", "models": ["sim-model"],
-                "metrics": e0["metrics"], "location": {"country": "US"}, "retention": "zero"},
+                "kv_events": e0["kv_events"], "replay": e0["replay"], "metrics": e0["metrics"],
+                "location": {"country": "US"}, "retention": "zero"},
                {"name": "claude-partner", "url": e1["url"], "kind": "anthropic", "models": ["claude-sim"],
                 "model_map": {"claude-sim": "sim-model"}, "api_key_file": str(tmp / "partner.key"),
                 "location": {"country": "US"}, "retention": "zero", "operator": "partner"}],
@@ -142,6 +143,29 @@ def test_openai_chat_through_an_anthropic_partner(stack):
     plain = list(c.chat.completions.create(model="claude-sim", max_tokens=4, messages=msgs, stream=True))
     assert all(ch.usage is None for ch in plain) and "".join(
         ch.choices[0].delta.content or "" for ch in plain if ch.choices)
+
+
+def test_routing_sees_the_system_prompt_of_a_messages_request(stack):
+    """Routing reads a Messages body as the chat the engine renders (`system` first: the endpoint's chat_view),
+    so the KV index predicts the cached system prompt of a later request with another question, as the engine
+    then reports it (cache_read_input_tokens). Reading `messages` alone would predict nothing cached."""
+    c = client(stack)
+    system = "You are the support assistant of the Orion project; answer in one short sentence. " * 12
+    c.messages.create(model="sim-model", max_tokens=2, system=system, messages=MSGS)
+    rec = None
+    for i in range(50):  # until the engine's KV events for the first request have reached the gateway's index
+        rid = f"anth-kv-{i}"
+        c.messages.create(model="sim-model", max_tokens=2, system=system,
+                          messages=[{"role": "user", "content": f"Question number {i}: what is Orion?"}],
+                          extra_headers={"x-request-id": rid})
+        rec = audit(stack["tmp"], rid)
+        if rec["cached_tokens"]["predicted"]:
+            break
+        time.sleep(0.1)
+    assert rec is not None and rec["cached_tokens"]["predicted"], rec
+    actual = rec["cached_tokens"]["actual"]
+    assert actual and 0 < rec["cached_tokens"]["predicted"] <= actual
+    assert rec["cached_tokens"]["predicted"] >= len(system) // 8  # the system prompt's blocks, not a stray one
 
 
 def anth_error(r: httpx.Response, status: int, etype: str) -> str:
