@@ -75,7 +75,7 @@ NOTES: dict[str, str] = {
     "BackendConfig.metrics": "Prometheus /metrics URL of the engine (load scraping)",
     "BackendConfig.priority_scheduling": "the engine runs --scheduling-policy priority; the gateway sends `priority`",
     "BackendConfig.context_window": "tokens; a request whose prompt is estimated at this many tokens or more skips this backend",
-    "BackendConfig.capabilities": "endpoints served: chat, completions, embeddings",
+    "BackendConfig.capabilities": "what the backend serves beyond generation: embeddings, rerank, score (pooling models; docs/api.md)",
     "BackendConfig.weight": "reserved; not read by the current routing strategies",
     "StaticKey.tenant": "tenant of the principal",
     "StaticKey.key_env": "env var holding the key value (preferred)",
