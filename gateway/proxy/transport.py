@@ -26,7 +26,9 @@ class UpstreamBroken(Exception):
 
 class UpstreamResponse(Protocol):
     status: int
-    headers: Mapping[str, str]
+
+    @property
+    def headers(self) -> Mapping[str, str]: ...  # read-only: aiohttp's, httpx's and the native client's own type
 
     async def aread(self) -> bytes: ...
 
