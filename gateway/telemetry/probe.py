@@ -136,7 +136,11 @@ async def probe_stream(backend: str, endpoint: str, replay: str | None, topic: s
                         break  # the engine's whole buffer was on another topic or undecodable: conclusive
                     continue
                 replay_batches += 1
-                tpc, seq_b, payload = (frames[0], frames[1], frames[2]) if len(frames) == 3 else (None, *frames[:2])
+                tpc: bytes | None  # the replay answer is [topic, seq, payload], or [seq, payload] from older engines
+                if len(frames) == 3:
+                    tpc, seq_b, payload = frames
+                else:
+                    tpc, (seq_b, payload) = None, frames[:2]
                 if judge.frame(tpc, int.from_bytes(seq_b, "big", signed=True), payload, "replay buffer"):
                     r.replay = f"answered (batch seq {int.from_bytes(seq_b, 'big', signed=True)} decoded)"
                     break
