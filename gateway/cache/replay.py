@@ -3,7 +3,7 @@ in the endpoint's shape (chat.completion.chunk / text_completion), ending with u
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncGenerator, Awaitable, Callable
 
 import orjson
 
@@ -101,7 +101,7 @@ class CachedStream:
     obj: dict[str, Any]
     endpoint: str
 
-    async def replay(self, ctx: Any, on_end: Callable[[], Awaitable[None]]) -> AsyncIterator[bytes]:
+    async def replay(self, ctx: Any, on_end: Callable[[], Awaitable[None]]) -> AsyncGenerator[bytes, None]:
         try:
             yield sse_events(self.obj, self.endpoint, ctx.client_wants_usage)
         finally:

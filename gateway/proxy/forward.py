@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable
 
 
 from gateway.api.wire.base import StreamState
@@ -304,7 +304,7 @@ def observe_first_events(ctx: RequestContext, start: StreamStart) -> None:
 
 
 async def stream_body(ctx: RequestContext, start: StreamStart,
-                      on_end: Callable[[], Awaitable[None]]) -> AsyncIterator[bytes]:
+                      on_end: Callable[[], Awaitable[None]]) -> AsyncGenerator[bytes, None]:
     """Forward a started stream event by event (translated into the client's API when the backend speaks
     another), applying the client wire's rules: capture usage, strip what the client did not ask for, cut at the
     budget allowance; end with the wire's error event if the upstream breaks."""
