@@ -152,7 +152,8 @@ class CacheStage:
         # re-checked: a later stage may have tightened the decision (retention) after the lookup
         if ctx.status not in (0, 200) or ctx.error or ctx.cut_by_budget or ctx.cut_by_shutdown:
             return
-        if not ctx.content_retainable or not self.store.allows(ctx.decision):
+        # content_retainable already implies a known principal; checked here so the entry's tenant is one
+        if ctx.principal is None or not ctx.content_retainable or not self.store.allows(ctx.decision):
             return
         obj = p.capture.result(ctx.usage)
         if obj is None:
