@@ -135,8 +135,8 @@ def parse_multipart(ctype: str, body: bytes) -> dict[str, tuple[str | None, byte
         name = part.get_param("name", header="content-disposition")
         if not name:
             continue
-        data = part.get_payload(decode=True) or b""
-        out[str(name)] = (part.get_filename(), data)
+        data = part.get_payload(decode=True)  # a non-multipart part decodes to bytes (None when empty)
+        out[str(name)] = (part.get_filename(), data if isinstance(data, bytes) else b"")
     return out
 
 
@@ -237,16 +237,15 @@ def batch_routes(svc: "BatchService") -> list[Route]:
             raise GatewayError(400, f"metadata must map at most {METADATA_MAX_KEYS} strings (keys <= 64 chars) to "
                                "strings (<= 512 chars).", code="invalid_request", param="metadata")
         fid = body.get("input_file_id")
-        frow = await svc.store.get_file(fid, owner_of(p)) if isinstance(fid, str) else None
-        if frow is not None and frow["purpose"] != "batch":
+        if not isinstance(fid, str):
+            raise GatewayError(400, "input_file_id must be the id of an uploaded file.", code="invalid_request",
+                               param="input_file_id")
+        frow = await svc.store.get_file(fid, owner_of(p))
+        if frow is None:
+            raise GatewayError(404, f"No such file: '{fid[:80]}'.", code="not_found", param="input_file_id")
+        if frow["purpose"] != "batch":
             raise GatewayError(400, f"File {fid} has purpose {frow['purpose']!r}; a batch needs a file uploaded with "
                                "purpose 'batch'.", code="invalid_request", param="input_file_id")
-        if frow is None:
-            raise GatewayError(404 if isinstance(fid, str) else 400,
-                               f"No such file: '{str(fid)[:80]}'." if isinstance(fid, str) else
-                               "input_file_id must be the id of an uploaded file.",
-                               code="not_found" if isinstance(fid, str) else "invalid_request",
-                               param="input_file_id")
         now = time.time()
         job = {"id": new_id("batch_"), "owner": owner_of(p), "tenant": p.tenant, "principal": principal_row(p),
                "principal_valid_until": svc.principal_valid_until(request.headers, p), "endpoint": endpoint,
@@ -256,6 +255,7 @@ def batch_routes(svc: "BatchService") -> list[Route]:
         await svc.store.insert_job(job)
         svc.kick()
         got = await svc.store.get_job(job["id"], owner_of(p))
+        assert got is not None  # just inserted for this owner, and jobs are never deleted
         return JSONResponse(batch_object(got))
 
     async def batches_list(request: Request, p: Principal) -> Response:
@@ -282,6 +282,7 @@ def batch_routes(svc: "BatchService") -> list[Route]:
             raise GatewayError(409, f"Batch {bid} is {job['status']}; only a validating or in-progress batch can be "
                                "cancelled.", code="batch_not_cancellable")
         job = await svc.store.cancel_job(bid, owner_of(p), time.time())
+        assert job is not None  # read above for this owner, and jobs are never deleted
         svc.kick()
         return JSONResponse(batch_object(job))
 

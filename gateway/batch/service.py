@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import orjson
 
@@ -39,6 +39,9 @@ def make_store(config: Any) -> BatchStore:
     ic, bc = config.raw.identity, config.raw.batch
     if ic.store == "postgres":
         dsn = ic.postgres_dsn or (os.environ.get(ic.postgres_dsn_env) if ic.postgres_dsn_env else None)
+        if not dsn:  # the identity store refuses the same config (gateway/identity/service.py make_store)
+            raise GatewayError(500, "identity.store is postgres (batches share its database) but no "
+                               "postgres_dsn/postgres_dsn_env is set", code="config_error")
         return PostgresBatchStore(dsn, schema=ic.postgres_schema)
     if bc.sqlite_path:
         return SqliteBatchStore(config.resolve_path(bc.sqlite_path))
@@ -68,7 +71,7 @@ class BatchService:
         self.store = store or make_store(gw.config)
         self.worker = "w_" + os.urandom(6).hex()  # this replica's lease owner id
         self.pacer = Pacer(gw.config.raw.batch)
-        self.inflight: dict[tuple[str, int], asyncio.Task] = {}
+        self.inflight: dict[tuple[str, int], asyncio.Task[None]] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._closing = False
@@ -248,12 +251,18 @@ class BatchService:
                         left[job["tenant"]] -= 1
                         self.stats["dispatched"] += 1
                         self.inflight[key] = asyncio.create_task(self._run_line(job, ln))
-                        self.inflight[key].add_done_callback(lambda _t, k=key: self.inflight.pop(k, None))
+                        self.inflight[key].add_done_callback(self._forget(key))
                     if len(lines) < ask:
                         dry.add(job["id"])
                         break
 
     # ------------------------------------------------------------------ one line
+    def _forget(self, key: tuple[str, int]) -> Callable[[asyncio.Task[None]], None]:
+        """The done-callback of a line's task: it is no longer in flight."""
+        def done(_t: asyncio.Task[None]) -> None:
+            self.inflight.pop(key, None)
+        return done
+
     async def _run_line(self, job: dict[str, Any], ln: Line) -> None:
         try:
             await self._run_line_once(job, ln)
