@@ -14,7 +14,7 @@ declared role cannot be built; `declared_roles(route)` reads the declaration bac
 """
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable, Iterable, Mapping
+from typing import Any, Awaitable, Callable, Final, Iterable, Literal, Mapping, overload
 
 import orjson
 from starlette.requests import Request
@@ -24,13 +24,16 @@ from starlette.routing import Route
 from gateway.errors import GatewayError, retry_headers
 from gateway.types import Principal
 
-PLATFORM_ADMIN = "admin"
-TENANT_ADMIN = "tenant_admin"
-PUBLIC = "public"
+PLATFORM_ADMIN: Final = "admin"
+TENANT_ADMIN: Final = "tenant_admin"
+PUBLIC: Final = "public"
 ROLES = frozenset({PLATFORM_ADMIN, TENANT_ADMIN, PUBLIC})
 
 Authenticate = Callable[[Mapping[str, str], str], Awaitable[Principal]]
-Handler = Callable[[Request, Principal | None], Awaitable[Any]]
+# A handler gets the authenticated principal; one of a PUBLIC route (no credential) gets None.
+Handler = Callable[[Request, Principal], Awaitable[Any]]
+PublicHandler = Callable[[Request, None], Awaitable[Any]]
+_AnyHandler = Callable[[Request, Any], Awaitable[Any]]  # either: the route's roles say which argument it gets
 
 
 def client_address(request: Request) -> str:
@@ -83,7 +86,14 @@ class AdminGuard:
         self.max_body_bytes = max_body_bytes
         self.request_id = request_id
 
-    def route(self, path: str, handler: Handler, methods: Iterable[str], roles: Iterable[str]) -> Route:
+    @overload
+    def route(self, path: str, handler: PublicHandler, methods: Iterable[str],
+              roles: tuple[Literal["public"]]) -> Route: ...
+
+    @overload
+    def route(self, path: str, handler: Handler, methods: Iterable[str], roles: Iterable[str]) -> Route: ...
+
+    def route(self, path: str, handler: _AnyHandler, methods: Iterable[str], roles: Iterable[str]) -> Route:
         if not path.startswith("/admin"):
             raise ValueError(f"{path}: the admin guard only builds /admin routes")
         declared = frozenset(roles)
@@ -93,7 +103,7 @@ class AdminGuard:
         endpoint.admin_roles = declared  # type: ignore[attr-defined]
         return Route(path, endpoint, methods=list(methods))
 
-    def _endpoint(self, handler: Handler, roles: frozenset[str]) -> Callable[[Request], Awaitable[Response]]:
+    def _endpoint(self, handler: _AnyHandler, roles: frozenset[str]) -> Callable[[Request], Awaitable[Response]]:
         async def endpoint(request: Request) -> Response:
             rid = self.request_id(request.headers) if self.request_id is not None else None
             try:
@@ -137,7 +147,7 @@ def gateway_guard(gw: Any) -> AdminGuard:
     async def authenticate(headers: Mapping[str, str], addr: str) -> Principal:
         svc = gw.identity
         if svc is None:
-            return await gw.admin_auth(headers)  # the Gateway's placeholder: 503 until identity is wired
+            return await gw.admin_auth(headers, addr)  # the Gateway's placeholder: 503 until identity is wired
         return await svc.authenticate_admin(headers, addr)
 
     from gateway.app import request_id

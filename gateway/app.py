@@ -13,9 +13,8 @@ import logging
 import re
 import time
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Mapping
 
-from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -134,7 +133,8 @@ class Gateway:
         self.finish_hooks: list[Callable[[RequestContext], Awaitable[None]]] = []
         self.services: list[Any] = []  # objects with async start()/close() and optional swap_config(config)
         self.auth: Any = NoIdentity()
-        self.admin_auth: Callable[[Headers], Awaitable[Principal]] = self._no_admin_auth
+        # (headers, client address) -> the admin principal (gateway.admin_guard.Authenticate); identity wiring sets it
+        self.admin_auth: Callable[[Mapping[str, str], str], Awaitable[Principal]] = self._no_admin_auth
         self._tasks: list[asyncio.Task] = []
         self._reload_lock = asyncio.Lock()
         self.streams: dict[asyncio.Task, RequestContext] = {}  # streams being sent, cut at the drain deadline
@@ -240,7 +240,7 @@ class Gateway:
             log.warning("drain deadline: cut %d stream(s) still running", n)
         return n
 
-    async def _no_admin_auth(self, headers: Headers) -> Principal:
+    async def _no_admin_auth(self, headers: Mapping[str, str], client_addr: str) -> Principal:
         raise GatewayError(503, "No identity layer is configured.", code="identity_unavailable")
 
 

@@ -68,10 +68,7 @@ def _wire_identity(gw: Gateway) -> Any:
     gw.identity = svc
     gw.auth = AuthStage(svc)
 
-    async def admin_auth(headers: Any, client_addr: str) -> Any:  # the limiter counts per client address
-        return await svc.authenticate_admin(headers, client_addr)
-
-    gw.admin_auth = admin_auth
+    gw.admin_auth = svc.authenticate_admin  # with the client address: the limiter counts per address
     gw.extra_routes.extend(admin_routes(svc, gateway_guard(gw)))
     return gw.auth
 

@@ -24,7 +24,7 @@ from starlette.routing import Route
 from gateway.admin_guard import PLATFORM_ADMIN, TENANT_ADMIN, AdminGuard
 from gateway.errors import GatewayError
 from gateway.identity.model import to_dict
-from gateway.identity.service import IdentityService
+from gateway.identity.service import IdentityService, validate_id
 from gateway.types import Principal
 
 
@@ -81,7 +81,8 @@ def admin_routes(service: IdentityService, guard: AdminGuard | None = None) -> l
 
     async def create_tenant(req: Request, p: Principal) -> Any:
         b = await _body(req)
-        t = await service.create_tenant(b.get("id"), b.get("name"), b.get("labels"))
+        # ids are validated here, as the service would (same errors), so what it is given is a str
+        t = await service.create_tenant(validate_id(b.get("id"), "id"), b.get("name"), b.get("labels"))
         return _json(to_dict(t), 201)
 
     async def get_tenant(req: Request, p: Principal) -> Any:
@@ -115,7 +116,7 @@ def admin_routes(service: IdentityService, guard: AdminGuard | None = None) -> l
         tid = req.path_params["tenant"]
         require_tenant(p, tid)
         b = await _body(req)
-        t = await service.create_team(tid, b.get("id"), b.get("name"), b.get("labels"))
+        t = await service.create_team(tid, validate_id(b.get("id"), "id"), b.get("name"), b.get("labels"))
         return _json(to_dict(t), 201)
 
     def _team_path(req: Request, p: Principal) -> tuple[str, str]:
@@ -158,7 +159,8 @@ def admin_routes(service: IdentityService, guard: AdminGuard | None = None) -> l
     async def create_project(req: Request, p: Principal) -> Any:
         b = await _body(req)
         tid = _tenant_of(req, p, b)
-        x = await service.create_project(tid, b.get("team"), b.get("id"), b.get("name"), b.get("labels"))
+        team = validate_id(b.get("team"), "team")
+        x = await service.create_project(tid, team, validate_id(b.get("id"), "id"), b.get("name"), b.get("labels"))
         return _json(to_dict(x), 201)
 
     def _project_path(req: Request, p: Principal) -> tuple[str, str, str]:
@@ -191,7 +193,8 @@ def admin_routes(service: IdentityService, guard: AdminGuard | None = None) -> l
 
     async def create_partner(req: Request, p: Principal) -> Any:
         b = await _body(req)
-        x = await service.create_partner(b.get("id"), b.get("tenant") or b.get("id"), b.get("name"),
+        pid = validate_id(b.get("id"), "id")
+        x = await service.create_partner(pid, validate_id(b.get("tenant") or pid, "tenant"), b.get("name"),
                                          b.get("labels"))
         return _json(to_dict(x), 201)
 
