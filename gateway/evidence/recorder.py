@@ -26,7 +26,9 @@ log = logging.getLogger("gateway.evidence")
 # Keys whose values are request or response content. Never recorded unless capture_content is on and the
 # request is not zero-retention; stripped from every nested evidence entry otherwise.
 CONTENT_KEYS = frozenset({"messages", "prompt", "input", "completion", "completion_text", "content", "response_text",
-                          "text", "tool_calls", "suffix", "instructions", "choices", "delta", "reasoning_content"})
+                          "text", "tool_calls", "suffix", "instructions", "choices", "delta", "reasoning_content",
+                          # the pooling APIs' content: rerank's query and documents, score's text pairs
+                          "query", "documents", "text_1", "text_2"})
 # ctx.evidence entries lifted to top-level fields of the record.
 _LIFTED = ("decision", "budget", "candidates", "route", "predicted_ttft_ms", "predicted_cached_tokens", "cost",
            "session", "unit_cost")

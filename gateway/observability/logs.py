@@ -64,13 +64,14 @@ def _content_strings(value: Any, out: list[str]) -> None:
 
 
 def zero_retention_content(ctx: Any) -> list[str]:
-    """The text a request whose content may not be kept carried (messages/prompt/input): zero retention, or
-    retention not known yet (no decision: refused or still before the policy stage); [] for other requests."""
+    """The text a request whose content may not be kept carried (messages/prompt/input, rerank/score texts): zero
+    retention, or retention not known yet (no decision: refused or still before the policy stage); [] for others."""
     if ctx is None or getattr(ctx, "content_retainable", True):
         return []
     body = getattr(ctx, "body", None) or {}
     out: list[str] = []
-    for k in ("messages", "prompt", "input", "suffix", "instructions", "tools"):
+    for k in ("messages", "prompt", "input", "suffix", "instructions", "tools", "query", "documents", "text_1",
+              "text_2"):
         if k in body:
             _content_strings(body[k], out)
     return out
