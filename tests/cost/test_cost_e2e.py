@@ -75,6 +75,11 @@ def test_audit_record_ledger_metrics_and_report_carry_the_apportioned_cost(stack
         assert uc["charged"] == pytest.approx(rec["cost"]["amount"])  # next to the price charged
         assert uc["margin"] == pytest.approx(uc["charged"] - uc["cost"], rel=1e-6)
         metrics = c.get("/metrics").text
+        snap = c.get("/admin/cost", headers={"authorization": f"Bearer {ADMIN}"}).json()
+        assert c.get("/admin/cost", headers={"authorization": f"Bearer {KEY}"}).status_code == 403
+    eng = snap["engines"][stack["engine"]["name"]]
+    assert eng["charged_s"] > 0 and 0 < eng["utilisation"] <= 1
+    assert sum(t["requests"] for t in snap["totals"]) >= 4
     assert 'gateway_cost_gpu_seconds_total{backend="%s"' % stack["engine"]["name"] in metrics
     assert "gateway_engine_busy_seconds_total" in metrics and "gateway_engine_apportioned_seconds_total" in metrics
     db = stack["tmp"] / "budgets.db"
