@@ -47,7 +47,7 @@ class RequestHeaders(dict):
                 dict.__setitem__(h, name, v.decode("latin-1"))
         return h
 
-    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+    def get(self, key: str, default: Any = None) -> Any:
         return dict.get(self, key.lower(), default)
 
     def __getitem__(self, key: str) -> str:

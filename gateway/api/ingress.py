@@ -314,7 +314,8 @@ class InferenceEndpoint:
             gen = replay(ctx, on_end) if replay is not None else stream_body(ctx, result, on_end)
             capture = ctx.cache.capture if ctx.cache is not None and replay is None else None
             me = asyncio.current_task()
-            gw.streams[me] = ctx  # type: ignore[index]
+            assert me is not None  # the server runs each request in a task of its own
+            gw.streams[me] = ctx
             try:
                 try:
                     async for chunk in gen:
@@ -324,14 +325,14 @@ class InferenceEndpoint:
                 except asyncio.CancelledError:
                     if not ctx.cut_by_shutdown:
                         raise
-                    me.uncancel()  # type: ignore[union-attr]  # our own cut at the drain deadline
+                    me.uncancel()  # our own cut at the drain deadline
                     await on_end()  # settle what was delivered before the client sees the end
                     err = GatewayError(503, "The gateway is shutting down and cut this stream at its drain deadline; "
                                        "retry the request.", code="server_shutting_down")
                     await send({"type": "http.response.body", "body": wire.error_event(err), "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
             finally:
-                gw.streams.pop(me, None)  # type: ignore[arg-type]
+                gw.streams.pop(me, None)
                 await gen.aclose()
         except asyncio.CancelledError:
             ctx.status = ctx.status if ctx.status and ctx.status != 200 else 499
