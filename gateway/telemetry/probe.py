@@ -12,12 +12,16 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
 import zmq.asyncio
 
 from gateway.telemetry.kv_events import END_SEQ, decode_batch
+
+if TYPE_CHECKING:
+    from gateway.config import Config
 
 
 @dataclass
@@ -155,14 +159,14 @@ async def probe_stream(backend: str, endpoint: str, replay: str | None, topic: s
     return r
 
 
-async def probe_config(cfg, timeout_s: float = 5.0) -> list[ProbeResult]:  # type: ignore[no-untyped-def]
+async def probe_config(cfg: Config, timeout_s: float = 5.0) -> list[ProbeResult]:
     """Probe every kind vllm/sim backend with kv_events, all at once (the wait is shared)."""
     tc = cfg.raw.telemetry
     if not tc.kv_events:
         return []
     from gateway.proxy.dialects import publishes_kv_events
 
-    todo = [b for b in cfg.backends if publishes_kv_events(b) and b.kv_events]
+    todo = [(b, b.kv_events) for b in cfg.backends if publishes_kv_events(b) and b.kv_events]
     return list(await asyncio.gather(*(
-        probe_stream(b.name, b.kv_events, b.replay, b.kv_topic if b.kv_topic is not None else tc.kv_topic,
-                     timeout_s) for b in todo)))
+        probe_stream(b.name, endpoint, b.replay, b.kv_topic if b.kv_topic is not None else tc.kv_topic,
+                     timeout_s) for b, endpoint in todo)))
