@@ -44,6 +44,9 @@ def test_usage_counts_cache_reads_and_writes_as_prompt():
     assert usage_from({"input_tokens": 5, "output_tokens": 3}) == Usage(5, 3, None)
     assert usage_from({"input_tokens": 5, "cache_read_input_tokens": 40, "cache_creation_input_tokens": 2,
                        "output_tokens": 3}) == Usage(47, 3, 40)
+    # vLLM: the whole prompt as input_tokens, the cache fields null (cached unknown)
+    assert usage_from({"input_tokens": 47, "output_tokens": 3, "cache_read_input_tokens": None,
+                       "cache_creation_input_tokens": None}) == Usage(47, 3, None)
     assert usage_from(None) is None and usage_from({"input_tokens": "x", "output_tokens": -1}) == Usage(0, 0, None)
     assert ANTHROPIC.usage({"usage": {"input_tokens": 1, "output_tokens": 2}}) == Usage(1, 2, None)
     assert ANTHROPIC.usage([]) is None

@@ -3,7 +3,8 @@ cache_read_input_tokens, cache_creation_input_tokens}}` bodies, typed SSE events
 `data: {"type": <type>, ...}`), errors as `{"type": "error", "error": {"type", "message"}}`.
 
 Usage, as Anthropic defines it: `input_tokens` are the prompt tokens not read from the cache, so the prompt the
-budget is charged for is input + cache_read + cache_creation, of which cache_read are cached. In a stream,
+budget is charged for is input + cache_read + cache_creation, of which cache_read are cached (vLLM reports the
+whole prompt as input_tokens and the cache fields as null: the same sum, cached unknown). In a stream,
 `message_start` carries the input usage, `message_delta` the output tokens (cumulative, and, from vLLM and
 newer Anthropic versions, the input ones again), `message_stop` ends it. The first generated token is the
 first non-empty `content_block_delta`; its text counts against the budget allowance, and a stream cut there
@@ -52,9 +53,9 @@ def usage_from(u: Any) -> Usage | None:
         return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else 0
 
     cached = n("cache_read_input_tokens")
+    reported = isinstance(u.get("cache_read_input_tokens"), int)  # vLLM sends null: cached tokens unknown
     return Usage(prompt_tokens=n("input_tokens") + cached + n("cache_creation_input_tokens"),
-                 completion_tokens=n("output_tokens"),
-                 cached_tokens=cached if "cache_read_input_tokens" in u else None)
+                 completion_tokens=n("output_tokens"), cached_tokens=cached if reported else None)
 
 
 def response_facts(ctx: Any, obj: Any) -> None:
