@@ -10,9 +10,8 @@ Block types other than text, image, tool_use, tool_result, document and thinking
 engine answers for them)."""
 from __future__ import annotations
 
+import json
 from typing import Any
-
-import orjson
 
 from gateway.api.parse import Parsed, _model, _opt_bool, _opt_int, _opt_number, _type_error
 from gateway.errors import bad_request
@@ -148,13 +147,14 @@ def _result_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(b.get("text", "") for b in content if isinstance(b, dict) and b.get("type") == "text")
+        return "\n".join(b.get("text", "") for b in content if isinstance(b, dict) and b.get("type") == "text")
     return ""
 
 
 def as_chat(body: dict[str, Any]) -> dict[str, Any]:
     """A (validated) Messages body as the OpenAI chat body an engine renders for it, as vLLM's Anthropic
-    adapter converts it: `system` first, text and image blocks as content parts, `tool_use` blocks as the
+    adapter converts it (vllm/entrypoints/anthropic/serving.py; a lone text block as a string, tool input as
+    json.dumps): `system` first, text and image blocks as content parts, `tool_use` blocks as the
     assistant's `tool_calls`, `tool_result` blocks as `tool` messages, `tools` as function tools. Routing
     tokenizes and keys the prompt from this (the endpoint's `chat_view`)."""
     msgs: list[dict[str, Any]] = []
@@ -177,7 +177,7 @@ def as_chat(body: dict[str, Any]) -> dict[str, Any]:
                 continue
             if b.get("type") == "tool_use":
                 calls.append({"id": b.get("id"), "type": "function",
-                              "function": {"name": b.get("name"), "arguments": orjson.dumps(b.get("input")).decode()}})
+                              "function": {"name": b.get("name"), "arguments": json.dumps(b.get("input") or {})}})
             elif b.get("type") == "tool_result":
                 msgs.append({"role": "tool", "tool_call_id": b.get("tool_use_id"),
                              "content": _result_text(b.get("content"))})
@@ -186,7 +186,8 @@ def as_chat(body: dict[str, Any]) -> dict[str, Any]:
                 if p is not None:
                     parts.append(p)
         if parts or calls:
-            out: dict[str, Any] = {"role": m.get("role"), "content": parts}
+            one_text = len(parts) == 1 and parts[0]["type"] == "text"
+            out: dict[str, Any] = {"role": m.get("role"), "content": parts[0]["text"] if one_text else parts}
             if calls:
                 out["tool_calls"] = calls
             msgs.append(out)

@@ -131,8 +131,8 @@ def test_the_chat_view_is_what_an_engine_renders():
     assert chat["messages"] == [
         {"role": "system", "content": "Sys."},
         {"role": "user", "content": "2+2?"},
-        {"role": "assistant", "content": [{"type": "text", "text": "Calling."}],
-         "tool_calls": [{"id": "t1", "type": "function", "function": {"name": "add", "arguments": '{"a":2}'}}]},
+        {"role": "assistant", "content": "Calling.",
+         "tool_calls": [{"id": "t1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2}'}}]},
         {"role": "tool", "tool_call_id": "t1", "content": "4"},
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,QQ=="}}]}]
     assert chat["tools"] == [{"type": "function", "function": {"name": "add", "description": "adds",
