@@ -33,6 +33,12 @@ TEMPLATES: dict[str | None, tuple[BackendConfig, ...]] = {}
 Resolver = Callable[[str], Awaitable[tuple[str, ...]]]
 
 
+def watched(path: str | None) -> list[tuple[BackendConfig, DnsDiscovery]]:
+    """The discovery templates of the config at `path`, each with its discovery settings (parse_config puts only
+    backends that have them in TEMPLATES)."""
+    return [(t, t.discovery) for t in TEMPLATES.get(path, ()) if t.discovery is not None]
+
+
 def resolve_a(name: str) -> tuple[str, ...]:
     """The name's IPv4 addresses (A records, or /etc/hosts), sorted and unique; () when it does not resolve."""
     try:
@@ -109,8 +115,8 @@ class DiscoveryService:
         return TEMPLATES.get(str(path) if path is not None else None, ())
 
     def _watched(self) -> list[tuple[BackendConfig, DnsDiscovery]]:
-        """Each template with its discovery settings (parse_config puts only backends that have them in TEMPLATES)."""
-        return [(t, t.discovery) for t in self.templates() if t.discovery is not None]
+        path = self.gw.config.path
+        return watched(str(path) if path is not None else None)
 
     async def start(self) -> None:
         if self.templates():
