@@ -10,6 +10,7 @@ from gateway.config import Config
 from gateway.errors import GatewayError, retry_headers
 from gateway.pipeline import RequestContext
 from gateway.policy.residency import backend_allowed
+from gateway.proxy.dialects import dialect_for
 from gateway.proxy.health import Health
 from gateway.routing.plan import Candidate, RoutePlan
 from gateway.types import Decision
@@ -33,7 +34,8 @@ def candidates(config: Config, ctx: RequestContext, health: Health) -> RoutePlan
     """Every (backend, model) pair that may serve this request, in alias-chain order, with drop reasons."""
     kept: list[Candidate] = []
     dropped: list[dict] = []
-    need = ctx.ep.capability if ctx.ep is not None else None  # e.g. pooling APIs need a pooling model
+    ep = ctx.ep
+    need = ep.capability if ep is not None else None  # e.g. pooling APIs need a pooling model
     for model in ctx.model_chain:
         for name in config.models.get(model, ()):
             b = config.backend(name)
@@ -42,6 +44,8 @@ def candidates(config: Config, ctx: RequestContext, health: Health) -> RoutePlan
                 why, kind = "circuit open", "health"
             if why is None and need is not None and need not in b.capabilities:
                 why, kind = f"backend does not serve {need}", "capability"
+            if why is None and ep is not None and not dialect_for(b.kind).serves(ep):  # e.g. /tokenize on openai
+                why, kind = f"backend kind {b.kind} does not serve {ep.path}", "capability"
             if why is not None:
                 dropped.append({"backend": name, "model": model, "reason": why, "filter": kind})
             else:
@@ -117,8 +121,9 @@ def no_candidates(ctx: RequestContext, plan: RoutePlan) -> GatewayError:
              if len(drops) < len(plan.dropped) else "")
     if drops and all(x["filter"] == "capability" for x in drops):  # permanent: retrying cannot help
         ep = ctx.ep
-        return GatewayError(400, f"No backend serving '{ctx.model}' has the '{ep.capability}' capability that "
-                            f"{ep.path} needs.", param="model", code="model_not_supported")
+        need = f" (it needs the '{ep.capability}' capability)" if ep.capability else ""
+        return GatewayError(400, f"No backend serving '{ctx.model}' can serve {ep.path}{need}.", param="model",
+                            code="model_not_supported")
     if drops and d is not None and all(x["filter"] == "residency" for x in drops):
         return GatewayError(403, f"No backend for '{ctx.model}' satisfies the residency/retention required by "
                             f"rule {named}.{spill}", code="residency_unsatisfiable")
