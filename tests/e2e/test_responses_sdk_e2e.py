@@ -42,7 +42,10 @@ def stack(tmp_path_factory):
         backends = [{"name": "pool", "kind": "sim", "url": e0["url"], "models": ["sim-model"],
                      "capabilities": ["chat", "completions", "rerank", "score"]},
                     {"name": "gen", "kind": "sim", "url": e1["url"], "models": ["sim-model", "gen-only"],
-                     "model_map": {"gen-only": "sim-model"}}]
+                     "model_map": {"gen-only": "sim-model"}},
+                    # an OpenAI-compatible API (kind openai) in front of the second engine: Responses is native there
+                    {"name": "oai", "kind": "openai", "url": e1["url"], "models": ["oai-model"],
+                     "model_map": {"oai-model": "sim-model"}}]
         port = free_port()
         cfg = tmp / "gateway.yaml"
         cfg.write_text(json.dumps({
@@ -243,3 +246,15 @@ def test_a_model_no_capable_backend_serves_is_a_400_not_a_retry(stack):
     assert "retry-after" not in r.headers
     r = _post(stack, "/v1/responses", {"model": "gen-only", "input": "hi", "max_output_tokens": 2}, "nocap-2")
     assert r.status_code == 200 and r.headers["x-gateway-backend"] == "gen"  # generation needs no capability
+
+
+def test_an_openai_kind_backend_serves_responses_natively(stack):
+    r = sdk(stack).responses.with_raw_response.create(model="oai-model", input="hello", max_output_tokens=3,
+                                                      stream=False, extra_headers={"x-request-id": "oai-1"})
+    assert r.headers["x-gateway-backend"] == "oai" and r.parse().usage.output_tokens == 3
+    events = list(sdk(stack).responses.create(model="oai-model", input="hello", max_output_tokens=3, stream=True))
+    assert events[-1].type == "response.incomplete" and events[-1].response.usage.output_tokens == 3
+    # tokenize is vLLM's, not OpenAI's: no backend of that model can serve it, a permanent 400 (not a 503)
+    r = _post(stack, "/tokenize", {"model": "oai-model", "prompt": "x"}, "oai-2")
+    assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_supported", r.text
+    assert "/tokenize" in r.json()["error"]["message"] and "retry-after" not in r.headers
