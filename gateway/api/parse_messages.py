@@ -5,7 +5,8 @@ gives it Anthropic's error shape).
 What Anthropic requires is required here: `model`, `max_tokens` (an integer >= 1: it is the completion cap the
 budget reserves for) and `messages` (a non-empty array of `user`/`assistant` turns whose `content` is a string
 or an array of content blocks). `system` is a string or an array of text blocks; `stream` a boolean;
-`temperature` and `top_p` numbers in [0, 1]; `top_k` an integer >= 0; `stop_sequences` an array of strings.
+`temperature` and `top_p` numbers in [0, 1]; `top_k` an integer >= 0; `stop_sequences` an array of strings;
+`tools` an array of objects with a `name`; `tool_choice` an object of type auto/any/tool (with a `name`)/none.
 Block types other than text, image, tool_use, tool_result, document and thinking pass through unchecked (the
 engine answers for them)."""
 from __future__ import annotations
@@ -123,6 +124,25 @@ def parse_messages(body: dict[str, Any]) -> Parsed:
     stop = body.get("stop_sequences")
     if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         raise _type_error("stop_sequences", "an array of strings", stop)
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise _type_error("tools", "an array", tools)
+        for j, t in enumerate(tools):
+            if not isinstance(t, dict):
+                raise _type_error(f"tools[{j}]", "an object", t)
+            if not isinstance(t.get("name"), str) or not t["name"]:
+                raise bad_request(f"'tools[{j}].name' must be a non-empty string.", param=f"tools[{j}].name",
+                                  code="invalid_value")
+    tc = body.get("tool_choice")
+    if tc is not None:
+        if not isinstance(tc, dict):
+            raise _type_error("tool_choice", "an object", tc)
+        if tc.get("type") not in ("auto", "any", "tool", "none"):
+            raise bad_request("'tool_choice.type' must be one of 'auto', 'any', 'tool', 'none'.",
+                              param="tool_choice.type", code="invalid_value")
+        if tc["type"] == "tool" and not isinstance(tc.get("name"), str):
+            raise _type_error("tool_choice.name", "a string", tc.get("name"))
     md = body.get("metadata")
     if md is not None and not isinstance(md, dict):
         raise _type_error("metadata", "an object", md)

@@ -80,6 +80,12 @@ def test_the_endpoint_entry():
     ({**OK, "stop_sequences": "stop"}, "stop_sequences", "array of strings"),
     ({**OK, "stop_sequences": [1]}, "stop_sequences", "array of strings"),
     ({**OK, "metadata": []}, "metadata", "object"),
+    ({**OK, "tools": {}}, "tools", "array"),
+    ({**OK, "tools": ["x"]}, "tools[0]", "object"),
+    ({**OK, "tools": [{"input_schema": {}}]}, "tools[0].name", "non-empty"),
+    ({**OK, "tool_choice": "auto"}, "tool_choice", "object"),
+    ({**OK, "tool_choice": {"type": "function"}}, "tool_choice.type", "one of"),
+    ({**OK, "tool_choice": {"type": "tool"}}, "tool_choice.name", "string"),
 ])
 def test_bad_inputs_name_their_param(body, param, says):
     assert says in bad(body, param)
@@ -102,7 +108,8 @@ message = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "
 @given(st.fixed_dictionaries({}, optional={
     "model": st.just("m") | json_values, "max_tokens": st.integers(-1, 5) | json_values,
     "messages": st.lists(message, max_size=3) | json_values, "system": json_values | st.lists(blocks, max_size=2),
-    "stream": json_values, "temperature": json_values, "top_k": json_values, "stop_sequences": json_values}))
+    "stream": json_values, "temperature": json_values, "top_k": json_values, "stop_sequences": json_values,
+    "tools": json_values, "tool_choice": json_values}))
 def test_any_body_is_parsed_or_refused_with_a_400_naming_a_param(body):
     try:
         p = parse_messages(body)
