@@ -26,6 +26,7 @@ TABLE: dict[tuple[str, str], frozenset[str]] = {
     ("GET", "/admin/fleet"): PLATFORM,
     ("GET", "/admin/routing"): PLATFORM,
     ("GET", "/admin/batch"): PLATFORM,
+    ("GET", "/admin/cost"): PLATFORM,
     ("DELETE", "/admin/cache"): BOTH,  # a tenant admin purges only its own tenant's entries
     ("GET", "/admin/ui"): frozenset({PUBLIC}),
     ("GET", "/admin/ui/data"): PLATFORM,
