@@ -210,7 +210,7 @@ class PredictiveRouteStage:
         salt = engine_cache_salt(ctx, rc.cache_salt_secret_env)
         if salt is not None:
             ctx.body_overrides["cache_salt"] = salt  # and the index is looked up with the salt the engine sees
-        if d is not None and ctx.endpoint != "embeddings":
+        if d is not None and ctx.ep is not None and ctx.ep.generates:  # vLLM schedules generation by priority
             prio = rc.priority_values.get(d.priority)
             if prio is not None:
                 ctx.body_overrides["priority"] = int(prio)
