@@ -16,6 +16,18 @@ from gateway.routing.plan import Candidate, RoutePlan
 from gateway.types import Decision
 
 
+_SERVES: dict[tuple[str, str], bool] = {}  # (backend kind, endpoint name) -> its dialect serves it (static)
+
+
+def kind_serves(kind: str, ep) -> bool:
+    """Does a backend of this kind serve this endpoint at all (its dialect has an exchange for it)?"""
+    key = (kind, ep.name)
+    got = _SERVES.get(key)
+    if got is None:
+        got = _SERVES[key] = dialect_for(kind).serves(ep)
+    return got
+
+
 def require_model(ctx: RequestContext) -> None:
     """404 model_not_found when the request's model resolved to nothing this caller may use."""
     if not ctx.model_chain:
@@ -44,7 +56,7 @@ def candidates(config: Config, ctx: RequestContext, health: Health) -> RoutePlan
                 why, kind = "circuit open", "health"
             if why is None and need is not None and need not in b.capabilities:
                 why, kind = f"backend does not serve {need}", "capability"
-            if why is None and ep is not None and not dialect_for(b.kind).serves(ep):  # e.g. /tokenize on openai
+            if why is None and ep is not None and not kind_serves(b.kind, ep):  # e.g. /tokenize on openai
                 why, kind = f"backend kind {b.kind} does not serve {ep.path}", "capability"
             if why is not None:
                 dropped.append({"backend": name, "model": model, "reason": why, "filter": kind})
