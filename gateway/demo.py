@@ -34,7 +34,7 @@ def demo_config(manifest: dict, port: int, policy_file: Path) -> dict:
         backends.append({
             "name": e["name"], "kind": "vllm", "url": e["url"], "kv_events": e["kv_events"], "replay": e["replay"],
             "metrics": e.get("metrics"), "models": ["sim-model"], "location": {"country": loc.get("country", "DE")},
-            "retention": "zero", "capabilities": ["chat", "completions", "embeddings"],
+            "retention": "zero", "capabilities": ["chat", "completions", "embeddings", "rerank", "score"],
         })
     return {
         "server": {"host": "127.0.0.1", "port": port},
