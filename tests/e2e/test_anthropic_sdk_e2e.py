@@ -56,7 +56,7 @@ def stack(tmp_path_factory):
     path = tmp / "gw.yaml"
     path.write_text(yaml.safe_dump(cfg))
     gw, _ = start_gateway(path)
-    yield {"base": f"http://127.0.0.1:{port}", "tmp": tmp, "engine": e0}
+    yield {"base": f"http://127.0.0.1:{port}", "tmp": tmp, "engine": e0, "partner": e1}
     gw.stop()
     fleet.stop()
 
@@ -248,3 +248,33 @@ def test_upstream_rejection_is_relayed_in_the_clients_shape(stack):
     r = httpx.post(stack["base"] + "/v1/messages", headers={"x-api-key": KEY},
                    json={"model": "claude-sim", "max_tokens": 5, "messages": long}, timeout=30)
     assert "context length" in anth_error(r, 400, "invalid_request_error")
+
+
+def test_a_stream_whose_upstream_dies_ends_with_an_error_the_sdk_raises(stack):
+    """The partner's engine crashes after the first delta: the gateway ends the stream with Anthropic's
+    `event: error` (api_error), which the official SDK raises as an APIStatusError; the audit record says 502.
+    (Last in the file: the partner engine restarts afterwards.)"""
+    root = stack["partner"]["url"].removesuffix("/v1")
+    httpx.post(root + "/sim/faults", json={"slow_factor": 50.0}).raise_for_status()  # a long generation
+    got = []
+    try:
+        stream = client(stack).messages.create(model="claude-sim", max_tokens=400, messages=MSGS, stream=True,
+                                                extra_headers={"x-request-id": "anth-crash"})
+        with pytest.raises(anthropic.APIStatusError) as ei:
+            for ev in stream:
+                got.append(ev.type)
+                if ev.type == "content_block_delta" and "crash" not in got:  # once: it dies 50 ms later
+                    httpx.post(root + "/sim/faults", json={"crash": True, "restart_after_s": 0.5})
+                    got.append("crash")
+    finally:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # the engine comes back; clear the fault
+            try:
+                if httpx.post(root + "/sim/faults", json={"slow_factor": 1.0}, timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+    assert got[0] == "message_start" and "crash" in got and "message_stop" not in got
+    assert ei.value.body["type"] == "error" and ei.value.body["error"]["type"] == "api_error"
+    rec = audit(stack["tmp"], "anth-crash")
+    assert rec["status"] == 502 and rec["error"] == "upstream_stream_broken"
