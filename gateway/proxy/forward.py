@@ -270,7 +270,8 @@ class Dispatcher:
         if status >= 500:
             self.health.failure(name, f"HTTP {status}")
             raise GatewayError(502, f"Upstream error: {msg}", code="upstream_error",
-                               extra={"_retryable": status in _RETRYABLE_STATUS or status == 500})
+                               extra={"_retryable": status in _RETRYABLE_STATUS or status == 500
+                                                  or status in dialect.retryable_statuses})
         if status == 429:
             ra = headers.get("retry-after")
             try:

@@ -76,6 +76,7 @@ class Dialect:
     tokenize_path: str | None = None
     native: frozenset[str] = frozenset()  # endpoint names served as they are (empty: see `translated`)
     drop_fields: tuple[str, ...] = ()  # body fields this kind refuses (vLLM-only extensions)
+    retryable_statuses: frozenset[int] = frozenset()  # upstream 5xx of this kind tried again on the next candidate
 
     def exchange(self, ep: Endpoint) -> Exchange | None:
         if ep.name in self.native:
