@@ -209,6 +209,11 @@ async def stack(tmp_path: Path):
                                                   headers={"content-type": "application/json"}), stream=True)
             md = seen[-1]["body"].get("metadata") or {}
             cut = md.get("user_id") == "cut-after-first-delta"  # a partner whose stream dies part-way
+            if md.get("user_id") == "overloaded-once" and sum(
+                    (x["body"].get("metadata") or {}).get("user_id") == "overloaded-once" for x in seen) == 1:
+                return Response(orjson.dumps({"type": "error", "error": {"type": "overloaded_error",
+                                                                         "message": "Overloaded"}}), 529,
+                                media_type="application/json")
 
             if up.headers.get("content-type", "").startswith("text/event-stream"):
                 async def body():
@@ -236,10 +241,10 @@ async def stack(tmp_path: Path):
         (tmp_path / "partner.key").write_text("sk-ant-partner-0123")
         (tmp_path / "policy.yaml").write_text("version: 1\ndefaults: {allow: true}\nrules: []\n")
         cfg = {"server": {"host": "127.0.0.1", "port": 0},
-               "backends": [{"name": "claude", "url": f"http://127.0.0.1:{port}/v1", "kind": "anthropic",
+               "backends": [{"name": name, "url": f"http://127.0.0.1:{port}/v1", "kind": "anthropic",
                              "models": ["claude-sim"], "model_map": {"claude-sim": "sim-model"},
                              "api_key_file": str(tmp_path / "partner.key"), "location": {"country": "DE"},
-                             "retention": "zero", "operator": "partner"}],
+                             "retention": "zero", "operator": "partner"} for name in ("claude", "claude-b")],
                "keys": [{"name": "a", "key": "anth-dialect-key-0123456789", "tenant": "acme"}],
                "policy": {"files": [str(tmp_path / "policy.yaml")], "audit_path": str(tmp_path / "audit.jsonl")},
                "identity": {"sqlite_path": str(tmp_path / "gw.db")},
@@ -320,3 +325,13 @@ async def test_a_partner_stream_that_dies_ends_in_the_clients_error_shape(stack)
                                                    "messages": [{"role": "user", "content": "Hello"}]})
     data = [line[6:] for line in r.text.split("\n") if line.startswith("data: ")]
     assert data[-1] == "[DONE]" and orjson.loads(data[-2])["error"]["code"] == "upstream_error"
+
+
+async def test_an_overloaded_partner_529_is_tried_on_the_next_candidate(stack):
+    """Anthropic's 529 overloaded_error is retryable (the dialect's retryable_statuses): the second partner
+    route answers."""
+    c, seen = stack
+    r = await c.post("/v1/messages", json={"model": "claude-sim", "max_tokens": 3, "metadata": {"user_id": "overloaded-once"},
+                                           "messages": [{"role": "user", "content": "Hi"}]})
+    assert r.status_code == 200 and r.json()["type"] == "message", r.text
+    assert sum((x["body"].get("metadata") or {}).get("user_id") == "overloaded-once" for x in seen) == 2

@@ -286,6 +286,7 @@ class AnthropicDialect(Dialect):
     provider = "anthropic"
     native = frozenset({"messages"})
     drop_fields = ("cache_salt",)
+    retryable_statuses = frozenset({529})  # Anthropic's overloaded_error: the next candidate may have room
 
     def exchange(self, ep: Endpoint) -> Exchange | None:
         if ep.name == "chat":
