@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from gateway.api.endpoints import BY_NAME
 from gateway.api.wire.base import StreamState
 from gateway.api.wire.responses import RESPONSES, event_type, usage_from
-from gateway.pipeline import RequestContext
+from gateway.pipeline import RequestContext, Usage
 from gateway.proxy import sse
 
 EP = BY_NAME["responses"]
@@ -138,3 +138,39 @@ def test_error_event_shape():
     assert ev.startswith(b"event: error\ndata: ") and ev.endswith(b"\n\n")
     assert sse.parse_chunk(sse.event_data(ev.strip())) == {"type": "error", "code": "upstream_error",
                                                            "message": "Upstream broke.", "param": None}
+
+
+_ev_json = st.recursive(st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.text(max_size=10),
+                        lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=10), c, max_size=3),
+                        max_leaves=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(events=st.lists(st.one_of(
+    st.binary(max_size=64),
+    st.builds(lambda k, d: b"event: " + k.encode() + b"\ndata: " + orjson.dumps(d),
+              st.sampled_from(["response.output_text.delta", "response.completed", "response.created", "error",
+                               "response.failed", "x"]),
+              st.fixed_dictionaries({"type": st.sampled_from(["response.output_text.delta", "response.completed",
+                                                              "response.created", "error", "zzz"])},
+                                    optional={"delta": _ev_json, "sequence_number": _ev_json,
+                                              "response": _ev_json | st.fixed_dictionaries({}, optional={
+                                                  "id": _ev_json, "status": _ev_json, "incomplete_details": _ev_json,
+                                                  "usage": _ev_json | st.fixed_dictionaries({}, optional={
+                                                      "input_tokens": _ev_json, "output_tokens": _ev_json,
+                                                      "input_tokens_details": _ev_json})})}))), max_size=12),
+       allowance=st.none() | st.integers(1, 20))
+def test_any_upstream_events_pass_or_end_cleanly(events, allowance):
+    """Whatever an upstream sends (garbage, wrong types in known events): bytes out or nothing, never an
+    exception, and usage only ever a Usage."""
+    ctx, st_ = _ctx(allowance), StreamState()
+    for e in events:
+        RESPONSES.is_first_token(e)
+        out = RESPONSES.process(ctx, st_, e)
+        assert out is None or isinstance(out, bytes)
+        if ctx.cut_by_budget:
+            break
+    u = ctx.usage
+    assert u is None or (isinstance(u, Usage) and u.prompt_tokens >= 0 and u.completion_tokens >= 0)
+    assert all(isinstance(r, str) for r in ctx.finish_reasons)
+    assert ctx.response_id is None or isinstance(ctx.response_id, str)

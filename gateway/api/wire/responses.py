@@ -28,9 +28,14 @@ def usage_from(obj: dict[str, Any]) -> Usage | None:
     if not isinstance(u, dict):
         return None
     details = u.get("input_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    return Usage(prompt_tokens=int(u.get("input_tokens") or 0), completion_tokens=int(u.get("output_tokens") or 0),
-                 cached_tokens=int(cached) if isinstance(cached, int) and not isinstance(cached, bool) else None)
+    cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else None
+    return Usage(prompt_tokens=_count(u.get("input_tokens")) or 0, completion_tokens=_count(u.get("output_tokens")) or 0,
+                 cached_tokens=cached)
+
+
+def _count(v: Any) -> int | None:
+    """A token count as an upstream should send it (a non-negative int), else None (never an exception)."""
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
 
 
 def finish_reason(obj: dict[str, Any]) -> str | None:
