@@ -113,10 +113,10 @@ def _print_discovery(cfg) -> None:  # type: ignore[no-untyped-def]
     """What each discovery backend resolves to from here (the server resolves again at start and on refresh)."""
     from gateway import discovery
 
-    for t in discovery.TEMPLATES.get(str(cfg.path) if cfg.path is not None else None, ()):
-        addrs = discovery.resolve_a(t.discovery.dns)
+    for t, d in discovery.watched(str(cfg.path) if cfg.path is not None else None):
+        addrs = discovery.resolve_a(d.dns)
         found = ", ".join(discovery.backend_name(t.name, a) for a in addrs) if addrs else "no address yet"
-        print(f"discovery: {t.name}: {t.discovery.dns} -> {found}")
+        print(f"discovery: {t.name}: {d.dns} -> {found}")
 
 
 def _probe_kv_events(cfg, timeout_s: float) -> int:  # type: ignore[no-untyped-def]

@@ -11,7 +11,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Mapping
 
 import msgspec
 import yaml
@@ -337,9 +337,9 @@ def _expand_discovered(raw: GatewayConfigRaw, models: dict[str, list[str]], sour
 
 
 def parse_config(text: str, source: str = "<config>", base_dir: Path | None = None, path: Path | None = None,
-                 env: dict[str, str] | None = None) -> Config:
+                 env: Mapping[str, str] | None = None) -> Config:
     """Validate config text into a snapshot, or raise ConfigError naming file:line: key."""
-    env = os.environ if env is None else env
+    environ: Mapping[str, str] = os.environ if env is None else env
     data, marks = load_yaml_with_lines(text, source)
     if not isinstance(data, dict):
         raise ConfigError(f"{source}:1: (top level): must be a mapping of sections, got {type(data).__name__}")
@@ -380,7 +380,7 @@ def parse_config(text: str, source: str = "<config>", base_dir: Path | None = No
                     raise _fail(source, marks, f"{k}.location.{attr}", why)
         if b.retention != "zero" and b.retention != "none" and not re.fullmatch(r"\d+d", b.retention):
             raise _fail(source, marks, f"{k}.retention", f"must be 'zero', 'none' or '<N>d', got {b.retention!r}")
-        if b.api_key_env and b.api_key_env not in env:
+        if b.api_key_env and b.api_key_env not in environ:
             raise _fail(source, marks, f"{k}.api_key_env", f"environment variable {b.api_key_env} is not set")
         if b.api_key_file and not (base_dir or Path.cwd()).joinpath(b.api_key_file).exists():
             raise _fail(source, marks, f"{k}.api_key_file", f"file {b.api_key_file} does not exist")
@@ -416,9 +416,9 @@ def parse_config(text: str, source: str = "<config>", base_dir: Path | None = No
     for i, sk in enumerate(raw.keys):
         if not sk.key_env and not sk.key:
             raise _fail(source, marks, f"keys[{i}]", "a static key needs key_env or key")
-        if sk.key_env and not env.get(sk.key_env):
+        if sk.key_env and not environ.get(sk.key_env):
             raise _fail(source, marks, f"keys[{i}].key_env", f"environment variable {sk.key_env} is not set")
-    if raw.admin.key_env and not env.get(raw.admin.key_env):
+    if raw.admin.key_env and not environ.get(raw.admin.key_env):
         raise _fail(source, marks, "admin.key_env", f"environment variable {raw.admin.key_env} is not set")
     if raw.telemetry.kv_silence_grace_s <= 0:
         raise _fail(source, marks, "telemetry.kv_silence_grace_s", "must be > 0 (seconds)")

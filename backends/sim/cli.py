@@ -9,7 +9,7 @@ import asyncio
 import logging
 import signal
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 from backends.sim.engine import Faults
 from backends.sim.fleet import build_fleet
@@ -83,8 +83,11 @@ async def run(args: argparse.Namespace) -> int:
                   f"profile={e['profile']} location={e['location']}", file=sys.stderr, flush=True)
         if args.crash_after_s is not None:  # the same fault as POST /sim/faults {"crash": true, ...}
             back = None if args.restart_after_s < 0 else args.restart_after_s
+            def crash(srv: Any) -> None:
+                loop.create_task(srv.crash(back))
+
             for srv in fleet.servers:
-                loop.call_later(args.crash_after_s, lambda s=srv: loop.create_task(s.crash(back)))
+                loop.call_later(args.crash_after_s, crash, srv)
         await stop.wait()
     return 0
 

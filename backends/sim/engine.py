@@ -104,8 +104,10 @@ class SimEngine:
                 if e.errno != zmq.EADDRINUSE or attempt == 99:
                     raise
                 await asyncio.sleep(0.02)
-        self._zmq_ports = (self.publisher.port, self.publisher.replay_port)  # keep them across restarts
-        self.publisher.start()
+        pub = self.publisher
+        assert pub is not None  # the loop above bound one or raised
+        self._zmq_ports = (pub.port, pub.replay_port)  # keep them across restarts
+        pub.start()
         self.apply_faults()
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"sim-engine-{self.name}")
 

@@ -43,7 +43,7 @@ class KVEventPublisher:
         self._forms = (batch_form, event_form)
         self._ctx = ctx or zmq.asyncio.Context.instance()
         # PUB is a plain socket: a non-blocking send needs no future, and it is cheaper per batch.
-        self._pub = zmq.Context.instance().socket(zmq.PUB)
+        self._pub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.set_hwm(100_000)
         self._router = self._ctx.socket(zmq.ROUTER)

@@ -289,6 +289,8 @@ class EngineServer:
         body = await _body(request)
         c = self._common(body)
         msgs = body.get("messages")
+        if not isinstance(msgs, list):
+            raise ApiError(400, "messages must be a list of messages", "messages")
         try:
             text = render_chat(msgs, bool(body.get("add_generation_prompt", True)),
                                bool(body.get("continue_final_message", False)))

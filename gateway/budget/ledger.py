@@ -213,7 +213,7 @@ class Ledger:
 
     def _replay_spools(self) -> None:
         """Load rows from our spool and from spools no live process holds (a crashed replica's)."""
-        assert self.spool_path is not None
+        assert self.spool_path is not None and self._fd is not None  # _open_spool ran first
         cands = [self.spool_base] + sorted(self.spool_base.parent.glob(self.spool_base.name + ".*"))
         for p in cands:
             if not p.exists():

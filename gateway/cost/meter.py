@@ -198,7 +198,8 @@ class CostMeter:
 
     def enrich(self, row: dict[str, Any]) -> None:
         """Ledger hook (gateway/budget/ledger.py): a row the budget stage files gets this request's cost."""
-        f = self._facts.pop(row.get("request_id"), None)
+        rid = row.get("request_id")
+        f = self._facts.pop(rid, None) if isinstance(rid, str) else None
         if f is not None:
             row.update(f)
 

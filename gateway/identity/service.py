@@ -29,7 +29,7 @@ from gateway.identity.restrictions import DEFAULT as DEFAULT_RESTRICTIONS
 from gateway.identity.restrictions import Restrictions
 from gateway.identity.store import IdentityStore
 from gateway.observability.logs import register_secret
-from gateway.types import Principal
+from gateway.types import Principal, PrincipalKind
 
 log = logging.getLogger("gateway.identity")
 
@@ -419,7 +419,7 @@ class IdentityService:
         team = claim_str(cfg.team_claim)
         project = claim_str(cfg.project_claim) if team else None
         partner = cfg.partner or claim_str(cfg.partner_claim)
-        kind = "partner" if (cfg.kind == "partner" or partner) else "jwt"
+        kind: PrincipalKind = "partner" if (cfg.kind == "partner" or partner) else "jwt"
         if kind == "partner" and not partner:
             raise token_error("Token carries no partner claim.")
         raw_labels = claims.get(cfg.labels_claim) if cfg.labels_claim else None
@@ -431,7 +431,7 @@ class IdentityService:
         p = Principal(id=f"jwt:{cfg.issuer}|{sub}", kind=kind, tenant=tenant, team=team, project=project,
                       partner=partner, labels=merge_labels(base, claim_labels, restrictions=self.restrictions),
                       scopes=tuple(scope.split()) if isinstance(scope, str) else ())
-        exp = claims.get("exp")
+        exp = claims["exp"]  # required and checked numeric by the verifier (jwt_verify: options.require)
         valid_until = min(float(exp) + cfg.leeway_s, time.time() + cfg.jwks_cache_s)
         if gen == self._gen:
             if len(self._jwt_cache) >= self.config.raw.identity.jwt_cache_max:

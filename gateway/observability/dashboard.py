@@ -23,14 +23,17 @@ PAGE = resources.files("gateway.observability") / "dashboard.html"  # package da
 _DROP = ("content",)  # records never show captured content on the dashboard
 
 
+def _obj(rec: dict[str, Any], key: str) -> dict[str, Any]:
+    v = rec.get(key)
+    return v if isinstance(v, dict) else {}
+
+
 def _decision(rec: dict[str, Any]) -> dict[str, Any]:
     """A recent evidence record trimmed for the table (the full record stays at /admin/decisions/{id})."""
-    p = rec.get("principal") or {}
-    route = rec.get("route") if isinstance(rec.get("route"), dict) else {}
-    cost = rec.get("cost") if isinstance(rec.get("cost"), dict) else {}
-    ttft = rec.get("ttft_ms") or {}
-    cached = rec.get("cached_tokens") or {}
-    cands = rec.get("candidates") if isinstance(rec.get("candidates"), list) else []
+    p, route, cost = _obj(rec, "principal"), _obj(rec, "route"), _obj(rec, "cost")
+    ttft, cached = _obj(rec, "ttft_ms"), _obj(rec, "cached_tokens")
+    c = rec.get("candidates")
+    cands: list[Any] = c if isinstance(c, list) else []
     return {
         "request_id": rec.get("request_id"), "ts": rec.get("ts"), "tenant": p.get("tenant"),
         "model": rec.get("model"), "backend": rec.get("backend"), "status": rec.get("status"),

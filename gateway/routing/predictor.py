@@ -32,7 +32,7 @@ import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -386,7 +386,7 @@ class EngineLearner:
                 "reset_above": round(p.guard_log_error, 4),
                 "at_bound": [n for n, t, lo, hi in zip(names, th, p.lower, p.upper) if t <= lo or t >= hi]}
 
-    def snapshot(self) -> dict[str, float | int | None]:
+    def snapshot(self) -> dict[str, Any]:
         p = self.params
         t = self.batch_theta if self.batch_theta is not None else self.theta  # the parameters predictions use
         t = [min(max(v, lo), hi) for v, lo, hi in zip(t, p.lower, p.upper)]
@@ -396,7 +396,7 @@ class EngineLearner:
                 "ms_per_10_decodes": round(t[2] * 1000, 3), "interaction_ms": round(t[3] * 1000, 4),
                 "step_ms": round(self.step() * 1000, 3),
                 "drain_tokens_per_s": round(1.0 / self.s_per_token(), 1), "samples": self.samples, "clipped": self.clipped, "regime_changes": self.regime_changes, "upper_margin": round(self.margin(), 4),
-                "mape": round(self.mape(), 4) if self.samples else None,
+                "mape": round(mape, 4) if self.samples and (mape := self.mape()) is not None else None,
                 "mdare": round(md, 4) if md is not None else None,
                 "calibration": round(cal, 4) if cal is not None else None, "calibration_n": len(self.calib),
                 "calibration_target": p.quantile, "guard": self.guard()}
@@ -490,5 +490,5 @@ class Predictor:
         lr.budget = budget
         return Drain(lr.step(), lr.s_per_token(), budget)
 
-    def snapshot(self) -> dict[str, dict[str, float | int | None]]:
+    def snapshot(self) -> dict[str, dict[str, Any]]:
         return {name: lr.snapshot() for name, lr in sorted(self.engines.items())}

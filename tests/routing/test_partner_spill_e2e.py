@@ -9,7 +9,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.resilience.stack import ADMIN_KEY, write_config
+from tests.resilience.stack import write_config
 from tests.support.procs import free_port, start_gateway, start_upstream
 
 pytestmark = pytest.mark.e2e
