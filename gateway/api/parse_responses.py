@@ -170,24 +170,67 @@ def parse_responses(body: dict[str, Any]) -> Parsed:
     return Parsed(model, stream, False, _opt_int(body, "max_output_tokens"), chars)
 
 
-def prompt_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """The prompt as chat-like messages (instructions first), for the router's text rendering."""
-    out: list[dict[str, Any]] = []
-    ins = body.get("instructions")
-    if isinstance(ins, str) and ins:
-        out.append({"role": "system", "content": ins})
-    inp = body.get("input")
-    if isinstance(inp, str):
-        out.append({"role": "user", "content": inp})
-    elif isinstance(inp, list):
-        for item in inp:
-            if isinstance(item, dict) and "role" in item:
-                out.append({"role": item.get("role"), "content": item.get("content")})
-    return out
-
-
 def prompt_text(body: dict[str, Any]) -> str:
     """The prompt as text for routing (the same rendering as a chat's)."""
     from gateway.telemetry.tokens import render_messages_plain
 
-    return render_messages_plain(prompt_messages(body))
+    return render_messages_plain(as_chat(body)["messages"])
+
+
+def _chat_part(part: Any) -> dict[str, Any] | None:
+    if not isinstance(part, dict):
+        return None
+    kind = part.get("type")
+    key = _PART_TEXT.get(kind) if isinstance(kind, str) else None
+    if key is not None:
+        return {"type": "text", "text": part.get(key, "")}
+    if kind == "input_image":
+        url = part.get("image_url")
+        return {"type": "image_url", "image_url": {"url": url}} if isinstance(url, str) else None
+    return None
+
+
+def _chat_content(content: Any) -> Any:
+    if not isinstance(content, list):
+        return content
+    parts = [p for p in map(_chat_part, content) if p is not None]
+    if parts and all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
+
+
+def as_chat(body: dict[str, Any]) -> dict[str, Any]:
+    """A (validated) Responses body as the OpenAI chat body an engine renders for it, as vLLM's Responses API
+    builds its chat (`instructions` as the system message first, a string `input` as one user message, message
+    items as messages with text parts joined, `function_call` items as the assistant's `tool_calls`,
+    `function_call_output` items as `tool` messages, reasoning items left out; function tools as chat tools).
+    Routing tokenizes and keys the prompt from this (the endpoint's `chat_view`)."""
+    msgs: list[dict[str, Any]] = []
+    ins = body.get("instructions")
+    if isinstance(ins, str) and ins:
+        msgs.append({"role": "system", "content": ins})
+    inp = body.get("input")
+    if isinstance(inp, str):
+        msgs.append({"role": "user", "content": inp})
+    elif isinstance(inp, list):
+        for item in inp:
+            if not isinstance(item, dict):
+                continue
+            kind = item.get("type", "message" if "role" in item else None)
+            if kind == "message":
+                msgs.append({"role": item.get("role"), "content": _chat_content(item.get("content"))})
+            elif kind == "function_call":
+                msgs.append({"role": "assistant", "content": None, "tool_calls": [{
+                    "id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}]})
+            elif kind == "function_call_output":
+                msgs.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                             "content": _chat_content(item.get("output"))})
+    chat: dict[str, Any] = {"model": body.get("model"), "messages": msgs}
+    tools = [t for t in body.get("tools") or () if isinstance(t, dict) and t.get("type") == "function"
+             and isinstance(t.get("name"), str)]
+    if tools:
+        chat["tools"] = [{"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
+                                                           "parameters": t.get("parameters") or {}}}
+                         for t in tools]
+    return chat

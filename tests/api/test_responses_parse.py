@@ -105,3 +105,39 @@ def test_any_body_is_accepted_or_a_400_naming_a_param(inp, extra):
         assert e.status == 400 and e.param
     else:
         assert p.prompt_chars >= 0 and p.model == "m"
+
+
+def test_as_chat_is_the_chat_an_engine_renders():
+    from gateway.api.parse_responses import as_chat
+
+    body = {"model": "m", "instructions": "sys", "tools": [
+        {"type": "function", "name": "lookup", "description": "d", "parameters": {"type": "object"}},
+        {"type": "web_search"}], "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]},
+        {"role": "user", "content": [{"type": "input_text", "text": "see"},
+                                     {"type": "input_image", "image_url": "data:img"}]},
+        {"type": "function_call", "call_id": "c1", "name": "lookup", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "42"},
+        {"type": "reasoning", "summary": []}]}
+    chat = as_chat(body)
+    assert chat["model"] == "m"
+    assert chat["messages"] == [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "ab"},
+        {"role": "user", "content": [{"type": "text", "text": "see"},
+                                     {"type": "image_url", "image_url": {"url": "data:img"}}]},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+    assert chat["tools"] == [{"type": "function", "function": {"name": "lookup", "description": "d",
+                                                               "parameters": {"type": "object"}}}]
+    assert as_chat({"model": "m", "input": "hi"})["messages"] == [{"role": "user", "content": "hi"}]
+
+
+def test_routing_reads_the_chat_view():
+    from gateway.pipeline import RequestContext
+    from gateway.routing.prompt import routing_body
+
+    ctx = RequestContext(request_id="r", endpoint="responses", headers={},
+                         body={"model": "m", "instructions": "sys", "input": "hello"})
+    assert routing_body(ctx)["messages"] == [{"role": "system", "content": "sys"}, {"role": "user", "content": "hello"}]

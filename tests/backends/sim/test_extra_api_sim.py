@@ -9,6 +9,7 @@ import json
 import httpx
 
 from backends.sim.fleet import start_fleet
+from gateway.api.parse_responses import as_chat
 
 INS = "You are a terse assistant. " * 10
 Q = "Name three prime numbers."
@@ -48,6 +49,11 @@ async def test_responses_json_and_stream():
                                                        "input": [{"role": "user", "content": [
                                                            {"type": "input_text", "text": Q}]}]})
             assert r.json()["usage"]["input_tokens"] == prompt
+            # the chat view routing tokenizes (gateway/api/parse_responses.as_chat) counts what the engine counts
+            view = as_chat({"model": "sim-model", "instructions": INS, "input": [
+                {"role": "user", "content": [{"type": "input_text", "text": Q}]}]})
+            tok = await c.post(url.removesuffix("/v1") + "/tokenize", json=view)
+            assert tok.json()["count"] == prompt
             r = await c.post(url + "/responses", json={"model": "sim-model", "input": Q, "max_output_tokens": 6,
                                                        "stream": True})
             assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
