@@ -98,7 +98,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
              "input", _field_text("input"), batchable=True, capability="embeddings"),
     # OpenAI's Responses API, stateless (store: true refused by the parser, store: false sent upstream)
     Endpoint("responses", "/v1/responses", parse_responses.parse_responses, "responses", RESPONSES, "chat",
-             "input", parse_responses.prompt_text, _const("max_output_tokens")),
+             "input", parse_responses.prompt_text, _const("max_output_tokens"), chat_view=parse_responses.as_chat),
     # vLLM's pooling APIs (a backend serves them when its capabilities say so) and its tokenizer, which vLLM
     # serves at the server root: budgets on the input tokens they count
     Endpoint("rerank", "/v1/rerank", parse_pooling.parse_rerank, "rerank", POOLING, "rerank", "documents",
