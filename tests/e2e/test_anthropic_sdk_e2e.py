@@ -9,6 +9,7 @@ budgets and residency included; the audit record carries the usage the budget wa
 from __future__ import annotations
 
 import json
+import sqlite3
 import time
 
 import anthropic
@@ -24,6 +25,7 @@ pytestmark = pytest.mark.e2e
 KEY = "anth-e2e-key-0123456789"
 QUOTA_KEY = "anth-quota-key-0123456789"
 EU_KEY = "anth-eu-key-0123456789"
+METER_KEY = "anth-meter-key-0123456789"
 PARTNER_SECRET = "partner-anthropic-secret-0123"
 MSGS = [{"role": "user", "content": "Name three prime numbers and say why they are prime."}]
 
@@ -37,7 +39,8 @@ def stack(tmp_path_factory):
     e0, e1 = man["engines"]
     (tmp / "policy.yaml").write_text(yaml.safe_dump({"version": 1, "defaults": {"allow": True}, "rules": [
         {"id": "tiny-daily-quota", "match": {"tenant": "quota"}, "budgets": [{"window": "day", "tokens": 10}]},
-        {"id": "eu-stays-in-eea", "match": {"tenant": "eu"}, "require": {"jurisdiction": "EEA"}}]}))
+        {"id": "eu-stays-in-eea", "match": {"tenant": "eu"}, "require": {"jurisdiction": "EEA"}},
+        {"id": "metered", "match": {"tenant": "metered"}, "budgets": [{"window": "day", "tokens": 100000}]}]}))
     (tmp / "partner.key").write_text(PARTNER_SECRET)
     port = free_port()
     cfg = {"server": {"host": "127.0.0.1", "port": port, "max_body_bytes": 200_000},
@@ -49,10 +52,11 @@ def stack(tmp_path_factory):
                 "model_map": {"claude-sim": "sim-model"}, "api_key_file": str(tmp / "partner.key"),
                 "location": {"country": "US"}, "retention": "zero", "operator": "partner"}],
            "keys": [{"key": KEY, "tenant": "acme", "name": "k"}, {"key": QUOTA_KEY, "tenant": "quota", "name": "q"},
-                    {"key": EU_KEY, "tenant": "eu", "name": "e"}],
+                    {"key": EU_KEY, "tenant": "eu", "name": "e"}, {"key": METER_KEY, "tenant": "metered", "name": "m"}],
            "policy": {"files": [str(tmp / "policy.yaml")], "audit_path": str(tmp / "audit.jsonl")},
            "identity": {"sqlite_path": str(tmp / "id.db")},
-           "budgets": {"sqlite_path": str(tmp / "budgets.db")}}
+           "budgets": {"sqlite_path": str(tmp / "budgets.db"), "ledger_flush_s": 0.05,
+                       "prices": {"sim-model": {"input": 1.0, "output": 4.0}}}}
     path = tmp / "gw.yaml"
     path.write_text(yaml.safe_dump(cfg))
     gw, _ = start_gateway(path)
@@ -170,6 +174,42 @@ def test_routing_sees_the_system_prompt_of_a_messages_request(stack):
                                                     "add_generation_prompt": False}).json()["count"]
     bs = e["block_size"]
     assert n_system // bs * bs <= rec["cached_tokens"]["predicted"] < rec["usage"]["prompt_tokens"]
+
+
+def ledger_row(tmp, rid: str, timeout: float = 5.0) -> tuple:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        db = sqlite3.connect(tmp / "budgets.db")
+        try:
+            rows = db.execute("select total_tokens, completion_tokens, tenant, cut_by_budget from budget_ledger "
+                              "where client_request_id = ?", (rid,)).fetchall()
+        except sqlite3.OperationalError:  # the table is created with the first flush
+            rows = []
+        finally:
+            db.close()
+        if rows:
+            return rows[0]
+        time.sleep(0.05)
+    raise AssertionError(f"no ledger row for {rid}")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_budgets_are_charged_from_input_and_output_tokens(stack, stream):
+    c = client(stack, METER_KEY)
+    rid = f"anth-meter-{stream}"
+    if stream:
+        with c.messages.stream(model="sim-model", max_tokens=8, messages=MSGS,
+                               extra_headers={"x-request-id": rid}) as s:
+            msg = s.get_final_message()
+    else:
+        raw = c.messages.with_raw_response.create(model="sim-model", max_tokens=8, messages=MSGS,
+                                                  extra_headers={"x-request-id": rid})
+        assert int(raw.headers["x-ratelimit-remaining-tokens"]) < 100000  # the reservation is visible
+        msg = raw.parse()
+    total, completion, tenant, cut = ledger_row(stack["tmp"], rid)
+    assert tenant == "metered" and not cut
+    assert completion == msg.usage.output_tokens == 8
+    assert total == msg.usage.input_tokens + msg.usage.output_tokens
 
 
 def anth_error(r: httpx.Response, status: int, etype: str) -> str:
