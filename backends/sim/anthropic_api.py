@@ -8,7 +8,8 @@ object, or the typed stream `message_start` (input usage) / `content_block_start
 Usage is vLLM's (vllm/entrypoints/anthropic/serving.py): `input_tokens` is the whole prompt (the chat usage's
 prompt_tokens, cached tokens included), `cache_read_input_tokens` / `cache_creation_input_tokens` are null;
 `message_start` carries the input tokens with `output_tokens: 0`, `message_delta` both again. As vLLM does, there
-is no `ping`, and `message_start` goes out with the first token. Stop reasons: `max_tokens` for a length cut,
+is no `ping`, and `message_start` goes out with the first token. `cache_salt` and `priority` are ignored, as
+vLLM's request model for this API has neither. Stop reasons: `max_tokens` for a length cut,
 else `end_turn`.
 """
 from __future__ import annotations
@@ -32,6 +33,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
                529: "overloaded_error"}
 STOP_REASONS = {"length": "max_tokens", "stop": "end_turn"}
+VLLM_IGNORES = ("cache_salt", "priority", "n", "stream_options")
 
 
 def error_response(status: int, message: str) -> Response:
@@ -95,7 +97,9 @@ async def messages(server: EngineServer, request: Request) -> Response:
 
     try:
         body = await _body(request)
-        c = server._common(body)
+        # vLLM's AnthropicMessagesRequest has no cache_salt or priority and ignores unknown fields: neither
+        # reaches its engine from this API (no cache isolation, default priority)
+        c = server._common({k: v for k, v in body.items() if k not in VLLM_IGNORES})
         if body.get("max_tokens") is None:
             raise ApiError(400, "max_tokens: field required", "max_tokens")
         try:

@@ -62,6 +62,22 @@ async def test_messages_json_stream_usage_and_errors():
             assert delta["delta"]["stop_reason"] == "max_tokens"
             assert delta["usage"] == {"input_tokens": start["usage"]["input_tokens"], "output_tokens": 6}
 
+            # cache_salt and priority are ignored on this API, as vLLM's request model has neither: a salted
+            # request still hits the unsalted cache, a priority without the priority scheduler is no error
+            def hits(text: str) -> float:
+                return sum(float(line.split()[-1]) for line in text.splitlines()
+                           if line.startswith("vllm:prefix_cache_hits_total"))
+
+            before = hits((await c.get(fleet[0].root + "/metrics")).text)
+            r = await c.post(url + "/messages", json={"model": "sim-model", "max_tokens": 2, "system": SYSTEM,
+                                                      "messages": MSGS, "cache_salt": "tenant-x", "priority": 5})
+            assert r.status_code == 200, r.text
+            assert hits((await c.get(fleet[0].root + "/metrics")).text) > before
+            r = await c.post(url + "/chat/completions", json={
+                "model": "sim-model", "max_tokens": 2, "cache_salt": "tenant-x",
+                "messages": [{"role": "system", "content": SYSTEM}, *MSGS]})
+            assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # the chat path honours it
+
             r = await c.post(url + "/messages", json={"model": "sim-model", "messages": MSGS})
             assert r.status_code == 400 and r.json()["type"] == "error"
             assert r.json()["error"]["type"] == "invalid_request_error" and "max_tokens" in r.json()["error"]["message"]
