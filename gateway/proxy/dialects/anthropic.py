@@ -28,6 +28,7 @@ from typing import Any
 import orjson
 
 from gateway.api.endpoints import Endpoint
+from gateway.api.parse_messages import as_chat
 from gateway.api.wire.anthropic import usage_from
 from gateway.proxy import sse
 from gateway.proxy.dialects.base import Dialect, Exchange, StreamTranslator
@@ -315,3 +316,194 @@ class AnthropicDialect(Dialect):
         if not isinstance(err, dict):
             return {}
         return {k: err[k] for k in ("type", "message") if isinstance(err.get(k), str)}
+
+
+# ------------------------------------------------------------------ Messages clients on a vLLM engine's chat API
+# vLLM's own /v1/messages drops `cache_salt` and `priority` (its AnthropicMessagesRequest has neither), so a
+# request that needs either (the policy's cache isolation, a priority-scheduling engine) is carried to the
+# engine's /v1/chat/completions instead, translated as vLLM itself translates it, and answered back in
+# Anthropic's shapes; every other one goes to /v1/messages natively.
+CHAT_FINISH = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "function_call": "tool_use"}
+
+
+def messages_to_chat_body(body: dict[str, Any], max_tokens: int | None) -> dict[str, Any]:
+    """An Anthropic Messages body as vLLM's chat request for it (as_chat, then the sampling fields)."""
+    chat = as_chat(body)
+    chat["max_tokens"] = max_tokens if max_tokens is not None else body.get("max_tokens")
+    for src, dst in (("stop_sequences", "stop"), ("temperature", "temperature"), ("top_p", "top_p"),
+                     ("top_k", "top_k")):
+        if body.get(src) is not None:
+            chat[dst] = body[src]
+    tc = body.get("tool_choice")
+    if isinstance(tc, dict):
+        kind = tc.get("type")
+        if kind in ("auto", "none"):
+            chat["tool_choice"] = kind
+        elif kind == "any":
+            chat["tool_choice"] = "required"
+        elif kind == "tool":
+            chat["tool_choice"] = {"type": "function", "function": {"name": tc.get("name")}}
+    user = _obj(body, "metadata").get("user_id")
+    if isinstance(user, str):
+        chat["user"] = user
+    if body.get("stream"):
+        chat["stream"] = True
+        chat["stream_options"] = {"include_usage": True}
+    return chat
+
+
+def _anthropic_usage(u: Any) -> dict[str, Any]:
+    """OpenAI usage as Anthropic's: input_tokens the uncached prompt, cache_read_input_tokens the cached part."""
+    if not isinstance(u, dict):
+        return {"input_tokens": 0, "output_tokens": 0}
+    def n(v: Any) -> int:
+        return v if isinstance(v, int) and not isinstance(v, bool) else 0
+
+    cached = n(_obj(u, "prompt_tokens_details").get("cached_tokens"))
+    prompt, out = n(u.get("prompt_tokens")), n(u.get("completion_tokens"))
+    return {"input_tokens": max(0, prompt - cached), "cache_read_input_tokens": cached, "output_tokens": out}
+
+
+def chat_to_message(obj: dict[str, Any]) -> dict[str, Any]:
+    raw = obj.get("choices")
+    choice = raw[0] if isinstance(raw, list) and raw and isinstance(raw[0], dict) else {}
+    msg = _obj(choice, "message")
+    content: list[dict[str, Any]] = []
+    reasoning = msg.get("reasoning_content") or msg.get("reasoning")
+    if isinstance(reasoning, str) and reasoning:
+        content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
+    if isinstance(msg.get("content"), str) and msg["content"]:
+        content.append({"type": "text", "text": msg["content"]})
+    for call in msg.get("tool_calls") or ():
+        if isinstance(call, dict):
+            content.append(_tool_use(call))
+    return {"id": obj.get("id"), "type": "message", "role": "assistant", "model": obj.get("model"),
+            "content": content, "stop_reason": CHAT_FINISH.get(str(choice.get("finish_reason")), "end_turn"),
+            "stop_sequence": None, "usage": _anthropic_usage(obj.get("usage"))}
+
+
+def n_index(v: Any) -> int:
+    return v if isinstance(v, int) and not isinstance(v, bool) else 0
+
+
+def _event(obj: dict[str, Any]) -> bytes:
+    return b"event: " + str(obj["type"]).encode() + b"\ndata: " + orjson.dumps(obj) + b"\n\n"
+
+
+class ChatToMessagesStream(StreamTranslator):
+    """OpenAI chat chunks -> Anthropic stream events (message_start, content blocks, message_delta with the
+    usage chunk's usage, message_stop at [DONE])."""
+
+    def __init__(self) -> None:
+        self.started = False
+        self.index = -1
+        self.block: tuple[str, int] | None = None  # (kind, tool index) of the open content block
+        self.finish: str | None = None
+        self.delta_sent = False
+
+    def _open(self, kind: str, block: dict[str, Any], tool: int = -1) -> list[bytes]:
+        out = self._close()
+        self.index += 1
+        self.block = (kind, tool)
+        return out + [_event({"type": "content_block_start", "index": self.index, "content_block": block})]
+
+    def _close(self) -> list[bytes]:
+        if self.block is None:
+            return []
+        self.block = None
+        return [_event({"type": "content_block_stop", "index": self.index})]
+
+    def _delta(self, delta: dict[str, Any]) -> bytes:
+        return _event({"type": "content_block_delta", "index": self.index, "delta": delta})
+
+    def _message_delta(self, usage: Any) -> list[bytes]:
+        self.delta_sent = True
+        return self._close() + [_event({"type": "message_delta", "usage": _anthropic_usage(usage), "delta": {
+            "stop_reason": CHAT_FINISH.get(str(self.finish), "end_turn"), "stop_sequence": None}})]
+
+    def feed(self, event: bytes) -> list[bytes]:
+        data = sse.event_data(event)
+        if data is None:
+            return []
+        if data == sse.DONE:
+            return (([] if self.delta_sent else self._message_delta(None))
+                    + [_event({"type": "message_stop"})])
+        obj = sse.parse_chunk(data)
+        if obj is None:
+            return []
+        if isinstance(obj.get("error"), dict):
+            msg = str(obj["error"].get("message") or "upstream stream error")[:500]
+            return [_event({"type": "error", "error": {"type": "api_error", "message": msg}})]
+        out: list[bytes] = []
+        if not self.started:
+            self.started = True
+            out.append(_event({"type": "message_start", "message": {
+                "id": obj.get("id"), "type": "message", "role": "assistant", "model": obj.get("model"),
+                "content": [], "stop_reason": None, "stop_sequence": None,
+                "usage": {"input_tokens": 0, "output_tokens": 0}}}))
+        raw = obj.get("choices")
+        choices: list[Any] = raw if isinstance(raw, list) else []
+        if not choices and isinstance(obj.get("usage"), dict):
+            return out + self._message_delta(obj["usage"])
+        for ch in choices:
+            if not isinstance(ch, dict):
+                continue
+            d = _obj(ch, "delta")
+            think = d.get("reasoning_content") or d.get("reasoning")
+            if isinstance(think, str) and think:
+                if self.block is None or self.block[0] != "thinking":
+                    out += self._open("thinking", {"type": "thinking", "thinking": ""})
+                out.append(self._delta({"type": "thinking_delta", "thinking": think}))
+            text = d.get("content")
+            if isinstance(text, str) and text:
+                if self.block is None or self.block[0] != "text":
+                    out += self._open("text", {"type": "text", "text": ""})
+                out.append(self._delta({"type": "text_delta", "text": text}))
+            for call in d.get("tool_calls") or ():
+                if not isinstance(call, dict):
+                    continue
+                fn = _obj(call, "function")
+                i = n_index(call.get("index"))
+                if self.block is None or self.block != ("tool", i):
+                    out += self._open("tool", {"type": "tool_use", "id": call.get("id"), "name": fn.get("name"),
+                                               "input": {}}, i)
+                if isinstance(fn.get("arguments"), str) and fn["arguments"]:
+                    out.append(self._delta({"type": "input_json_delta", "partial_json": fn["arguments"]}))
+            if isinstance(ch.get("finish_reason"), str):
+                self.finish = ch["finish_reason"]
+        return out
+
+
+class MessagesOnVLLM(Exchange):
+    """/v1/messages on a vLLM engine: natively, unless the request carries a cache_salt or a priority the
+    engine schedules by (its /v1/messages would drop them): then through /v1/chat/completions."""
+
+    def __init__(self, dialect: Dialect, ep: Endpoint) -> None:
+        super().__init__(dialect, ep)
+        self.via_chat = False
+
+    def body(self, ctx: Any, cand: Any) -> bytes:
+        over = ctx.body_overrides
+        if "cache_salt" not in over and not ("priority" in over and cand.backend.priority_scheduling):
+            return super().body(ctx, cand)
+        self.via_chat = True
+        self.translates = True
+        self.path = "chat/completions"
+        ctx.evidence["messages_via"] = "chat/completions"  # the engine's /v1/messages would drop salt/priority
+        chat = messages_to_chat_body(ctx.body, ctx.max_tokens)
+        chat["model"] = cand.backend.upstream_model(cand.model)
+        chat.update(over)
+        self.dialect.adjust(ctx, cand, chat)
+        return orjson.dumps(chat)
+
+    def response(self, raw: bytes) -> bytes:
+        if not self.via_chat:
+            return raw
+        try:
+            obj = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return raw
+        return orjson.dumps(chat_to_message(obj)) if isinstance(obj, dict) else raw
+
+    def stream(self) -> StreamTranslator | None:
+        return ChatToMessagesStream() if self.via_chat else None
