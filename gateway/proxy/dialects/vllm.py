@@ -1,9 +1,12 @@
 """vLLM's OpenAI-compatible server (and the simulator, which serves the same shapes): every endpoint the
-gateway has is served natively; engines publish KV-cache events and Prometheus metrics."""
+gateway has is served natively (/v1/messages through /v1/chat/completions when it carries a cache_salt or a
+priority, which vLLM's /v1/messages drops: gateway/proxy/dialects/anthropic.py MessagesOnVLLM); engines
+publish KV-cache events and Prometheus metrics."""
 from __future__ import annotations
 
-from gateway.api.endpoints import BY_NAME
-from gateway.proxy.dialects.base import Dialect
+from gateway.api.endpoints import BY_NAME, Endpoint
+from gateway.proxy.dialects.anthropic import MessagesOnVLLM
+from gateway.proxy.dialects.base import Dialect, Exchange
 
 
 class VLLMDialect(Dialect):
@@ -14,3 +17,8 @@ class VLLMDialect(Dialect):
     def __init__(self, kind: str = "vllm") -> None:
         self.kind = kind
         self.native = frozenset(BY_NAME)
+
+    def exchange(self, ep: Endpoint) -> Exchange | None:
+        if ep.name == "messages":
+            return MessagesOnVLLM(self, ep)
+        return super().exchange(ep)
