@@ -26,6 +26,7 @@ KEY = "anth-e2e-key-0123456789"
 QUOTA_KEY = "anth-quota-key-0123456789"
 EU_KEY = "anth-eu-key-0123456789"
 METER_KEY = "anth-meter-key-0123456789"
+ISO_KEY = "anth-iso-key-0123456789"
 PARTNER_SECRET = "partner-anthropic-secret-0123"
 MSGS = [{"role": "user", "content": "Name three prime numbers and say why they are prime."}]
 
@@ -40,7 +41,8 @@ def stack(tmp_path_factory):
     (tmp / "policy.yaml").write_text(yaml.safe_dump({"version": 1, "defaults": {"allow": True}, "rules": [
         {"id": "tiny-daily-quota", "match": {"tenant": "quota"}, "budgets": [{"window": "day", "tokens": 10}]},
         {"id": "eu-stays-in-eea", "match": {"tenant": "eu"}, "require": {"jurisdiction": "EEA"}},
-        {"id": "metered", "match": {"tenant": "metered"}, "budgets": [{"window": "day", "tokens": 100000}]}]}))
+        {"id": "metered", "match": {"tenant": "metered"}, "budgets": [{"window": "day", "tokens": 100000}]},
+        {"id": "isolated", "match": {"tenant": "iso"}, "set": {"cache_isolation": True}}]}))
     (tmp / "partner.key").write_text(PARTNER_SECRET)
     port = free_port()
     cfg = {"server": {"host": "127.0.0.1", "port": port, "max_body_bytes": 200_000},
@@ -52,7 +54,8 @@ def stack(tmp_path_factory):
                 "model_map": {"claude-sim": "sim-model"}, "api_key_file": str(tmp / "partner.key"),
                 "location": {"country": "US"}, "retention": "zero", "operator": "partner"}],
            "keys": [{"key": KEY, "tenant": "acme", "name": "k"}, {"key": QUOTA_KEY, "tenant": "quota", "name": "q"},
-                    {"key": EU_KEY, "tenant": "eu", "name": "e"}, {"key": METER_KEY, "tenant": "metered", "name": "m"}],
+                    {"key": EU_KEY, "tenant": "eu", "name": "e"}, {"key": METER_KEY, "tenant": "metered", "name": "m"},
+                    {"key": ISO_KEY, "tenant": "iso", "name": "i"}],
            "policy": {"files": [str(tmp / "policy.yaml")], "audit_path": str(tmp / "audit.jsonl")},
            "identity": {"sqlite_path": str(tmp / "id.db")},
            "budgets": {"sqlite_path": str(tmp / "budgets.db"), "ledger_flush_s": 0.05,
@@ -288,6 +291,38 @@ def test_upstream_rejection_is_relayed_in_the_clients_shape(stack):
     r = httpx.post(stack["base"] + "/v1/messages", headers={"x-api-key": KEY},
                    json={"model": "claude-sim", "max_tokens": 5, "messages": long}, timeout=30)
     assert "context length" in anth_error(r, 400, "invalid_request_error")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_cache_isolation_holds_on_messages(stack, stream):
+    """vLLM's /v1/messages drops cache_salt, so an isolated tenant's request goes to the engine's chat API with
+    its salt (translated both ways): another tenant's identical prompt is not a cache hit for it, its own
+    repeat is, and the answer is still an Anthropic message / stream with cache reads reported."""
+    system = f"Isolation check {stream}: you are a careful assistant for tenant data. " * 10
+    body = dict(model="sim-model", max_tokens=4, system=system, messages=MSGS)
+
+    def ask(key: str, rid: str):
+        c = client(stack, key)
+        if not stream:
+            return c.messages.create(**body, extra_headers={"x-request-id": rid})
+        with c.messages.stream(**body, extra_headers={"x-request-id": rid}) as s:
+            text = "".join(s.text_stream)
+            msg = s.get_final_message()
+        assert text and msg.content[0].text == text
+        return msg
+
+    ask(KEY, f"iso-other-{stream}")  # another tenant warms the shared cache with the same prompt
+    first = ask(ISO_KEY, f"iso-1-{stream}")
+    assert first.type == "message" and first.stop_reason == "max_tokens" and first.usage.output_tokens == 4
+    assert first.usage.cache_read_input_tokens == 0  # not the other tenant's blocks
+    again = ask(ISO_KEY, f"iso-2-{stream}")
+    assert again.usage.cache_read_input_tokens > 0  # its own
+    rec = audit(stack["tmp"], f"iso-2-{stream}")
+    assert rec["evidence"]["messages_via"] == "chat/completions" and rec["decision"]["cache_isolation"] is True
+    assert rec["usage"]["cached_tokens"] == again.usage.cache_read_input_tokens
+    assert rec["usage"]["prompt_tokens"] == again.usage.input_tokens + again.usage.cache_read_input_tokens
+    other = audit(stack["tmp"], f"iso-other-{stream}")
+    assert "messages_via" not in other["evidence"]  # no salt: vLLM's /v1/messages natively
 
 
 def test_a_stream_whose_upstream_dies_ends_with_an_error_the_sdk_raises(stack):

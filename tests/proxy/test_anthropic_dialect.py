@@ -335,3 +335,112 @@ async def test_an_overloaded_partner_529_is_tried_on_the_next_candidate(stack):
                                            "messages": [{"role": "user", "content": "Hi"}]})
     assert r.status_code == 200 and r.json()["type"] == "message", r.text
     assert sum((x["body"].get("metadata") or {}).get("user_id") == "overloaded-once" for x in seen) == 2
+
+
+# ------------------------------------------------------------------ /v1/messages carried to a vLLM engine's chat API
+def test_messages_on_vllm_go_native_unless_a_salt_or_priority_must_reach_the_engine():
+    from types import SimpleNamespace
+
+    from gateway.pipeline import RequestContext
+    from gateway.proxy.dialects.anthropic import MessagesOnVLLM
+
+    vllm = dialect_for("vllm")
+    body = {"model": "claude", "max_tokens": 9, "system": "S", "stop_sequences": ["x"], "top_k": 3,
+            "tool_choice": {"type": "any"}, "metadata": {"user_id": "u"}, "stream": True,
+            "messages": [{"role": "user", "content": "hi"}]}
+
+    def ctx(**over):
+        c = RequestContext(request_id="r", endpoint="messages", headers={}, body=body)
+        c.max_tokens = 9
+        c.body_overrides.update(over)
+        return c
+
+    def cand(prio: bool):
+        b = SimpleNamespace(upstream_model=lambda m: "up-" + m, priority_scheduling=prio)
+        return SimpleNamespace(backend=b, model="claude")
+
+    ex = vllm.exchange(BY_NAME["messages"])
+    assert isinstance(ex, MessagesOnVLLM)
+    sent = orjson.loads(ex.body(ctx(priority=5), cand(False)))  # priority the engine ignores anyway: native
+    assert ex.path == "messages" and not ex.translates and ex.stream() is None and "priority" not in sent
+    assert sent["system"] == "S" and sent["model"] == "up-claude"
+    for c, cd in ((ctx(cache_salt="t1"), cand(False)), (ctx(priority=5), cand(True))):
+        ex = vllm.exchange(BY_NAME["messages"])
+        sent = orjson.loads(ex.body(c, cd))
+        assert ex.path == "chat/completions" and ex.translates and c.evidence["messages_via"] == "chat/completions"
+        assert sent["messages"] == [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}]
+        assert sent["max_tokens"] == 9 and sent["stop"] == ["x"] and sent["top_k"] == 3 and sent["user"] == "u"
+        assert sent["tool_choice"] == "required" and sent["stream"] is True
+        assert sent["stream_options"] == {"include_usage": True} and sent["model"] == "up-claude"
+        assert ("cache_salt" in sent) == ("cache_salt" in c.body_overrides)
+        assert ("priority" in sent) == cd.backend.priority_scheduling
+
+
+def test_a_chat_answer_as_an_anthropic_message():
+    from gateway.proxy.dialects.anthropic import chat_to_message
+
+    out = chat_to_message({"id": "chatcmpl-1", "model": "m", "choices": [{"index": 0, "finish_reason": "tool_calls",
+        "message": {"role": "assistant", "content": "Sure.", "reasoning_content": "think",
+                    "tool_calls": [{"id": "c1", "type": "function",
+                                    "function": {"name": "f", "arguments": '{"a": 1}'}}]}}],
+        "usage": {"prompt_tokens": 50, "completion_tokens": 7, "prompt_tokens_details": {"cached_tokens": 32}}})
+    assert out["type"] == "message" and out["stop_reason"] == "tool_use" and out["id"] == "chatcmpl-1"
+    assert [b["type"] for b in out["content"]] == ["thinking", "text", "tool_use"]
+    assert out["content"][2] == {"type": "tool_use", "id": "c1", "name": "f", "input": {"a": 1}}
+    assert out["usage"] == {"input_tokens": 18, "cache_read_input_tokens": 32, "output_tokens": 7}
+    plain = chat_to_message({"choices": [{"finish_reason": "length", "message": {"content": "x"}}]})
+    assert plain["stop_reason"] == "max_tokens" and plain["usage"]["input_tokens"] == 0
+
+
+def chat_chunk(delta: dict, finish: str | None = None) -> bytes:
+    return b"data: " + orjson.dumps({"id": "c", "object": "chat.completion.chunk", "model": "m",
+                                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+
+
+def anthropic_events(raw: list[bytes]) -> list[dict]:
+    from gateway.proxy.dialects.anthropic import ChatToMessagesStream
+
+    tr = ChatToMessagesStream()
+    out = []
+    for e in [x for r in raw for x in tr.feed(r)] + tr.end():
+        head, data = e.rstrip(b"\n").split(b"\n")
+        obj = orjson.loads(data[6:])
+        assert head == b"event: " + obj["type"].encode()
+        out.append(obj)
+    return out
+
+
+@given(st.lists(st.text(min_size=1, max_size=8), min_size=1, max_size=12))
+def test_a_chat_stream_as_anthropic_events(texts):
+    raw = [chat_chunk({"role": "assistant", "content": ""})] + [chat_chunk({"content": t}) for t in texts]
+    raw += [chat_chunk({}, "length"),
+            b"data: " + orjson.dumps({"id": "c", "choices": [], "usage": {
+                "prompt_tokens": 20, "completion_tokens": 5, "prompt_tokens_details": {"cached_tokens": 16}}}),
+            b"data: [DONE]"]
+    evs = anthropic_events(raw)
+    kinds = [e["type"] for e in evs]
+    assert kinds[:2] == ["message_start", "content_block_start"] and kinds[-3:] == [
+        "content_block_stop", "message_delta", "message_stop"]
+    assert "".join(e["delta"]["text"] for e in evs if e["type"] == "content_block_delta") == "".join(texts)
+    delta = evs[-2]
+    assert delta["delta"]["stop_reason"] == "max_tokens"
+    assert delta["usage"] == {"input_tokens": 4, "cache_read_input_tokens": 16, "output_tokens": 5}
+
+
+def test_a_chat_stream_with_tools_thinking_and_an_error():
+    evs = anthropic_events([
+        chat_chunk({"role": "assistant", "content": ""}), chat_chunk({"reasoning_content": "hmm"}),
+        chat_chunk({"content": "ok"}),
+        chat_chunk({"tool_calls": [{"index": 0, "id": "t1", "type": "function",
+                                    "function": {"name": "f", "arguments": ""}}]}),
+        chat_chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"a":'}}]}),
+        chat_chunk({"tool_calls": [{"index": 0, "function": {"arguments": " 1}"}}]}, "tool_calls"),
+        b"data: [DONE]"])
+    starts = [e["content_block"]["type"] for e in evs if e["type"] == "content_block_start"]
+    assert starts == ["thinking", "text", "tool_use"]
+    assert [e["index"] for e in evs if e["type"] == "content_block_stop"] == [0, 1, 2]
+    assert "".join(e["delta"].get("partial_json", "") for e in evs if e["type"] == "content_block_delta") == '{"a": 1}'
+    assert evs[-2]["type"] == "message_delta" and evs[-2]["delta"]["stop_reason"] == "tool_use"
+    assert evs[-1] == {"type": "message_stop"}
+    err = anthropic_events([b'data: {"error": {"message": "engine died", "type": "x"}}'])
+    assert err == [{"type": "error", "error": {"type": "api_error", "message": "engine died"}}]
