@@ -633,3 +633,46 @@ def check_wrong_topic_reported(stack: VllmStack, grace_s: float = 3.0) -> dict[s
                 "probe": {k: v[0] for k, v in probe.items()}, "grace_s": grace_s}
     finally:
         gw.stop()
+
+
+def check_responses_api(stack: VllmStack) -> dict[str, Any]:
+    """POST /v1/responses through the gateway to a real engine's own /v1/responses, with the openai SDK, streamed
+    and not: text, usage (input/output tokens) and the audit record naming an engine."""
+    names = {e.name for e in stack.engines}
+    c = client(stack)
+    prompt = "Say something about " + text("responses", 20)
+    raw = c.responses.with_raw_response.create(model=stack.model, input=prompt, max_output_tokens=4, temperature=0)
+    r = raw.parse()
+    assert r.usage is not None and r.usage.input_tokens > 10 and r.usage.output_tokens >= 1, r
+    assert isinstance(r.output_text, str)
+    events: list[str] = []
+    done = None
+    with c.responses.stream(model=stack.model, input=prompt, max_output_tokens=4, temperature=0) as s:
+        for ev in s:
+            events.append(ev.type)
+        done = s.get_final_response()
+    assert "response.completed" in events and done.usage is not None, events
+    assert done.usage.input_tokens == r.usage.input_tokens
+    rec = evidence(stack, raw.headers["x-request-id"])
+    assert rec["backend"] in names and rec["status"] == 200 and rec["usage"]["prompt_tokens"] == r.usage.input_tokens
+    return {"input_tokens": r.usage.input_tokens, "stream_events": len(events)}
+
+
+def check_messages_api(stack: VllmStack) -> dict[str, Any]:
+    """POST /v1/messages (Anthropic Messages) through the gateway to a real engine's own /v1/messages, with the
+    official anthropic SDK, streamed and not: text, usage and the audit record naming an engine."""
+    import anthropic
+
+    names = {e.name for e in stack.engines}
+    a = anthropic.Anthropic(base_url=stack.base, api_key=API_KEY, max_retries=0, timeout=120)
+    msgs = [{"role": "user", "content": "Say something about " + text("messages", 20)}]
+    raw = a.messages.with_raw_response.create(model=stack.model, max_tokens=4, messages=msgs)
+    m = raw.parse()
+    assert m.type == "message" and m.usage.input_tokens > 10 and m.usage.output_tokens >= 1, m
+    with a.messages.stream(model=stack.model, max_tokens=4, messages=msgs) as s:
+        streamed = "".join(s.text_stream)
+        final = s.get_final_message()
+    assert isinstance(streamed, str) and final.usage.output_tokens >= 1, final
+    rec = evidence(stack, raw.headers["x-request-id"])
+    assert rec["backend"] in names and rec["status"] == 200, rec
+    return {"input_tokens": m.usage.input_tokens, "output_tokens": m.usage.output_tokens}

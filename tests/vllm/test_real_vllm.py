@@ -69,6 +69,14 @@ def test_local_tokenizer_matches_the_engine(vllm_stack):
     _rows["local_tokenizer"] = checks.check_local_tokenizer(vllm_stack, str(MODEL_DIR))
 
 
+def test_responses_api_against_a_real_engine(vllm_stack):
+    _rows["responses"] = checks.check_responses_api(vllm_stack)
+
+
+def test_anthropic_messages_against_a_real_engine(vllm_stack):
+    _rows["messages"] = checks.check_messages_api(vllm_stack)
+
+
 def test_report(vllm_stack):
     """Prints what was measured (pytest -s shows it); fails only if the stack was never exercised."""
     print("\nreal vLLM e2e:", vllm_stack.timings)
