@@ -14,7 +14,6 @@ else `end_turn`.
 """
 from __future__ import annotations
 
-import asyncio
 import uuid
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
@@ -23,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from backends.sim.engine import EngineDead
+from backends.sim.streaming import text_deltas
 from backends.sim.tokenizer import render_chat
 
 if TYPE_CHECKING:
@@ -126,38 +126,20 @@ async def messages(server: EngineServer, request: Request) -> Response:
 
 
 async def _stream(server: EngineServer, req: SimRequest, mid: str, model: str) -> AsyncIterator[bytes]:
-    interval = server.engine.profile.stream_interval_s
-
     def delta(text: str) -> bytes:
         return _event({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}})
 
-    w = req.listener
-    finished = False
-    try:
-        await w.first
+    def opening(text: str) -> bytes:
         start = {"type": "message_start", "message": {
             "id": mid, "type": "message", "role": "assistant", "model": model, "content": [], "stop_reason": None,
             "stop_sequence": None, "usage": _usage(req, output=0, stream=True)}}
-        sent = req.num_output
-        yield (_event(start) + _event({"type": "content_block_start", "index": 0,
-                                       "content_block": {"type": "text", "text": ""}})
-               + delta(server._text(req, 0, sent)))
-        while not w.done.done():
-            await asyncio.wait((w.done,), timeout=interval)
-            n = req.num_output
-            if w.done.done():
-                break
-            if n > sent:
-                yield delta(server._text(req, sent, n))
-                sent = n
-        w.done.result()  # raises EngineDead if the engine died: the connection drops
-        finished = True
-        tail = server._text(req, sent, req.num_output)
-        reason = STOP_REASONS.get(req.finish_reason or "stop", "end_turn")
-        yield ((delta(tail) if tail else b"") + _event({"type": "content_block_stop", "index": 0})
-               + _event({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": None},
-                         "usage": _usage(req, stream=True)})
-               + _event({"type": "message_stop"}))
-    finally:
-        if not finished:
-            server.engine.abort(req)
+        return (_event(start) + _event({"type": "content_block_start", "index": 0,
+                                        "content_block": {"type": "text", "text": ""}}) + delta(text))
+
+    async for chunk in text_deltas(server, req, opening, delta):
+        yield chunk
+    reason = STOP_REASONS.get(req.finish_reason or "stop", "end_turn")
+    yield (_event({"type": "content_block_stop", "index": 0})
+           + _event({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": None},
+                     "usage": _usage(req, stream=True)})
+           + _event({"type": "message_stop"}))

@@ -16,7 +16,6 @@ special tokens, as a cross-encoder sees them); relevance is a deterministic word
 """
 from __future__ import annotations
 
-import asyncio
 import math
 import time
 import uuid
@@ -26,6 +25,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from backends.sim.streaming import text_deltas
 from backends.sim.tokenizer import render_chat
 
 if TYPE_CHECKING:
@@ -133,7 +133,6 @@ async def responses(server: EngineServer, request: Request) -> Response:
 
 async def _stream(server: EngineServer, req: SimRequest, body: dict[str, Any], rid: str, created: int,
                   model: str) -> AsyncIterator[bytes]:
-    interval = server.engine.profile.stream_interval_s
     mid = f"msg_{uuid.uuid4().hex[:24]}"
     seq = 0
 
@@ -148,42 +147,29 @@ async def _stream(server: EngineServer, req: SimRequest, body: dict[str, Any], r
         return ev("response.output_text.delta", item_id=mid, output_index=0, content_index=0, delta=text,
                   logprobs=[])
 
-    w = req.listener
-    finished = False
+    def opening(text: str) -> bytes:
+        return (ev("response.output_item.added", output_index=0, item={**_message(mid, "", "in_progress"),
+                                                                       "content": []})
+                + ev("response.content_part.added", item_id=mid, output_index=0, content_index=0,
+                     part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+                + delta(text))
+
+    head = _response(body, rid, created, model, "in_progress", [], None)
     try:
-        head = _response(body, rid, created, model, "in_progress", [], None)
         yield ev("response.created", response=head) + ev("response.in_progress", response=head)
-        await w.first
-        sent = req.num_output
-        yield (ev("response.output_item.added", output_index=0, item={**_message(mid, "", "in_progress"),
-                                                                      "content": []})
-               + ev("response.content_part.added", item_id=mid, output_index=0, content_index=0,
-                    part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
-               + delta(server._text(req, 0, sent)))
-        while not w.done.done():
-            await asyncio.wait((w.done,), timeout=interval)
-            n = req.num_output
-            if w.done.done():
-                break
-            if n > sent:
-                yield delta(server._text(req, sent, n))
-                sent = n
-        w.done.result()  # raises EngineDead if the engine died: the connection drops
-        finished = True
-        tail = server._text(req, sent, req.num_output)
-        full = server._text(req, 0, req.num_output)
-        status = "incomplete" if req.finish_reason == "length" else "completed"
-        part: dict[str, Any] = {"type": "output_text", "text": full, "annotations": [], "logprobs": None}
-        yield ((delta(tail) if tail else b"")
-               + ev("response.output_text.done", item_id=mid, output_index=0, content_index=0, text=full,
-                    logprobs=[])
-               + ev("response.content_part.done", item_id=mid, output_index=0, content_index=0, part=part)
-               + ev("response.output_item.done", output_index=0, item=_message(mid, full, "completed"))
-               + ev(f"response.{status}", response=_response(body, rid, created, model, status,
-                                                               [_message(mid, full, "completed")], _usage(req))))
-    finally:
-        if not finished:
-            server.engine.abort(req)
+    except BaseException:  # closed before the first token: nothing more runs for it on the engine
+        server.engine.abort(req)
+        raise
+    async for chunk in text_deltas(server, req, opening, delta):
+        yield chunk
+    full = server._text(req, 0, req.num_output)
+    status = "incomplete" if req.finish_reason == "length" else "completed"
+    part: dict[str, Any] = {"type": "output_text", "text": full, "annotations": [], "logprobs": None}
+    yield (ev("response.output_text.done", item_id=mid, output_index=0, content_index=0, text=full, logprobs=[])
+           + ev("response.content_part.done", item_id=mid, output_index=0, content_index=0, part=part)
+           + ev("response.output_item.done", output_index=0, item=_message(mid, full, "completed"))
+           + ev(f"response.{status}", response=_response(body, rid, created, model, status,
+                                                           [_message(mid, full, "completed")], _usage(req))))
 
 
 # ---------------------------------------------------------------------------------------------- pooling
