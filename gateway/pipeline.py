@@ -206,13 +206,26 @@ class Lifecycle:
     """One request's way through a pipeline; owns "finish exactly once" whatever path the response takes
     (a refusal, a JSON answer, a stream that ends, breaks, is cut or loses its client)."""
 
-    __slots__ = ("ctx", "pipeline", "started", "finished")
+    __slots__ = ("ctx", "pipeline", "started", "finished", "shielded", "finishing", "cancel_pending")
 
-    def __init__(self, pipeline: Pipeline, ctx: RequestContext) -> None:
+    def __init__(self, pipeline: Pipeline, ctx: RequestContext, shielded: bool = True) -> None:
+        """`shielded=False` is for a caller that routes every cancellation it starts through `cancel` (the HTTP
+        ingress: a client that left): finish then runs in the request's own task, with such a cancel deferred
+        until it is done, instead of in a task of its own (asyncio.shield), which cost a Task per request."""
         self.ctx = ctx
         self.pipeline = pipeline
         self.started: list[Stage] = []
         self.finished = False
+        self.shielded = shielded
+        self.finishing = False
+        self.cancel_pending = False
+
+    def cancel(self, task: "asyncio.Task[Any]") -> None:
+        """Cancel the request's task, or once the finish under way is done (settling must not be cut short)."""
+        if self.finishing:
+            self.cancel_pending = True
+        else:
+            task.cancel()
 
     async def run(self) -> Any:
         """Run every stage and dispatch; returns ctx.result. A refusal is finished here and re-raised."""
@@ -223,10 +236,24 @@ class Lifecycle:
             raise
         return self.ctx.result
 
-    async def finish(self) -> None:
-        """Finish the started stages once (shielded: a cancelled request still settles and records)."""
+    async def finish(self, shield: bool = False) -> None:
+        """Finish the started stages once; a cancelled request still settles and records. `shield`: run in a
+        task of its own even for an unshielded lifecycle (a stream's end, which the drain deadline may cancel
+        directly)."""
         if self.finished:
             return
         self.finished = True
-        if self.started:
-            await asyncio.shield(Pipeline.finish(self.ctx, self.started))
+        if not self.started:
+            return
+        task = asyncio.current_task()
+        if shield or self.shielded or task is None or task.cancelling():
+            await asyncio.shield(Pipeline.finish(self.ctx, self.started))  # runs to its end whatever happens here
+            return
+        self.finishing = True
+        try:
+            await Pipeline.finish(self.ctx, self.started)
+        finally:
+            self.finishing = False
+            if self.cancel_pending:  # the client left while we settled: now unwind as the cancel asked
+                self.cancel_pending = False
+                task.cancel()

@@ -119,3 +119,37 @@ def test_with_stage_after_copies_without_touching_the_original() -> None:
     assert [s.name for s in q.stages] == ["a", "x", "b", "c"]
     assert [s.name for s in p.stages] == ["a", "b", "c"]
     assert q.dispatch is p.dispatch
+
+
+async def test_an_unshielded_lifecycle_defers_a_cancel_until_it_has_settled() -> None:
+    """The ingress's lifecycle finishes in the request's own task (no Task per request): a client that leaves
+    while it settles (Lifecycle.cancel) cancels the task only once every finisher ran."""
+    log: list[str] = []
+    gate = asyncio.Event()
+
+    class Slow(Rec):
+        async def finish(self, ctx: RequestContext) -> None:
+            await gate.wait()
+            self.log.append("finish:slow")
+
+    life = Lifecycle(Pipeline([Rec("a", log), Slow("slow", log)], Dispatch("dispatch", log)), ctx(), shielded=False)
+
+    async def request() -> None:
+        await life.run()
+        await life.finish()
+        await asyncio.sleep(1)  # the deferred cancel lands at the first suspension after finish
+        log.append("after sleep")
+
+    task = asyncio.ensure_future(request())
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert life.finishing
+    life.cancel(task)  # the client left mid-settle
+    gate.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert log[-2:] == ["finish:slow", "finish:a"] and "after sleep" not in log
+    other = asyncio.ensure_future(asyncio.sleep(10))
+    life.cancel(other)  # outside a finish a cancel is immediate
+    await asyncio.sleep(0)
+    assert other.cancelled()

@@ -213,9 +213,11 @@ class InferenceEndpoint:
             ctx.extra_headers["x-request-id"] = cid
             ctx.extra_headers["x-gateway-request-id"] = ctx.request_id
         prepare(ctx, parsed, raw, gw.config)
+        life = Lifecycle(gw.pipeline, ctx, shielded=False)
         # A vanished client cancels upstream work at once: this task is cancelled, which unwinds the handler
-        # (closing the upstream connection) right away. Under the gateway's own server protocol the connection
-        # tells us (no extra task); under any other ASGI server a watcher task waits on receive() instead.
+        # (closing the upstream connection) right away, except while the request settles (Lifecycle.cancel
+        # defers it to the end of finish). Under the gateway's own server protocol the connection tells us (no
+        # extra task); under any other ASGI server a watcher task waits on receive() instead.
         me = asyncio.current_task()
         gone = False
 
@@ -223,7 +225,7 @@ class InferenceEndpoint:
             nonlocal gone
             gone = True
             if me is not None:
-                me.cancel()
+                life.cancel(me)
 
         conn = scope.get("gateway.conn")
         watcher: asyncio.Future | None = None
@@ -236,7 +238,7 @@ class InferenceEndpoint:
 
             watcher = asyncio.ensure_future(watch())
         try:
-            await self._handle(ctx, send)
+            await self._handle(ctx, send, life)
         except asyncio.CancelledError:
             if not gone:
                 raise
@@ -258,10 +260,9 @@ class InferenceEndpoint:
     def _timing(self, ctx: RequestContext) -> str:
         return server_timing(ctx, ctx.received_at, ctx.dispatched_at, ctx.answered_at)
 
-    async def _handle(self, ctx: RequestContext, send) -> None:
+    async def _handle(self, ctx: RequestContext, send, life: Lifecycle) -> None:
         gw = self.gw
         wire = self.wire
-        life = Lifecycle(gw.pipeline, ctx)
         try:
             try:
                 result = await life.run()
@@ -303,7 +304,7 @@ class InferenceEndpoint:
                         # what was delivered, not the 200 the response started with
                         ctx.status = 499 if ctx.status in (0, 200) else ctx.status
                         ctx.error = ctx.error or "client_disconnected"
-                    await life.finish()
+                    await life.finish(shield=True)  # the drain deadline cancels stream tasks directly
 
             hdrs["server-timing"] = self._timing(ctx)
             raw = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
@@ -339,7 +340,7 @@ class InferenceEndpoint:
             ctx.error = ctx.error or "client_disconnected"
             raise
         finally:
-            await life.finish()
+            await life.finish(shield=ctx.stream)
 
 
 class GatewayApp(Starlette):

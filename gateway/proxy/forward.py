@@ -169,7 +169,8 @@ class Dispatcher:
             if not self.health.available(name):
                 ctx.attempts.append({"backend": name, "skipped": "circuit open"})
                 continue
-            if exchange_for(ctx, cand) is None:  # this backend kind does not serve the endpoint
+            ex = exchange_for(ctx, cand)
+            if ex is None:  # this backend kind does not serve the endpoint
                 ctx.attempts.append({"backend": name, "skipped": f"kind {cand.backend.kind} does not serve "
                                                                  f"{ctx.ep.path}"})
                 continue
@@ -183,7 +184,7 @@ class Dispatcher:
                 break
             attempts += 1
             try:
-                result = await self._attempt(ctx, cand)
+                result = await self._attempt(ctx, cand, ex)
             except GatewayError as e:
                 retryable = bool(e.extra.pop("_retryable", False))
                 ctx.attempts.append({"backend": name, "error": e.code, "status": e.status})
@@ -200,11 +201,9 @@ class Dispatcher:
         raise GatewayError(503, f"No healthy backend is available for model '{ctx.model}'.",
                            code="no_backend_available", headers=retry_headers(1.0))
 
-    async def _attempt(self, ctx: RequestContext, cand: Candidate) -> StreamStart | JsonResult:
+    async def _attempt(self, ctx: RequestContext, cand: Candidate, ex: Exchange) -> StreamStart | JsonResult:
         b = cand.backend
-        dialect = dialect_for(b.kind)
-        ex = dialect.exchange(ctx.ep)
-        assert ex is not None  # open() skipped candidates that cannot serve the endpoint
+        dialect = ex.dialect
         wire = ctx.ep.wire
         client = self._upstreams().client(b.name)
         self.health.begin(b.name)
