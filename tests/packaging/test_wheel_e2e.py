@@ -8,6 +8,7 @@ takes most of it; pip's cache and find-links serve the wheels).
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -97,6 +98,22 @@ def test_version(installed):
     want = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     out = _run([str(installed["bin"] / "gateway"), "--version"], installed["work"], installed["env"])
     assert out.strip() == f"gateway {want}"
+
+
+def test_the_installed_metadata_carries_the_license_and_readme(installed):
+    """What a platform team's licence scanner and package index read: the SPDX expression (PEP 639), the
+    LICENSE text inside the wheel, and the README as the long description."""
+    out = _run([str(installed["bin"] / "python"), "-c",
+                "import json; from importlib import metadata as m; d = m.distribution('policy-gateway'); "
+                "print(json.dumps({'license': d.metadata['License-Expression'], "
+                "'type': d.metadata['Description-Content-Type'], 'description': d.metadata.get_payload(), "
+                "'license_files': [f.read_text() for f in d.files if f.name == 'LICENSE']}))"],
+               installed["work"], installed["env"])
+    meta = json.loads(out)
+    assert meta["license"] == "Apache-2.0"
+    assert meta["type"] == "text/markdown"
+    assert meta["description"].strip() == (ROOT / "README.md").read_text().strip()
+    assert meta["license_files"] == [(ROOT / "LICENSE").read_text()]
 
 
 def test_config_check_policy_check_serve_chat_and_dashboard(installed, tmp_path):
