@@ -113,9 +113,9 @@ def _restrictions_of(p: Any) -> tuple[frozenset[str] | None, bool, bool]:
     return d.allowed_countries, d.retention == "zero", d.allow
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(tenant_labels=st.fixed_dictionaries({}, optional={"residency": st.sampled_from(["eea", "de"]),
-                                                         "retention": st.sampled_from(["zero", "30d"])}),
+                                                         "retention": st.sampled_from(["zero", "30d"])}).filter(bool),
        ops=st.lists(OP, min_size=1, max_size=10))
 async def test_no_tenant_admin_sequence_weakens_the_tenant(client: httpx.AsyncClient, service: IdentityService,
                                                            tenant_labels: dict[str, str], ops: list[Any]) -> None:
@@ -126,7 +126,12 @@ async def test_no_tenant_admin_sequence_weakens_the_tenant(client: httpx.AsyncCl
     assert r.status_code == 201, r.text
     r = await client.post("/admin/keys", json={"tenant": tid, "purpose": "admin"}, headers=ADMIN)
     ta = {"authorization": f"Bearer {r.json()['key']}"}
-    keys: list[tuple[str, str]] = []
+    # a key the tenant admin made without labels, so every sequence has a key to patch or edit behind the API;
+    # with it and a tenant that restricts something, a merge that lets lower levels win fails every run
+    # (before, most short sequences made no key or had nothing to loosen: such a merge passed 1 run in 3)
+    r = await client.post("/admin/keys", json={"tenant": tid}, headers=ta)
+    assert r.status_code == 201, r.text
+    keys: list[tuple[str, str]] = [(r.json()["id"], r.json()["key"])]
     for op, arg, labels in ops:
         if op == "team":
             r = await client.post(f"/admin/tenants/{tid}/teams", json={"id": arg, "labels": labels}, headers=ta)
@@ -143,9 +148,9 @@ async def test_no_tenant_admin_sequence_weakens_the_tenant(client: httpx.AsyncCl
             r = await client.post("/admin/keys", json=body, headers=ta)
             if r.status_code == 201:
                 keys.append((r.json()["id"], r.json()["key"]))
-        elif op == "patch_key" and keys:
+        elif op == "patch_key":
             r = await client.patch(f"/admin/keys/{keys[arg % len(keys)][0]}", json={"labels": labels}, headers=ta)
-        elif op == "raw_key" and keys:
+        elif op == "raw_key":
             await service.store.update_key(keys[arg % len(keys)][0], {"labels": labels})
             service._on_event("*")
             continue
