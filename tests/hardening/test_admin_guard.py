@@ -9,6 +9,7 @@ from typing import Any
 
 import httpx
 import pytest
+from starlette.routing import Mount, Route, WebSocketRoute
 
 from gateway.admin_guard import PLATFORM_ADMIN, PUBLIC, TENANT_ADMIN, declared_roles
 from tests.resilience.stack import ADMIN_KEY, write_config
@@ -112,6 +113,23 @@ def gw(tmp_path_factory):
         up.stop()
 
 
+def admin_route_roles(routes) -> dict[tuple[str, str], frozenset[str] | None]:
+    """(method, path) -> declared roles of every /admin route in `routes`; None for one the guard did not build.
+    A mount, a websocket route or a route for any method under /admin is reported as ("*", path) -> None."""
+    out: dict[tuple[str, str], frozenset[str] | None] = {}
+    for r in routes:
+        path = getattr(r, "path", "")
+        if not path.startswith("/admin"):
+            continue
+        methods = getattr(r, "methods", None)
+        if not isinstance(r, Route) or not methods:
+            out[("*", path)] = None
+            continue
+        for m in sorted(methods - {"HEAD"}):
+            out[(m, path)] = declared_roles(r)
+    return out
+
+
 def _app_admin_routes(cfg_path) -> dict[tuple[str, str], frozenset[str] | None]:
     """The /admin routes of the app the gateway process runs (built from the same config, not started)."""
     from gateway.app import Gateway, build_app
@@ -120,15 +138,31 @@ def _app_admin_routes(cfg_path) -> dict[tuple[str, str], frozenset[str] | None]:
 
     gw = Gateway(load_config(cfg_path))
     wire(gw)
-    app = build_app(gw)
-    out: dict[tuple[str, str], frozenset[str] | None] = {}
-    for r in app.routes:
-        path = getattr(r, "path", "")
-        if not path.startswith("/admin"):
-            continue
-        for m in sorted((r.methods or set()) - {"HEAD"}):
-            out[(m, path)] = declared_roles(r)
-    return out
+    return admin_route_roles(build_app(gw).routes)
+
+
+def test_the_route_check_reports_every_admin_route_the_guard_did_not_build():
+    """The check itself: a plain route, a mount, an any-method route and a websocket under /admin are all
+    reported undeclared; a guarded one carries its roles; routes outside /admin are not admin routes."""
+    from gateway.admin_guard import AdminGuard
+
+    async def h(request, principal=None):
+        return {}
+
+    async def auth(headers, addr):
+        raise AssertionError("not called")
+
+    class AsgiApp:  # an ASGI app as endpoint (as the data plane's are): a route for any method
+        async def __call__(self, scope, receive, send):
+            pass
+
+    guarded = AdminGuard(auth, lambda: 1000).route("/admin/ok", h, ["GET"], (PLATFORM_ADMIN,))
+    routes = [guarded, Route("/admin/plain", h, methods=["POST"]), Route("/admin/any", AsgiApp()),
+              Mount("/admin/sub", routes=[Route("/x", h)]), WebSocketRoute("/admin/ws", h),
+              Route("/v1/other", h, methods=["GET"])]
+    assert admin_route_roles(routes) == {("GET", "/admin/ok"): PLATFORM, ("POST", "/admin/plain"): None,
+                                         ("*", "/admin/any"): None, ("*", "/admin/sub"): None,
+                                         ("*", "/admin/ws"): None}
 
 
 def test_every_admin_route_declares_its_roles(gw):
