@@ -26,11 +26,13 @@ ZR_KEY = "issue18-zr-key-0123456789"  # residency eea -> zero retention; may use
 QWEN_KEY = "issue18-qwen-key-0123456789"  # may use qwen* only
 TIGHT_KEY = "issue18-tight-key-0123456789"  # a key budget of 41 tokens a day
 TIGHT_TOKENS = 41  # "hi" reserves a prompt bound of 38 tokens (6 chars + 16 per message + 16): 3 remain
+BLOCKED_KEY = "issue18-blocked-key-0123456789"  # team blocked: denied by the policy stage
 POLICY = {"version": 1, "rules": [
     {"id": "eea-stays-in-eea", "match": {"labels": {"residency": "eea"}},
      "require": {"jurisdiction": "EEA", "retention": "zero"}},
     {"id": "tight-key-budget", "match": {"team": "tight"},
-     "budgets": [{"window": "day", "scope": "key", "tokens": TIGHT_TOKENS}]}]}
+     "budgets": [{"window": "day", "scope": "key", "tokens": TIGHT_TOKENS}]},
+    {"id": "blocked-team", "match": {"team": "blocked"}, "deny": True}]}
 
 
 class OtlpReceiver:
@@ -118,7 +120,8 @@ def gw(tmp_path_factory):
                   {"key": ZR_KEY, "tenant": "eu-corp", "name": "zr", "labels": {"residency": "eea"},
                    "models": ["sim-model"]},
                   {"key": QWEN_KEY, "tenant": "acme", "name": "qwen", "models": ["qwen*"]},
-                  {"key": TIGHT_KEY, "tenant": "acme", "team": "tight", "name": "tight"}],
+                  {"key": TIGHT_KEY, "tenant": "acme", "team": "tight", "name": "tight"},
+                  {"key": BLOCKED_KEY, "tenant": "acme", "team": "blocked", "name": "blocked"}],
             identity={"auth_fail_limit_per_minute": 100000},
             observability={"log_level": "info", "capture_content": True, "otlp_endpoint": otlp.url})
         proc, port = start_gateway(cfg, env={"OTEL_BSP_SCHEDULE_DELAY": "50"})
@@ -311,12 +314,13 @@ def test_refusals_are_counted_under_the_stage_that_refused(gw):
     before = gw.metrics()
     assert gw.chat("gw_nope_0123456789abcdef").status_code == 401
     assert gw.chat(ZR_KEY, model="llama-x").status_code == 403
+    r = gw.chat(BLOCKED_KEY, max_tokens=2)
+    assert r.status_code == 403 and error_code(r) == "policy_denied", r.text
     after = gw.metrics()
-    assert _rejections(after, "authenticate", "invalid_api_key") == _rejections(before, "authenticate",
-                                                                                "invalid_api_key") + 1
-    assert _rejections(after, "authenticate", "model_not_allowed") == _rejections(before, "authenticate",
-                                                                                  "model_not_allowed") + 1
-    assert _rejections(after, "dispatch", "invalid_api_key") == _rejections(before, "dispatch", "invalid_api_key")
+    for stage, code in (("authenticate", "invalid_api_key"), ("authenticate", "model_not_allowed"),
+                        ("decide", "policy_denied")):
+        assert _rejections(after, stage, code) == _rejections(before, stage, code) + 1, (stage, code)
+        assert _rejections(after, "dispatch", code) == _rejections(before, "dispatch", code), code
 
 
 def test_key_limited_to_qwen_may_call_an_alias_whose_every_target_matches(gw):
