@@ -21,7 +21,6 @@ from gateway.cost.model import (
     category,
     gpu_cost,
     margin,
-    plain,
     savings_and_waste,
     token_cost,
 )
@@ -62,6 +61,8 @@ class CostMeter:
         self._open: dict[str, tuple[str, int, int]] = {}  # request id -> (engine, clock token, estimate)
         self._est_ratio: dict[str, float] = {}  # engine -> EWMA of prompt tokens counted / estimated at dispatch
         self._facts: dict[str, dict[str, Any]] = {}  # request id -> ledger fields until its row is enqueued
+        self._priced: dict[str, dict[str, Any]] = {}  # request id -> its priced facts, before_settle -> finish
+        self._children: dict[tuple[str, str, str], tuple[Any, ...]] = {}  # (backend, model, category) -> series
         self.stage = CostStage(self)
         # fleet-wide GPU-seconds per token of served requests (a response-cache hit's saving is priced with it)
         self.gpu_per_token = 0.0
@@ -143,7 +144,7 @@ class CostMeter:
             "s_per_prefill_token": spt, "gpus": gpus,
             "cached_prefill_gpu_seconds": cached * spt * gpus,
         }
-        ctx.evidence["unit_cost"] = plain(facts)
+        ctx.evidence["unit_cost"] = facts
 
     # ------------------------------------------------------------------ pricing (finish hook)
     def outcome(self, ctx: Any) -> Outcome:
@@ -152,8 +153,9 @@ class CostMeter:
                        status=ctx.status or 200, cache_hit=ctx.answer is not None, batch=ctx.batch is not None,
                        cut=bool(ctx.cut_by_budget or ctx.cut_by_shutdown), retries=failed)
 
-    def price(self, ctx: Any) -> dict[str, Any]:
-        """The request's unit-cost facts (apportioned time, platform cost, charge, margin, savings, waste)."""
+    def price(self, ctx: Any, charged: bool = True) -> dict[str, Any]:
+        """The request's unit-cost facts (apportioned time, platform cost, charge, margin, savings, waste);
+        `charged=False` before the budget settled (the charge and margin are added by the finish hook)."""
         cfg = self.cfg
         fx = getattr(self._config().raw.budgets, "fx_rates", {})
         uc = dict(ctx.evidence.get("unit_cost") or {})
@@ -175,18 +177,33 @@ class CostMeter:
             amount, gpu_s = 0.0, 0.0
         estimate = self.gpu_per_token * (prompt + completion) if cat == "cache_hit" else None
         saved, wasted = savings_and_waste(cat, gpu_s, float(uc.get("cached_prefill_gpu_seconds") or 0.0), estimate)
-        charged_ev = ctx.evidence.get("cost") if isinstance(ctx.evidence.get("cost"), dict) else {}
-        charged = charged_ev.get("amount")
         out = {**uc, "category": cat, "backend": backend, "gpu_seconds": gpu_s, "cost": amount,
-               "cost_basis": basis, "currency": cfg.currency, "charged": charged,
-               "charged_currency": charged_ev.get("currency"), "retries": o.retries,
-               "margin": margin(charged, amount) if charged_ev.get("currency") in (None, cfg.currency) else None,
+               "cost_basis": basis, "currency": cfg.currency, "retries": o.retries,
                "saved_gpu_seconds": saved, "wasted_gpu_seconds": wasted}
-        if cat in ("served", "batch") and gpu_s and prompt + completion > 0:
-            a = 0.05
-            per = gpu_s / (prompt + completion)
-            self.gpu_per_token = per if self.gpu_per_token == 0 else (1 - a) * self.gpu_per_token + a * per
+        if charged:
+            self._charge(out, ctx)
         return out
+
+    def _charge(self, facts: dict[str, Any], ctx: Any) -> None:
+        """What the budget charged (known only after it settled): the charge and the margin against the cost."""
+        charged_ev = ctx.evidence.get("cost")
+        if not isinstance(charged_ev, dict):
+            charged_ev = {}
+        charged = charged_ev.get("amount")
+        facts["charged"] = charged
+        facts["charged_currency"] = charged_ev.get("currency")
+        facts["margin"] = (margin(charged, facts["cost"])
+                           if charged_ev.get("currency") in (None, facts["currency"]) else None)
+
+    def _learn_per_token(self, facts: dict[str, Any], ctx: Any) -> None:
+        """Fleet-wide GPU-seconds per token of served requests (what a response-cache hit is said to save)."""
+        gpu_s = facts.get("gpu_seconds")
+        u = ctx.usage
+        tokens = (u.prompt_tokens + u.completion_tokens) if u is not None else ctx.delivered_completion_tokens
+        if facts["category"] in ("served", "batch") and gpu_s and tokens > 0:
+            a = 0.05
+            per = gpu_s / tokens
+            self.gpu_per_token = per if self.gpu_per_token == 0 else (1 - a) * self.gpu_per_token + a * per
 
     def ledger_fields(self, facts: dict[str, Any]) -> dict[str, Any]:
         return {"engine": facts.get("engine") if facts.get("method") else None,
@@ -208,17 +225,24 @@ class CostMeter:
         ledger fields (the charge is added when the finish hook reprices)."""
         if "unit_cost" not in ctx.evidence:
             return
-        self._facts[ctx.request_id] = self.ledger_fields(self.price(ctx))
+        facts = self.price(ctx, charged=False)
+        self._priced[ctx.request_id] = facts
+        self._facts[ctx.request_id] = self.ledger_fields(facts)
 
     async def finish(self, ctx: Any) -> None:
         """Finish hook (after the budget settled and filed its row, before the audit record is written)."""
         self._facts.pop(ctx.request_id, None)
+        facts = self._priced.pop(ctx.request_id, None)  # priced before the budget settled (before_settle)
         if not self.cfg.enabled:
             return
-        if ctx.principal is None and "unit_cost" not in ctx.evidence:
-            return  # refused before anyone was identified: nothing to attribute
-        facts = self.price(ctx)
-        ctx.evidence["unit_cost"] = plain(facts)
+        if facts is None:
+            if ctx.principal is None and "unit_cost" not in ctx.evidence:
+                return  # refused before anyone was identified: nothing to attribute
+            facts = self.price(ctx)
+        else:
+            self._charge(facts, ctx)
+        self._learn_per_token(facts, ctx)
+        ctx.evidence["unit_cost"] = facts
         self._observe(ctx, facts)
         if "cost" not in ctx.evidence:  # the budget stage filed no row (cache hit, early refusal): file one
             self._file_row(ctx, facts)
@@ -248,41 +272,53 @@ class CostMeter:
     def _observe(self, ctx: Any, f: dict[str, Any]) -> None:
         backend = f.get("backend") or "none"
         model = ctx.backend_model or ctx.model or ""
-        key = (backend, model, f["category"])
-        t = self.totals.setdefault(key, {"requests": 0, "gpu_seconds": 0.0, "cost": 0.0, "charged": 0.0,
-                                         "tokens": 0, "saved_gpu_seconds": 0.0, "wasted_gpu_seconds": 0.0})
+        cat = f["category"]
+        key = (backend, model, cat)
+        t = self.totals.get(key)
+        if t is None:
+            t = self.totals[key] = {"requests": 0, "gpu_seconds": 0.0, "cost": 0.0, "charged": 0.0, "tokens": 0,
+                                    "saved_gpu_seconds": 0.0, "wasted_gpu_seconds": 0.0}
         u = ctx.usage
         tokens = u.total_tokens if u is not None else 0
-        saved = sum(f["saved_gpu_seconds"].values())
-        wasted = sum(f["wasted_gpu_seconds"].values())
+        saved_by, wasted_by = f["saved_gpu_seconds"], f["wasted_gpu_seconds"]
+        saved = sum(saved_by.values()) if saved_by else 0.0
+        wasted = sum(wasted_by.values()) if wasted_by else 0.0
+        gpu_s = f.get("gpu_seconds") or 0.0
+        cost = f.get("cost") or 0.0
+        charged = f.get("charged") or 0.0
         t["requests"] += 1
-        t["gpu_seconds"] += f.get("gpu_seconds") or 0.0
-        t["cost"] += f.get("cost") or 0.0
-        t["charged"] += f.get("charged") or 0.0
+        t["gpu_seconds"] += gpu_s
+        t["cost"] += cost
+        t["charged"] += charged
         t["tokens"] += tokens
         t["saved_gpu_seconds"] += saved
         t["wasted_gpu_seconds"] += wasted
-        self.recent.append({"t": time.time(), "backend": backend, "model": model, "category": f["category"],
-                            "gpu_seconds": f.get("gpu_seconds") or 0.0, "cost": f.get("cost") or 0.0,
-                            "charged": f.get("charged") or 0.0, "tokens": tokens, "saved": saved,
-                            "wasted": wasted})
+        self.recent.append({"t": time.time(), "backend": backend, "model": model, "category": cat,
+                            "gpu_seconds": gpu_s, "cost": cost, "charged": charged, "tokens": tokens,
+                            "saved": saved, "wasted": wasted})
         m = self.metrics
         if m is None or not hasattr(m, "cost_gpu_seconds"):
             return
-        c = m.child
-        cat = f["category"]
-        c(m.cost_requests, backend, model, cat).inc()
-        if f.get("gpu_seconds"):
-            c(m.cost_gpu_seconds, backend, model, cat).inc(f["gpu_seconds"])
-        if f.get("cost"):
-            c(m.cost_amount, backend, model, cat).inc(f["cost"])
-        if f.get("charged"):
-            c(m.cost_charged, backend, model, cat).inc(f["charged"])
+        ch = self._children.get(key)
+        if ch is None:
+            if len(self._children) > 10_000:  # bounded: label values are bounded, this is a safety net
+                self._children.clear()
+            ch = self._children[key] = tuple(
+                metric.labels(backend, model, cat)
+                for metric in (m.cost_requests, m.cost_gpu_seconds, m.cost_amount, m.cost_charged, m.cost_tokens))
+        ch[0].inc()
+        if gpu_s:
+            ch[1].inc(gpu_s)
+        if cost:
+            ch[2].inc(cost)
+        if charged:
+            ch[3].inc(charged)
         if tokens:
-            c(m.cost_tokens, backend, model, cat).inc(tokens)
-        for reason, v in f["saved_gpu_seconds"].items():
+            ch[4].inc(tokens)
+        c = m.child
+        for reason, v in saved_by.items():
             c(m.cost_saved, backend, model, reason).inc(v)
-        for reason, v in f["wasted_gpu_seconds"].items():
+        for reason, v in wasted_by.items():
             c(m.cost_wasted, backend, model, reason).inc(v)
 
     # ------------------------------------------------------------------ views

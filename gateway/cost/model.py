@@ -87,16 +87,3 @@ def margin(charged: float | None, cost: float | None) -> float | None:
     if charged is None or cost is None:
         return None
     return charged - cost
-
-
-def plain(facts: Mapping[str, Any]) -> dict[str, Any]:
-    """Rounded copy for records (micro-seconds and nano-units are below any bill)."""
-    out: dict[str, Any] = {}
-    for k, v in facts.items():
-        if isinstance(v, float):
-            out[k] = round(v, 9)
-        elif isinstance(v, dict):
-            out[k] = {kk: round(vv, 9) if isinstance(vv, float) else vv for kk, vv in v.items()}
-        else:
-            out[k] = v
-    return out

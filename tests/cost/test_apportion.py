@@ -78,6 +78,94 @@ def test_a_charge_is_final_when_the_request_ends_even_with_others_in_flight():
     assert c.busy_s == pytest.approx(11.0)
 
 
+class _PerDebtClock:
+    """The apportioning rule written out per debt (every open request's owed prefill paid in proportion to what
+    it owes, O(requests in flight) per event): the reference EngineClock's O(1) factor form must match."""
+
+    def __init__(self) -> None:
+        self.n, self.v, self.t = 0, 0.0, None
+        self.owed: dict[int, float] = {}
+        self.paid: dict[int, float] = {}
+        self.marks: dict[int, float] = {}
+
+    def advance(self, now: float) -> None:
+        if self.t is not None and now > self.t and self.n > 0:
+            dt = now - self.t
+            owed = sum(self.owed.values())
+            dp = min(dt, owed)
+            if dp > 0:
+                for k, o in self.owed.items():
+                    self.paid[k] += o * dp / owed
+                    self.owed[k] = o - o * dp / owed
+            self.v += (dt - dp) / self.n
+        if self.t is None or now > self.t:
+            self.t = now
+
+    def begin(self, now: float, k: int, prefill: float) -> None:
+        self.advance(now)
+        self.n += 1
+        self.owed[k], self.paid[k], self.marks[k] = prefill, 0.0, self.v
+
+    def end(self, now: float, k: int) -> tuple[float, float]:
+        self.advance(now)
+        self.n -= 1
+        self.owed.pop(k)
+        return self.paid.pop(k), self.v - self.marks.pop(k)
+
+
+# a schedule: at each step either a new request begins (with its prefill) or the i-th open one ends
+events_st = st.lists(st.tuples(st.floats(0, 0.5, allow_nan=False), st.booleans(), st.integers(0, 50),
+                               st.floats(0, 3, allow_nan=False)), min_size=1, max_size=120)
+
+
+@settings(max_examples=300, deadline=None)
+@given(events_st)
+def test_the_o1_clock_charges_what_the_per_debt_rule_charges(events):
+    clock, ref = EngineClock(), _PerDebtClock()
+    t = 0.0
+    open_: list[tuple[int, int]] = []  # (reference key, clock token)
+    for i, (gap, begin, pick, prefill) in enumerate(events):
+        t += gap
+        if begin or not open_:
+            open_.append((i, clock.begin(t, prefill)))
+            ref.begin(t, i, prefill)
+        else:
+            k, tok = open_.pop(pick % len(open_))
+            c = clock.end(t, tok)
+            paid, shared = ref.end(t, k)
+            assert c.prefill_s == pytest.approx(paid, rel=1e-6, abs=1e-9)
+            assert c.shared_s == pytest.approx(shared, rel=1e-6, abs=1e-9)
+    assert clock.owed_s == pytest.approx(sum(ref.owed.values()), rel=1e-6, abs=1e-9)
+
+
+def test_the_clock_renormalises_before_its_factor_underflows():
+    """Each step pays 90% of what is owed (the common factor shrinks 10x) and a new debt begins: after 60
+    steps the factor would be 1e-60; the clock renormalises and debts and charges stay those of the rule."""
+    clock, ref = EngineClock(), _PerDebtClock()
+    t = 0.0
+    toks = {0: clock.begin(t, 1.0)}
+    ref.begin(t, 0, 1.0)
+    for i in range(1, 60):
+        t += 0.9 * sum(ref.owed.values())
+        toks[i] = clock.begin(t, 1.0)
+        ref.begin(t, i, 1.0)
+        if i % 7 == 0:  # some end along the way
+            k = min(toks)
+            c = clock.end(t, toks.pop(k))
+            paid, shared = ref.end(t, k)
+            assert c.prefill_s == pytest.approx(paid, rel=1e-6, abs=1e-9)
+            assert c.shared_s == pytest.approx(shared, rel=1e-6, abs=1e-9)
+    assert clock._s > 1e-30  # renormalised (0.1 ** 59 otherwise)
+    assert clock.owed_s == pytest.approx(sum(ref.owed.values()), rel=1e-6)
+    t += 5.0
+    for k in sorted(toks):
+        c = clock.end(t, toks[k])
+        paid, shared = ref.end(t, k)
+        assert c.prefill_s == pytest.approx(paid, rel=1e-6, abs=1e-9)
+        assert c.shared_s == pytest.approx(shared, rel=1e-6, abs=1e-9)
+    assert clock.charged_s == pytest.approx(clock.busy_s, rel=1e-9)
+
+
 def test_category_and_savings():
     base = dict(dispatched=True, status=200, cache_hit=False, batch=False, cut=False, retries=0)
     assert category(Outcome(**base)) == "served"
