@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from gateway.budget.pricing import convert
 from gateway.cost.config import BackendCost, CostConfig
