@@ -106,11 +106,13 @@ class RequestContext:
     result: Any = None  # what dispatch produced: a JsonResult or StreamStart (gateway/proxy/forward.py), or answer
     dispatched_at: float | None = None  # perf_counter when dispatch began / when the upstream answered (headers,
     answered_at: float | None = None  # a stream's first token): the Server-Timing `upstream` span
+    # the endpoint table entry of this request (gateway/api/endpoints.py), looked up from `endpoint` when not
+    # given; None outside inference. A field, not a property: stages read it ~10 times per request
+    ep: Any = None
 
-    @property
-    def ep(self) -> Any:
-        """The endpoint table entry of this request (gateway/api/endpoints.py); None outside inference."""
-        return (_ENDPOINTS or _endpoint_table()).get(self.endpoint)
+    def __post_init__(self) -> None:
+        if self.ep is None:
+            self.ep = (_ENDPOINTS or _endpoint_table()).get(self.endpoint)
 
     @property
     def zero_retention(self) -> bool:

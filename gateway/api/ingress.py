@@ -207,7 +207,7 @@ class InferenceEndpoint:
             return
         client = scope.get("client")
         ctx = RequestContext(request_id=rid if cid is None else new_request_id(), endpoint=self.endpoint,
-                             headers=headers, body=body, client_addr=client[0] if client else "")
+                             headers=headers, body=body, client_addr=client[0] if client else "", ep=self.ep)
         if cid is not None:  # echoed as x-request-id; the gateway's own id rides along for the audit lookup
             ctx.client_request_id = cid
             ctx.extra_headers["x-request-id"] = cid

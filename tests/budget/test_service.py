@@ -7,6 +7,7 @@ import asyncio
 import orjson
 import pytest
 
+from gateway.api.endpoints import BY_NAME
 from gateway.budget.service import BudgetService
 from gateway.budget.stage import BudgetStage
 from gateway.errors import GatewayError
@@ -252,10 +253,10 @@ async def test_completions_default_length_is_kept_when_within_the_allowance(svc_
     stage = BudgetStage(await svc_factory(default_max_tokens=4096))
     b = [BudgetSpec(window="day", scope="tenant", tokens=1000)]
     c = ctx("a", b, prompt=100, max_tokens=None, stream=False)
-    c.endpoint = "completions"
+    c.endpoint, c.ep = "completions", BY_NAME["completions"]  # ep is looked up at construction
     await stage.run(c)
     assert c.completion_token_allowance == 900 and c.max_tokens is None
     c2 = ctx("b", [BudgetSpec(window="day", scope="tenant", tokens=110)], prompt=100, max_tokens=None, stream=False)
-    c2.endpoint = "completions"
+    c2.endpoint, c2.ep = "completions", BY_NAME["completions"]  # ep is looked up at construction
     await BudgetStage(await svc_factory(default_max_tokens=4096)).run(c2)
     assert c2.max_tokens == 10

@@ -1,6 +1,7 @@
 """PolicyStage: sets the decision, caps max_tokens, refuses with OpenAI-shaped 403s, follows hot reload."""
 import pytest
 
+from gateway.api.endpoints import BY_NAME
 from gateway.errors import GatewayError
 from gateway.pipeline import RequestContext
 from gateway.policy.compiler import compile_text
@@ -60,12 +61,12 @@ async def test_a_cap_does_not_raise_the_completions_default_of_16():
     must not turn that into 256; a cap below 16 still applies."""
     st = PolicyStage(lambda: compile_text(POL))
     c = ctx(P(team="t1"))
-    c.endpoint = "completions"
+    c.endpoint, c.ep = "completions", BY_NAME["completions"]  # ep is looked up at construction
     await st.run(c)
     assert c.max_tokens is None and "max_tokens" not in c.body_overrides
     small = PolicyStage(lambda: compile_text(POL.replace("max_tokens: 256", "max_tokens: 8")))
     c = ctx(P(team="t1"))
-    c.endpoint = "completions"
+    c.endpoint, c.ep = "completions", BY_NAME["completions"]  # ep is looked up at construction
     await small.run(c)
     assert c.max_tokens == 8 and c.body_overrides["max_tokens"] == 8
 
