@@ -6,6 +6,7 @@ A reserve is checked and applied over every scope x window of a request in one a
   requests:    requests counted in the window + 1 <= limit
   tokens:      settled + held + prompt + c <= limit        (c = completion tokens granted)
   money:       settled + held + prompt cost + c * out_price <= limit   (integer nano-units)
+  gpu_seconds: settled + held + prompt prefill + c * decode_per_token <= limit   (integer micro-GPU-seconds)
 c is the largest value <= max_c that fits every limit; below min_c the request is refused. A capped request
 has min_c == max_c; an uncapped one gets whatever fits (the stream is cut there). Holds live per scope with an
 expiry, so a crashed replica's reservations lapse after the hold TTL (BudgetService.hold_ttl_s); settle drops
@@ -17,9 +18,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.budget.windows import RollingCounter
+from gateway.budget.windows import RollingCounter, four_sums
 
 NANO = 1_000_000_000  # money is kept in integer nano-units of the budget currency
+MICRO = 1_000_000  # GPU-seconds are kept in integer micro-GPU-seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +39,7 @@ class WindowPlan:
     tokens: int | None = None
     money: int | None = None  # nano-units
     requests: int | None = None
+    gpu: int | None = None  # micro-GPU-seconds
 
     def to_wire(self) -> dict[str, Any]:
         d: dict[str, Any] = {}
@@ -51,6 +54,8 @@ class WindowPlan:
             d["m"] = self.money
         if self.requests is not None:
             d["r"] = self.requests
+        if self.gpu is not None:
+            d["g"] = self.gpu
         return d
 
 
@@ -81,6 +86,8 @@ class ReserveArgs:
     min_completion: int
     money_per_token: int  # nano-units per completion token (rounded up)
     scopes: tuple[ScopePlan, ...]
+    fixed_gpu: int = 0  # micro-GPU-seconds for the prompt's prefill (learned worst case, rounded up)
+    gpu_per_token: int = 0  # micro-GPU-seconds per completion token (learned worst case, rounded up)
 
     def keys(self) -> list[str]:
         out: list[str] = []
@@ -93,7 +100,8 @@ class ReserveArgs:
     def to_wire(self) -> dict[str, Any]:
         return {"op": "r", "now": self.now, "rid": self.rid, "exp": self.expires, "hx": self.hold_ttl_s,
                 "ft": self.fixed_tokens, "fm": self.fixed_money, "maxc": self.max_completion,
-                "minc": self.min_completion, "pm": self.money_per_token, "s": [s.to_wire() for s in self.scopes]}
+                "minc": self.min_completion, "pm": self.money_per_token, "fg": self.fixed_gpu,
+                "pg": self.gpu_per_token, "s": [s.to_wire() for s in self.scopes]}
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +115,7 @@ class SettleArgs:
     # the marker makes the replay a no-op instead of charging the usage twice. "" = no marker.
     done_key: str = ""
     done_ttl_s: int = 0
+    gpu: int = 0  # micro-GPU-seconds apportioned to the request (0: no engine of ours served it)
 
     def keys(self) -> list[str]:
         out = ReserveArgs.keys(self)  # type: ignore[arg-type]
@@ -115,7 +124,7 @@ class SettleArgs:
         return out
 
     def to_wire(self) -> dict[str, Any]:
-        d = {"op": "s", "now": self.now, "rid": self.rid, "t": self.tokens, "m": self.money,
+        d = {"op": "s", "now": self.now, "rid": self.rid, "t": self.tokens, "m": self.money, "g": self.gpu,
              "s": [s.to_wire() for s in self.scopes]}
         if self.done_key:
             d["dx"] = self.done_ttl_s
@@ -128,6 +137,7 @@ class WindowStat:
     tokens: int
     money: int
     oldest_bucket: int  # rolling: oldest bucket holding data
+    gpu: int = 0  # micro-GPU-seconds
 
 
 @dataclass(slots=True)
@@ -135,6 +145,7 @@ class ScopeStat:
     held_tokens: int
     held_money: int
     holds: int
+    held_gpu: int = 0  # micro-GPU-seconds
     windows: list[WindowStat] = field(default_factory=list)
 
 
@@ -144,23 +155,25 @@ class ReserveResult:
     completion: int  # completion tokens granted (meaningful when ok)
     fail_scope: int  # 0-based scope index of the limit that refused (-1 when ok)
     fail_window: int  # 0-based window index, -1 for concurrency
-    fail_kind: str  # "concurrency" | "requests" | "tokens" | "money" | ""
+    fail_kind: str  # "concurrency" | "requests" | "tokens" | "money" | "gpu_seconds" | ""
     scopes: list[ScopeStat]
 
     @classmethod
     def from_flat(cls, flat: list[Any], args: ReserveArgs) -> "ReserveResult":
-        """Decode the flat reply both stores produce: header then per scope 3 ints and per window 4 ints."""
+        """Decode the flat reply both stores produce: header, then per scope 4 ints (held tokens, held money,
+        holds, held GPU) and per window 5 ints (requests, tokens, money, oldest bucket, GPU)."""
         ok, comp, fs, fw, fk = int(flat[0]), int(flat[1]), int(flat[2]), int(flat[3]), flat[4]
         if isinstance(fk, bytes):
             fk = fk.decode()
         i = 5
         stats: list[ScopeStat] = []
         for s in args.scopes:
-            st = ScopeStat(int(flat[i]), int(flat[i + 1]), int(flat[i + 2]))
-            i += 3
+            st = ScopeStat(int(flat[i]), int(flat[i + 1]), int(flat[i + 2]), int(flat[i + 3]))
+            i += 4
             for _ in s.windows:
-                st.windows.append(WindowStat(int(flat[i]), int(flat[i + 1]), int(flat[i + 2]), int(flat[i + 3])))
-                i += 4
+                st.windows.append(WindowStat(int(flat[i]), int(flat[i + 1]), int(flat[i + 2]), int(flat[i + 3]),
+                                             int(flat[i + 4])))
+                i += 5
             stats.append(st)
         return cls(ok == 1, comp, fs - 1, fw - 1, str(fk), stats)
 
@@ -169,40 +182,41 @@ class BudgetState:
     """Pure in-memory reference model of the store (same algorithm as the Lua script)."""
 
     def __init__(self) -> None:
-        self.holds: dict[str, dict[str, tuple[float, int, int]]] = {}  # hold_key -> rid -> (expires, t, m)
+        self.holds: dict[str, dict[str, tuple[float, int, int, int]]] = {}  # hold_key -> rid -> (expires, t, m, g)
         self.rolling: dict[str, RollingCounter] = {}
-        self.fixed: dict[str, list[int]] = {}  # calendar/lifetime key -> [requests, tokens, money]
+        self.fixed: dict[str, list[int]] = {}  # calendar/lifetime key -> [requests, tokens, money, gpu]
         self.expiry: dict[str, float] = {}  # counter key -> when it may be dropped
         self.done: dict[str, float] = {}  # settle idempotency marker -> when it may be dropped
 
     # -- helpers mirroring the Lua functions
-    def _purge(self, hk: str, now: float) -> dict[str, tuple[float, int, int]]:
+    def _purge(self, hk: str, now: float) -> dict[str, tuple[float, int, int, int]]:
         h = self.holds.setdefault(hk, {})
         for rid in [r for r, v in h.items() if v[0] <= now]:
             del h[rid]
         return h
 
-    def _counter(self, w: WindowPlan, now: float) -> tuple[int, int, int, int]:
+    def _counter(self, w: WindowPlan, now: float) -> tuple[int, int, int, int, int]:
         if w.rolling:
             c = self.rolling.get(w.key)
             if c is None or c.n != w.buckets:
                 c = self.rolling[w.key] = RollingCounter(w.buckets)
-            r, t, m = c.totals(w.bucket)
-            return r, t, m, c.oldest(w.bucket)
-        v = self.fixed.get(w.key, [0, 0, 0])
-        return v[0], v[1], v[2], 0
+            r, t, m, g = c.totals(w.bucket)
+            return r, t, m, c.oldest(w.bucket), g
+        v = self.fixed.get(w.key, [0, 0, 0, 0])
+        return v[0], v[1], v[2], 0, v[3]
 
-    def _add(self, w: WindowPlan, now: float, r: int, t: int, m: int) -> None:
+    def _add(self, w: WindowPlan, now: float, r: int, t: int, m: int, g: int) -> None:
         if w.rolling:
             c = self.rolling.get(w.key)
             if c is None:
                 c = self.rolling[w.key] = RollingCounter(w.buckets)
-            c.add(w.bucket, r, t, m)
+            c.add(w.bucket, r, t, m, g)
         else:
-            v = self.fixed.setdefault(w.key, [0, 0, 0])
+            v = self.fixed.setdefault(w.key, [0, 0, 0, 0])
             v[0] += r
             v[1] += t
             v[2] += m
+            v[3] += g
         if w.ttl_s:
             self.expiry[w.key] = now + w.ttl_s
 
@@ -224,13 +238,14 @@ class BudgetState:
             h = self._purge(s.hold_key, a.now)
             ht = sum(v[1] for v in h.values())
             hm = sum(v[2] for v in h.values())
+            hg = sum(v[3] for v in h.values())
             nh = len(h)
-            out += [ht, hm, nh]
+            out += [ht, hm, nh, hg]
             if s.concurrency is not None and nh + 1 > s.concurrency and ok == 1:
                 ok, fs, fw, fk = 0, si, 0, "concurrency"
             for wi, w in enumerate(s.windows, 1):
-                R, T, M, old = self._counter(w, a.now)
-                out += [R, T, M, old]
+                R, T, M, old, G = self._counter(w, a.now)
+                out += [R, T, M, old, G]
                 if ok != 1:
                     continue
                 if w.requests is not None and R + 1 > w.requests:
@@ -245,15 +260,21 @@ class BudgetState:
                     cap = room // a.money_per_token if a.money_per_token > 0 else (c if room >= 0 else -1)
                     if cap < c:
                         c, cap_s, cap_w, cap_k = cap, si, wi, "money"
+                if w.gpu is not None:
+                    room = w.gpu - G - hg - a.fixed_gpu
+                    cap = room // a.gpu_per_token if a.gpu_per_token > 0 else (c if room >= 0 else -1)
+                    if cap < c:
+                        c, cap_s, cap_w, cap_k = cap, si, wi, "gpu_seconds"
         if ok == 1 and c < a.min_completion:
             ok, fs, fw, fk = 0, cap_s, cap_w, cap_k
         if ok == 1:
             tok = a.fixed_tokens + c
             mon = a.fixed_money + c * a.money_per_token
+            gpu = a.fixed_gpu + c * a.gpu_per_token
             for s in a.scopes:
-                self.holds[s.hold_key][a.rid] = (a.expires, tok, mon)
+                self.holds[s.hold_key][a.rid] = (a.expires, tok, mon, gpu)
                 for w in s.windows:
-                    self._add(w, a.now, 1, 0, 0)
+                    self._add(w, a.now, 1, 0, 0, 0)
         return [ok, c if ok == 1 else 0, fs, fw, fk] + out
 
     def settle(self, a: SettleArgs) -> int:
@@ -267,7 +288,7 @@ class BudgetState:
             h.pop(a.rid, None)
             for w in s.windows:
                 self._counter(w, a.now)
-                self._add(w, a.now, 0, a.tokens, a.money)
+                self._add(w, a.now, 0, a.tokens, a.money, a.gpu)
         return 1
 
     # -- persistence (the in-process store snapshots this to SQLite)
@@ -283,9 +304,11 @@ class BudgetState:
     @classmethod
     def from_state(cls, d: dict[str, Any]) -> "BudgetState":
         st = cls()
-        st.holds = {k: {r: (float(v[0]), int(v[1]), int(v[2])) for r, v in h.items()} for k, h in d["holds"].items()}
+        # snapshots written before GPU-seconds were counted lack the 4th amount: it starts at 0
+        st.holds = {k: {r: (float(v[0]), int(v[1]), int(v[2]), int(v[3]) if len(v) > 3 else 0)
+                        for r, v in h.items()} for k, h in d["holds"].items()}
         st.rolling = {k: RollingCounter.from_state(v) for k, v in d["rolling"].items()}
-        st.fixed = {k: list(v) for k, v in d["fixed"].items()}
+        st.fixed = {k: four_sums(v) for k, v in d["fixed"].items()}
         st.expiry = {k: float(v) for k, v in d["expiry"].items()}
         st.done = {k: float(v) for k, v in d.get("done", {}).items()}
         return st

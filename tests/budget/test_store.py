@@ -19,27 +19,30 @@ UTC = ZoneInfo("UTC")
 
 
 def plan(prefix: str, now: float, limits: dict, conc: dict | None = None) -> tuple[ScopePlan, ...]:
-    """limits: {scope: {window: (tokens, money, requests)}}"""
+    """limits: {scope: {window: (tokens, money, requests[, gpu])}}"""
     out = []
     for scope, wins in limits.items():
         base = f"{prefix}:{scope}:id"
         wps = []
-        for window, (t, m, r) in wins.items():
+        for window, lim in wins.items():
+            t, m, r, g = (*lim, None) if len(lim) == 3 else lim
             ref = resolve(window, now, UTC)
             wps.append(WindowPlan(window, f"{base}:{ref.key_suffix()}", ref.rolling, ref.bucket, ref.buckets,
-                                  ref.bucket_s, ref.end, 300, t, m, r))
+                                  ref.bucket_s, ref.end, 300, t, m, r, g))
         out.append(ScopePlan(scope, "id", f"{base}:hold", (conc or {}).get(scope), tuple(wps)))
     return tuple(out)
 
 
-def rargs(prefix, now, limits, rid=None, prompt=10, maxc=100, minc=None, pin=0, pout=0, ttl=60.0, conc=None):
+def rargs(prefix, now, limits, rid=None, prompt=10, maxc=100, minc=None, pin=0, pout=0, ttl=60.0, conc=None,
+          gfix=0, gpt=0):
     return ReserveArgs(rid or uuid.uuid4().hex, now, now + ttl, int(ttl) + 60, prompt, prompt * pin, maxc,
-                       maxc if minc is None else minc, pout, plan(prefix, now, limits, conc))
+                       maxc if minc is None else minc, pout, plan(prefix, now, limits, conc),
+                       fixed_gpu=gfix, gpu_per_token=gpt)
 
 
-def sargs(prefix, now, limits, rid, tokens, money=0, marker=True):
+def sargs(prefix, now, limits, rid, tokens, money=0, marker=True, gpu=0):
     return SettleArgs(rid, now, tokens, money, plan(prefix, now, limits),
-                      f"{prefix}:settled:{rid}" if marker else "", 300 if marker else 0)
+                      f"{prefix}:settled:{rid}" if marker else "", 300 if marker else 0, gpu=gpu)
 
 
 @pytest.fixture(params=["memory", "redis"])
@@ -121,6 +124,42 @@ async def test_money_limit_in_nano_units(store, prefix):
     assert not r.ok and r.fail_kind == "money"
 
 
+async def test_gpu_seconds_limit_in_micro_units(store, prefix):
+    """10 GPU-seconds a day: the prompt's prefill worst case is held whole, the completion allowance shrinks to
+    what fits at the per-token worst case, and settle charges the apportioned figure (not the hold)."""
+    lim = {"tenant": {"day": (None, None, None, 10_000_000)}}
+    r = await store.reserve(rargs(prefix, T0, lim, rid="a", prompt=1000, maxc=4096, minc=1,
+                                  gfix=2_000_000, gpt=10_000))
+    assert r.ok and r.completion == (10_000_000 - 2_000_000) // 10_000  # 800 tokens at 0.01 s each fit
+    r = await store.reserve(rargs(prefix, T0, lim, rid="b", prompt=0, maxc=1, gpt=10_000))
+    assert not r.ok and r.fail_kind == "gpu_seconds" and r.scopes[0].held_gpu == 10_000_000
+    assert await store.settle(sargs(prefix, T0 + 1, lim, "a", 1100, gpu=3_000_000))  # apportioned: 3 s
+    r = await store.reserve(rargs(prefix, T0 + 2, lim, rid="c", prompt=1000, maxc=4096, minc=1,
+                                  gfix=2_000_000, gpt=10_000))
+    assert r.ok and r.completion == 500 and r.scopes[0].windows[0].gpu == 3_000_000
+    assert r.scopes[0].held_gpu == 0  # the hold of "a" was replaced by its apportioned 3 s
+    # a capped request whose worst case does not fit is refused, never cut; so is a prefill that alone does not
+    r = await store.reserve(rargs(prefix, T0 + 3, lim, prompt=10, maxc=100, gfix=1, gpt=10_000))
+    assert not r.ok and r.fail_kind == "gpu_seconds" and r.fail_window == 0
+    await store.settle(sargs(prefix, T0 + 4, lim, "c", 1100, gpu=1_000_000))
+    r = await store.reserve(rargs(prefix, T0 + 5, lim, prompt=1000, maxc=4096, minc=1, gfix=6_000_001, gpt=0))
+    assert not r.ok and r.fail_kind == "gpu_seconds"  # 4 s settled + 6.000001 s of prefill > 10 s
+    r = await store.reserve(rargs(prefix, T0 + 5, lim, prompt=1000, maxc=4096, minc=1, gfix=6_000_000, gpt=0))
+    assert r.ok and r.completion == 4096  # no per-token cost (partner fleet): the fixed part alone decides
+
+
+async def test_gpu_seconds_are_counted_without_a_gpu_limit_and_bind_with_tokens(store, prefix):
+    """Settled GPU-seconds count in every window like tokens and money; several limits bind on the tightest."""
+    lim = {"team": {"minute": (500, None, None), "month": (None, None, None)},
+           "tenant": {"day": (None, None, None, 2_000_000)}}
+    assert (await store.reserve(rargs(prefix, T0, lim, rid="x", prompt=100, maxc=100, gpt=1000))).ok
+    await store.settle(sargs(prefix, T0 + 1, lim, "x", 150, gpu=123_456))
+    r = await store.reserve(rargs(prefix, T0 + 2, lim, prompt=100, maxc=1000, minc=1, gfix=100_000, gpt=10_000))
+    assert [w.gpu for s in r.scopes for w in s.windows] == [123_456, 123_456, 123_456]
+    # tokens leave 500 - 150 - 100 = 250; GPU-seconds (2 - 0.123456 - 0.1) / 0.01 = 177: GPU binds
+    assert r.ok and r.completion == 177
+
+
 async def test_concurrency_and_crashed_reservation_expires(store, prefix):
     lim = {"key": {}}
     conc = {"key": 2}
@@ -180,20 +219,34 @@ async def test_concurrent_reserves_never_overshoot(store, prefix):
 
 
 async def test_memory_store_persists_across_restart(tmp_path, prefix):
-    lim = {"tenant": {"month": (1000, None, 100)}}
+    lim = {"tenant": {"month": (1000, None, 100, 50_000_000)}, "team": {"minute": (None, None, None, 50_000_000)}}
     now = time.time()  # the snapshot drops counters whose period ended (by the real clock)
     s = MemoryBudgetStore(tmp_path / "b.db", 60)
     await s.start()
-    r = await s.reserve(rargs(prefix, now, lim, rid="x", prompt=0, maxc=500))
-    await s.settle(sargs(prefix, now, lim, "x", 400))
-    await s.reserve(rargs(prefix, now, lim, rid="held", prompt=0, maxc=100, ttl=1e9))
+    r = await s.reserve(rargs(prefix, now, lim, rid="x", prompt=0, maxc=500, gpt=10))
+    await s.settle(sargs(prefix, now, lim, "x", 400, gpu=7_000_000))
+    await s.reserve(rargs(prefix, now, lim, rid="held", prompt=0, maxc=100, ttl=1e9, gfix=5, gpt=10))
     await s.close()
     s2 = MemoryBudgetStore(tmp_path / "b.db", 60)
     await s2.start()
     r = await s2.reserve(rargs(prefix, now + 1, lim, prompt=0, maxc=1))
     assert r.ok and r.scopes[0].windows[0].tokens == 400 and r.scopes[0].held_tokens == 100
     assert r.scopes[0].windows[0].requests == 2
+    # GPU-seconds survive the SQLite snapshot: settled (calendar and rolling counters) and held
+    assert [st.windows[0].gpu for st in r.scopes] == [7_000_000, 7_000_000]
+    assert [st.held_gpu for st in r.scopes] == [1005, 1005]
     await s2.close()
+
+
+def test_a_snapshot_from_before_gpu_seconds_loads_with_zero_gpu_seconds():
+    """A snapshot written by the previous version (three amounts per hold, counter and bucket) restores."""
+    old = {"holds": {"h": {"r1": [T0 + 100, 50, 7]}}, "rolling": {"k:m": {"n": 60, "lo": 10, "b": {"10": [1, 5, 0]},
+                                                                        "tot": [1, 5, 0]}},
+           "fixed": {"k:d": [3, 40, 9]}, "expiry": {}, "done": {}}
+    st = BudgetState.from_state(old)
+    assert st.holds["h"]["r1"] == (T0 + 100, 50, 7, 0)
+    assert st.fixed["k:d"] == [3, 40, 9, 0]
+    assert st.rolling["k:m"].totals(10) == (1, 5, 0, 0)
 
 
 # ------------------------------------------------------------------ Lua == reference model, property-based
@@ -214,7 +267,8 @@ ops = st.lists(
 def test_lua_matches_reference_model(redis_url, ops, tok, rpm, conc, money):
     """Random reserve/settle/crash/clock sequences: identical replies and identical final state."""
     prefix = f"gwbprop:{uuid.uuid4().hex[:10]}"
-    lim = {"key": {"minute": (tok, None, rpm)}, "team": {"hour": (tok * 3, money, None), "day": (None, None, 50)},
+    lim = {"key": {"minute": (tok, None, rpm, money // 2)},
+           "team": {"hour": (tok * 3, money, None), "day": (None, None, 50, money)},
            "tenant": {"lifetime": (tok * 10, None, None)}}
     conc_l = {"key": conc}
 
@@ -231,27 +285,29 @@ def test_lua_matches_reference_model(redis_url, ops, tok, rpm, conc, money):
                 if kind == "reserve":
                     rid = uuid.uuid4().hex
                     args = rargs(prefix, now, lim, rid=rid, prompt=a, maxc=b, minc=1 if flag else None,
-                                 pin=extra * 100, pout=extra * 300, ttl=45.0, conc=conc_l)
+                                 pin=extra * 100, pout=extra * 300, ttl=45.0, conc=conc_l,
+                                 gfix=a * extra * 70, gpt=(3 - extra) * 250)
                     got = await red.reserve(args)
                     want = ref.reserve(args)
                     assert [got.ok, got.completion, got.fail_kind] == [want[0] == 1, want[1], want[4]]
-                    assert [[s.held_tokens, s.held_money, s.holds, [(w.requests, w.tokens, w.money, w.oldest_bucket)
-                              for w in s.windows]] for s in got.scopes] == _ref_scopes(want, args)
+                    assert [[s.held_tokens, s.held_money, s.holds, s.held_gpu,
+                             [(w.requests, w.tokens, w.money, w.oldest_bucket, w.gpu) for w in s.windows]]
+                            for s in got.scopes] == _ref_scopes(want, args)
                     if got.ok:
                         live.append(rid)
                 elif live:
                     rid = live.pop(a % len(live))
                     if flag:  # crash: this reservation is never settled
                         continue
-                    sa = sargs(prefix, now, lim, rid, b, b * extra * 100)
+                    sa = sargs(prefix, now, lim, rid, b, b * extra * 100, gpu=b * (3 - extra) * 200)
                     assert await red.settle(sa) is True and ref.settle(sa) == 1
                     if extra == 3:  # a replay of a settle whose reply was lost: a no-op on both
                         assert await red.settle(sa) is False and ref.settle(sa) == 0
             final = rargs(prefix, now + 0.5, lim, prompt=0, maxc=1, conc=conc_l)
             got = await red.reserve(final)
             want = ref.reserve(final)
-            assert got.ok == (want[0] == 1) and [[s.held_tokens, s.holds] for s in got.scopes] == \
-                [[x[0], x[2]] for x in _ref_scopes(want, final)]
+            assert got.ok == (want[0] == 1) and [[s.held_tokens, s.holds, s.held_gpu] for s in got.scopes] == \
+                [[x[0], x[2], x[3]] for x in _ref_scopes(want, final)]
         finally:
             keys = [k async for k in red.client.scan_iter(f"{prefix}:*")]
             if keys:
@@ -262,14 +318,15 @@ def test_lua_matches_reference_model(redis_url, ops, tok, rpm, conc, money):
 
 
 def _ref_scopes(flat, args):
+    """The reference model's flat reply as [held tokens, held money, holds, held gpu, [window 5-tuples]]."""
     i = 5
     out = []
     for s in args.scopes:
-        row = [flat[i], flat[i + 1], flat[i + 2], []]
-        i += 3
+        row = [flat[i], flat[i + 1], flat[i + 2], flat[i + 3], []]
+        i += 4
         for _ in s.windows:
-            row[3].append(tuple(flat[i:i + 4]))
-            i += 4
+            row[4].append(tuple(flat[i:i + 5]))
+            i += 5
         out.append(row)
     return out
 
@@ -285,27 +342,28 @@ inv_ops = st.lists(st.one_of(
 
 @settings(max_examples=200, deadline=None)
 @given(ops=inv_ops, tok=st.integers(100, 2_000), money=st.integers(1_000, 500_000), conc=st.integers(1, 5),
-       pin=st.integers(0, 50), pout=st.integers(0, 200))
-def test_settled_plus_held_never_exceeds_any_limit(ops, tok, money, conc, pin, pout):
+       pin=st.integers(0, 50), pout=st.integers(0, 200), gpu=st.integers(1_000, 500_000),
+       gin=st.integers(0, 50), gout=st.integers(0, 200))
+def test_settled_plus_held_never_exceeds_any_limit(ops, tok, money, conc, pin, pout, gpu, gin, gout):
     """Whatever the interleaving of reserves, settles of any usage up to what was granted, crashes (never
     settled) and clock steps: settled + held tokens and money stay within their limits and live holds within
     the concurrency limit, at every step. (The Lua-vs-model test shows both stores share one behaviour; this
     one shows that behaviour is the budget. A request the engine charges beyond its reservation, e.g. more
     prompt tokens than the bound, is the one documented overshoot and is not generated here.)"""
-    lim = {"team": {"lifetime": (tok, money, None)}}
+    lim = {"team": {"lifetime": (tok, money, None, gpu)}}
     conc_l = {"team": conc}
     ref = BudgetState()
     now = T0
     live: list[tuple[str, int, int]] = []  # rid, prompt, granted completion tokens
     crashed = 0
 
-    def state() -> tuple[int, int, int, int, int]:
+    def state() -> tuple[int, int, int, int, int, int, int]:
         probe = rargs("inv", now, lim, prompt=tok + 1, maxc=1, pin=pin, pout=pout, conc=conc_l)
         flat = ref.reserve(probe)
         assert flat[0] == 0  # the probe never fits, so it changes nothing
-        held_t, held_m, holds, windows = _ref_scopes(flat, probe)[0]
-        _, settled_t, settled_m, _ = windows[0]
-        return held_t, held_m, holds, settled_t, settled_m
+        held_t, held_m, holds, held_g, windows = _ref_scopes(flat, probe)[0]
+        _, settled_t, settled_m, _, settled_g = windows[0]
+        return held_t, held_m, holds, settled_t, settled_m, held_g, settled_g
 
     for kind, a, b, flag in ops:
         if kind == "tick":
@@ -313,7 +371,7 @@ def test_settled_plus_held_never_exceeds_any_limit(ops, tok, money, conc, pin, p
         elif kind == "reserve":
             rid = uuid.uuid4().hex
             args = rargs("inv", now, lim, rid=rid, prompt=a, maxc=b, minc=1 if flag else None, pin=pin, pout=pout,
-                         ttl=1e6, conc=conc_l)
+                         ttl=1e6, conc=conc_l, gfix=a * gin, gpt=gout)
             out = ref.reserve(args)
             if out[0] == 1:
                 live.append((rid, a, out[1]))
@@ -323,8 +381,10 @@ def test_settled_plus_held_never_exceeds_any_limit(ops, tok, money, conc, pin, p
                 crashed += 1
                 continue
             used = prompt + int(granted * b)  # any actual usage up to what was reserved
-            ref.settle(sargs("inv", now, lim, rid, used, prompt * pin + int(granted * b) * pout))
-        held_t, held_m, holds, settled_t, settled_m = state()
+            ref.settle(sargs("inv", now, lim, rid, used, prompt * pin + int(granted * b) * pout,
+                             gpu=prompt * gin + int(granted * b) * gout))
+        held_t, held_m, holds, settled_t, settled_m, held_g, settled_g = state()
         assert settled_t + held_t <= tok, (settled_t, held_t, tok)
         assert settled_m + held_m <= money, (settled_m, held_m, money)
+        assert settled_g + held_g <= gpu, (settled_g, held_g, gpu)
         assert holds <= conc and holds == len(live) + crashed, (holds, live, crashed)
