@@ -61,7 +61,7 @@ class Principal:
 
 @dataclass(frozen=True, slots=True)
 class BudgetSpec:
-    """One limit a policy applies: over a window, a token/money/request/concurrency cap for a scope."""
+    """One limit a policy applies: over a window, a token/money/request/GPU-second/concurrency cap for a scope."""
 
     window: str  # "minute" | "hour" | "day" | "month" | "lifetime"
     scope: str = "tenant"  # "key" | "project" | "team" | "tenant" | "partner"
@@ -71,6 +71,7 @@ class BudgetSpec:
     requests: int | None = None
     concurrency: int | None = None
     rule_id: str | None = None
+    gpu_seconds: float | None = None  # apportioned engine GPU-seconds (gateway/cost; docs/budgets.md)
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ from zoneinfo import ZoneInfo
 
 from gateway.budget.config import BudgetsConfig, ModelPrice
 from gateway.budget.ledger import Ledger
-from gateway.budget.model import NANO, ReserveArgs, ReserveResult, ScopePlan, SettleArgs, WindowPlan
+from gateway.budget.model import MICRO, NANO, ReserveArgs, ReserveResult, ScopePlan, SettleArgs, WindowPlan
 from gateway.budget.pricing import convert, cost, find_price
 from gateway.budget.store import BudgetStore, MemoryBudgetStore, RedisBudgetStore, StoreUnavailable
 from gateway.budget.windows import ROLLING, format_reset, resolve
@@ -36,6 +36,13 @@ class _Limit:
     tokens: int | None = None
     money: int | None = None  # nano-units of the budget currency
     requests: int | None = None
+    gpu: int | None = None  # micro-GPU-seconds
+
+
+GpuEstimate = Callable[[tuple[str, ...]], tuple[float, float]]
+"""The learned worst case of a request's apportioned GPU-seconds over the given backends (every backend that may
+serve the chain; empty: the whole fleet): (GPU-seconds per prompt token, GPU-seconds per completion token).
+Provided by the cost meter (gateway/cost/meter.py CostMeter.gpu_worst_case, wired in gateway/cost/wiring.py)."""
 
 
 @dataclass(slots=True)
@@ -52,6 +59,7 @@ class Reservation:
     result: ReserveResult
     args: ReserveArgs
     settled: bool = False
+    reserved_gpu: int = 0  # micro-GPU-seconds
 
 
 @dataclass(slots=True)
@@ -69,6 +77,7 @@ class SettleOutcome:
     tokens: int
     row: dict[str, Any] = field(default_factory=dict)
     gpu_seconds: float | None = None  # the GPU-seconds charged (given, or measured from reserve to settle)
+    apportioned_gpu_seconds: float = 0.0  # what GPU-second budgets were settled with (the cost meter's figure)
 
 
 def _min(a: Any, b: Any) -> Any:
@@ -93,6 +102,12 @@ class BudgetService:
         self._period_cache: dict[str, Any] = {}  # calendar window -> WindowRef valid until its end
         self._price_cache: dict[tuple[str, ...], tuple[float, float, float]] = {}  # model chain -> worst price
         self.hold_ttl_s = self._hold_ttl()
+        self._gpu_estimate: GpuEstimate | None = None  # the cost meter's learned worst case (set_gpu_estimator)
+
+    def set_gpu_estimator(self, estimate: GpuEstimate | None) -> None:
+        """The read-only hook GPU-second budgets reserve with (the cost meter's learned worst case). Without one
+        a GPU-second limit cannot be enforced (settle would have no apportioned figure): reserve refuses it."""
+        self._gpu_estimate = estimate
 
     def _make_store(self, cfg: BudgetsConfig) -> BudgetStore:
         if cfg.store == "redis":
@@ -182,17 +197,19 @@ class BudgetService:
                     continue
                 if b.concurrency is not None:
                     conc = _min(conc, max(0, math.floor(b.concurrency * scale)))
-                if b.tokens is None and b.money is None and b.requests is None:
+                if b.tokens is None and b.money is None and b.requests is None and b.gpu_seconds is None:
                     continue
                 resolve(b.window, 0.0, self.tz)  # validates the window name
                 money = None
                 if b.money is not None:
                     money = math.floor(convert(b.money, b.currency, self.cfg.currency, self.cfg.fx_rates) * NANO * scale)
                 lim = _Limit(None if b.tokens is None else math.floor(b.tokens * scale), money,
-                             None if b.requests is None else math.floor(b.requests * scale))
+                             None if b.requests is None else math.floor(b.requests * scale),
+                             None if b.gpu_seconds is None else math.floor(b.gpu_seconds * MICRO * scale))
                 old = wins.get(b.window)
                 if old is not None:
-                    lim = _Limit(_min(old.tokens, lim.tokens), _min(old.money, lim.money), _min(old.requests, lim.requests))
+                    lim = _Limit(_min(old.tokens, lim.tokens), _min(old.money, lim.money), _min(old.requests, lim.requests),
+                                 _min(old.gpu, lim.gpu))
                 wins[b.window] = lim
             if conc is not None or wins:
                 out.append((scope, sid, conc, tuple(sorted(wins.items(), key=lambda kv: _WORDER[kv[0]]))))
@@ -213,7 +230,7 @@ class BudgetService:
                 else:
                     ttl = 0
                 wps.append(WindowPlan(window, f"{base}:{ref.key_suffix()}", ref.rolling, ref.bucket, ref.buckets,
-                                      ref.bucket_s, ref.end, ttl, lim.tokens, lim.money, lim.requests))
+                                      ref.bucket_s, ref.end, ttl, lim.tokens, lim.money, lim.requests, lim.gpu))
             plans.append(ScopePlan(scope, sid, f"{base}:hold", conc, tuple(wps)))
         return tuple(plans)
 
@@ -279,7 +296,8 @@ class BudgetService:
         limits = self.limits_for(principal, budgets, scale)
         if not limits:
             raise _NoLimits()
-        args = self._reserve_args(rid, now, limits, prompt_tokens, max_c, min_c, pin, pout, pfixed)
+        gfix, gtok = self._gpu_worst(limits, models, prompt_tokens)
+        args = self._reserve_args(rid, now, limits, prompt_tokens, max_c, min_c, pin, pout, pfixed, gfix, gtok)
         try:
             res = await store.reserve(args)
         except StoreUnavailable as e:
@@ -289,11 +307,12 @@ class BudgetService:
             log.warning("budget store unavailable (%s); mode=%s", e, cfg.on_store_error)
             store_name, store, scale = self._fallback(now)
             limits = self.limits_for(principal, budgets, scale)
-            args = self._reserve_args(rid, now, limits, prompt_tokens, max_c, min_c, pin, pout, pfixed)
+            args = self._reserve_args(rid, now, limits, prompt_tokens, max_c, min_c, pin, pout, pfixed, gfix, gtok)
             res = await store.reserve(args)
         tok = args.fixed_tokens + res.completion
         mon = args.fixed_money + res.completion * args.money_per_token
-        resv = Reservation(rid, store_name, limits, scale, tok, mon, res.completion, res, args)
+        gpu = args.fixed_gpu + res.completion * args.gpu_per_token
+        resv = Reservation(rid, store_name, limits, scale, tok, mon, res.completion, res, args, reserved_gpu=gpu)
         headers = self._headers(args, res, now)
         evidence = self._evidence(args, res, resv)
         if not res.ok:
@@ -308,21 +327,40 @@ class BudgetService:
         return "local", self.local, self.cfg.fail_open_fraction
 
     def _reserve_args(self, rid: str, now: float, limits: Any, prompt: int, max_c: int, min_c: int,
-                      pin: float, pout: float, pfixed: float) -> ReserveArgs:
+                      pin: float, pout: float, pfixed: float, gfix: int = 0, gtok: int = 0) -> ReserveArgs:
         ttl = self.hold_ttl_s
         return ReserveArgs(
             rid=rid, now=round(now, 3), expires=round(now + ttl, 3), hold_ttl_s=int(ttl) + 60,
             fixed_tokens=prompt, fixed_money=math.ceil(prompt * pin + pfixed), max_completion=max_c,
-            min_completion=min_c, money_per_token=math.ceil(pout), scopes=self._scopes(limits, now))
+            min_completion=min_c, money_per_token=math.ceil(pout), scopes=self._scopes(limits, now),
+            fixed_gpu=gfix, gpu_per_token=gtok)
+
+    def _gpu_worst(self, limits: Any, models: tuple[str, ...], prompt: int) -> tuple[int, int]:
+        """The GPU-seconds a request may be apportioned, as (prompt part, per completion token) in integer
+        micro-GPU-seconds, rounded up: the cost meter's learned worst case over every backend that may serve
+        the chain (the route is not planned yet; retries and spills may land on any). (0, 0) when no limit of
+        this request is in GPU-seconds: its holds then carry none, and settle still counts what it used."""
+        if not any(lim.gpu is not None for _, _, _, wins in limits for _, lim in wins):
+            return 0, 0
+        if self._gpu_estimate is None:
+            raise GatewayError(500, "A GPU-second budget applies but the cost meter that measures GPU-seconds is "
+                               "not running (cost.enabled: false).", code="budget_misconfigured")
+        serving = self._config.models  # model -> names of the backends serving it
+        backends = tuple(sorted({b for m in models for b in serving.get(m, ())}))
+        per_prompt, per_completion = self._gpu_estimate(backends)
+        return math.ceil(prompt * per_prompt * MICRO), math.ceil(per_completion * MICRO)
 
     # ------------------------------------------------------------------------------------ settle
 
     async def settle(self, resv: Reservation, usage: Usage, model: str, backend: str | None = None,
-                     gpu_seconds: float | None = None, batch: bool = False) -> SettleOutcome:
+                     gpu_seconds: float | None = None, batch: bool = False,
+                     apportioned_gpu_seconds: float = 0.0) -> SettleOutcome:
         """Replace the hold with actual usage. Never loses spend: a failed primary settle is queued and replayed.
 
         A GPU-second-priced model served by `backend` without `gpu_seconds` given is charged the wall time
-        from this reservation to now (what the gateway held the request for: it bounds the engine's time)."""
+        from this reservation to now (what the gateway held the request for: it bounds the engine's time).
+        `apportioned_gpu_seconds` (the engine time the cost meter apportioned to the request; 0 when no engine
+        of ours served it) is what every window's GPU-seconds counter is charged."""
         if resv.settled:
             raise RuntimeError(f"reservation {resv.rid} settled twice")
         resv.settled = True
@@ -336,8 +374,9 @@ class BudgetService:
             amount = convert(amount, p.currency, ccy, self.cfg.fx_rates)
         # the in-process fail-open store cannot lose a reply: no marker there (it would never be purged)
         marker = ("", 0) if resv.store == "local" else self._done_marker(resv.rid)
+        gpu_used = max(0.0, apportioned_gpu_seconds)
         args = SettleArgs(resv.rid, round(now, 3), usage.total_tokens, round(amount * NANO),
-                          self._scopes(resv.limits, now), *marker)
+                          self._scopes(resv.limits, now), *marker, gpu=round(gpu_used * MICRO))
         if resv.store == "local":
             await self.local.settle(args)
         else:
@@ -350,7 +389,8 @@ class BudgetService:
                     log.warning("budget settle of %s deferred: %s", resv.rid, e)
                     self._down_until = self.clock() + self.cfg.redis_retry_s
                     self._pending.append(args)
-        return SettleOutcome(amount, ccy, usage.total_tokens, gpu_seconds=gpu_seconds)
+        return SettleOutcome(amount, ccy, usage.total_tokens, gpu_seconds=gpu_seconds,
+                             apportioned_gpu_seconds=args.gpu / MICRO)
 
     def _done_marker(self, rid: str) -> tuple[str, int]:
         """Idempotency marker of a settle on the shared store (Redis), so a settle replayed after its reply was
@@ -401,9 +441,11 @@ class BudgetService:
         return w.end - now if math.isfinite(w.end) else None
 
     def _headers(self, args: ReserveArgs, res: ReserveResult, now: float) -> dict[str, str]:
-        """x-ratelimit-{limit,remaining,reset}-{requests,tokens} of the binding (least remaining) limit."""
+        """x-ratelimit-{limit,remaining,reset}-{requests,tokens,gpu-seconds} of the binding (least remaining)
+        limit of each kind (GPU-seconds in seconds, to the millisecond)."""
         best: dict[str, tuple[int, int, float | None]] = {}
         tok = args.fixed_tokens + res.completion
+        gpu = args.fixed_gpu + res.completion * args.gpu_per_token
         for s, st, w, ws in self._iter(args, res):
             reset = self._reset_s(w, ws, now)
             if w.requests is not None:
@@ -414,27 +456,35 @@ class BudgetService:
                 rem = w.tokens - ws.tokens - st.held_tokens - (tok if res.ok else 0)
                 if "tokens" not in best or rem < best["tokens"][1]:
                     best["tokens"] = (w.tokens, rem, reset)
+            if w.gpu is not None:
+                rem = w.gpu - ws.gpu - st.held_gpu - (gpu if res.ok else 0)
+                if "gpu-seconds" not in best or rem < best["gpu-seconds"][1]:
+                    best["gpu-seconds"] = (w.gpu, rem, reset)
         h: dict[str, str] = {}
         for kind, (lim, rem, reset) in best.items():
-            h[f"x-ratelimit-limit-{kind}"] = str(lim)
-            h[f"x-ratelimit-remaining-{kind}"] = str(max(0, rem))
+            fmt = _gpu_s if kind == "gpu-seconds" else str
+            h[f"x-ratelimit-limit-{kind}"] = fmt(lim)
+            h[f"x-ratelimit-remaining-{kind}"] = fmt(max(0, rem))
             if reset is not None:
                 h[f"x-ratelimit-reset-{kind}"] = format_reset(reset)
         return h
 
     def _evidence(self, args: ReserveArgs, res: ReserveResult, resv: Reservation) -> dict[str, Any]:
         nano = float(NANO)
+        micro = float(MICRO)
         limits = []
         for s, st, w, ws in self._iter(args, res):
             before = {"requests": ws.requests, "tokens": ws.tokens + st.held_tokens,
-                      "money": (ws.money + st.held_money) / nano}
+                      "money": (ws.money + st.held_money) / nano, "gpu_seconds": (ws.gpu + st.held_gpu) / micro}
             after = dict(before)
             if res.ok:
                 after = {"requests": before["requests"] + 1, "tokens": before["tokens"] + resv.reserved_tokens,
-                         "money": before["money"] + resv.reserved_money / nano}
+                         "money": before["money"] + resv.reserved_money / nano,
+                         "gpu_seconds": (ws.gpu + st.held_gpu + resv.reserved_gpu) / micro}
             limits.append({"scope": s.scope, "id": s.scope_id, "window": w.window,
                            "limit": {"tokens": w.tokens, "money": None if w.money is None else w.money / nano,
-                                     "requests": w.requests},
+                                     "requests": w.requests,
+                                     "gpu_seconds": None if w.gpu is None else w.gpu / micro},
                            "before": before, "after": after})
         for s, st in zip(args.scopes, res.scopes):
             if s.concurrency is not None:
@@ -443,7 +493,11 @@ class BudgetService:
                                "after": {"concurrency": st.holds + (1 if res.ok else 0)}})
         ev: dict[str, Any] = {"store": resv.store, "currency": self.cfg.currency, "limits": limits,
                               "reserved": {"tokens": resv.reserved_tokens, "money": resv.reserved_money / nano,
+                                           "gpu_seconds": resv.reserved_gpu / micro,
                                            "completion_tokens": resv.completion}}
+        if args.fixed_gpu or args.gpu_per_token:  # a GPU-second limit applies: the learned worst case used
+            ev["gpu_worst_case"] = {"prompt_gpu_seconds": args.fixed_gpu / micro,
+                                    "gpu_seconds_per_completion_token": args.gpu_per_token / micro}
         if not res.ok:
             ev["refused"] = {"kind": res.fail_kind, "scope": args.scopes[res.fail_scope].scope,
                              "window": "concurrent" if res.fail_window < 0
@@ -463,9 +517,10 @@ class BudgetService:
             reset = self._reset_s(w, ws, now)
             retry = reset if reset is not None else 86400.0
             lim = {"requests": w.requests, "tokens": w.tokens,
-                   "money": None if w.money is None else f"{w.money / NANO:.2f} {self.cfg.currency}"}[kind]
+                   "money": None if w.money is None else f"{w.money / NANO:.2f} {self.cfg.currency}",
+                   "gpu_seconds": None if w.gpu is None else _gpu_s(w.gpu)}[kind]
             what = f"{s.scope} {kind} limit of {lim} per {w.window}"
-            quota = kind == "money" or (kind == "tokens" and w.window not in ROLLING)
+            quota = kind == "money" or (kind in ("tokens", "gpu_seconds") and w.window not in ROLLING)
             code = "insufficient_quota" if quota else "rate_limit_exceeded"
         msg = (f"Rate limit reached: {what} for {s.scope} {s.scope_id!r}."
                if code == "rate_limit_exceeded" else
@@ -487,3 +542,8 @@ class _NoLimits(Exception):
 
 
 _WORDER = {w: i for i, w in enumerate(("minute", "hour", "day", "month", "lifetime"))}
+
+
+def _gpu_s(micro: int) -> str:
+    """Micro-GPU-seconds as seconds for a header or message: "3600", "12.5", "0.001"."""
+    return f"{micro / MICRO:.3f}".rstrip("0").rstrip(".")

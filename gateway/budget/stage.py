@@ -93,8 +93,12 @@ class BudgetStage:
                 total = ctx.total_s if ctx.total_s is not None else time.perf_counter() - ctx.received_at
                 gpu_s = round(max(0.0, total), 3)
         if resv is not None:
-            out = await svc.settle(resv, usage, model, ctx.backend, gpu_s, batch)
+            out = await svc.settle(resv, usage, model, ctx.backend, gpu_s, batch, self._apportioned(ctx))
             amount, ccy = out.cost, out.currency
+            ev = ctx.evidence.get("budget")
+            if isinstance(ev, dict):  # what replaced the hold, next to what was reserved
+                ev["settled"] = {"tokens": usage.total_tokens, "money": amount,
+                                 "gpu_seconds": out.apportioned_gpu_seconds}
         else:
             amount, ccy = svc.price(model, usage, ctx.backend, gpu_s, batch), svc.cfg.currency
         ctx.evidence["cost"] = {"amount": amount, "currency": ccy, "model": model,
@@ -112,6 +116,17 @@ class BudgetStage:
             "currency": ccy, "gpu_seconds": gpu_s, "status": ctx.status, "cut_by_budget": ctx.cut_by_budget,
             "budget_store": resv.store if resv is not None else None, "client_request_id": ctx.client_request_id,
         })
+
+    @staticmethod
+    def _apportioned(ctx: RequestContext) -> float:
+        """The engine GPU-seconds the cost meter apportioned to this request (its `close`, the meter stage's
+        finish, ran before this one): what GPU-second budgets settle. 0 when no engine of ours served it: refused
+        or failed before dispatch, or a partner route (priced by tokens, no GPU of ours)."""
+        uc = ctx.evidence.get("unit_cost")
+        if not isinstance(uc, dict) or uc.get("method") != "apportioned":
+            return 0.0
+        v = uc.get("gpu_seconds")
+        return max(0.0, float(v)) if isinstance(v, (int, float)) else 0.0
 
     def _price_model(self, ctx: RequestContext) -> str:
         """The model name prices are looked up by: the first priced of served/concrete/requested names."""

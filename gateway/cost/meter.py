@@ -28,6 +28,9 @@ from gateway.cost.model import (
 log = logging.getLogger("gateway.cost")
 
 PRIOR_S_PER_TOKEN = 0.125 / 1000.0  # the router's cold-start prefill prior (8k tokens/s) until it learned one
+PRIOR_STEP_S = 0.015  # the router's cold-start engine step (PredictorParams.step_prior_s) until it learned one
+DECODE_MIN_TOKENS = 8  # a request teaches the decode cost per completion token from this many tokens on
+DECODE_WINDOW = 64  # per engine: the decode cost per completion token of its last this many requests
 
 
 class CostStage:
@@ -60,6 +63,8 @@ class CostMeter:
         self.engines: dict[str, EngineClock] = {}
         self._open: dict[str, tuple[str, int, int]] = {}  # request id -> (engine, clock token, estimate)
         self._est_ratio: dict[str, float] = {}  # engine -> EWMA of prompt tokens counted / estimated at dispatch
+        # engine -> apportioned decode GPU-seconds per completion token of its last DECODE_WINDOW requests
+        self._decode: dict[str, deque[float]] = {}
         self._facts: dict[str, dict[str, Any]] = {}  # request id -> ledger fields until its row is enqueued
         self._priced: dict[str, dict[str, Any]] = {}  # request id -> its priced facts, before_settle -> finish
         self._children: dict[tuple[str, str, str], tuple[Any, ...]] = {}  # (backend, model, category) -> series
@@ -90,6 +95,40 @@ class CostMeter:
             return PRIOR_S_PER_TOKEN
         v = float(learner(engine).s_per_token())
         return v if v > 0 else PRIOR_S_PER_TOKEN
+
+    def step_s(self, engine: str) -> float:
+        """The router's learned engine step (EWMA of mean inter-token time) on this engine, else its prior."""
+        p = self._predictor()
+        learner = getattr(p, "learner", None)
+        if learner is None:
+            return PRIOR_STEP_S
+        v = float(learner(engine).step())
+        return v if v > 0 else PRIOR_STEP_S
+
+    def gpu_worst_case(self, backends: tuple[str, ...] = ()) -> tuple[float, float]:
+        """The learned worst case of a request's apportioned GPU-seconds over `backends` (empty: every
+        configured backend), for GPU-second budgets (gateway/budget/service.py reserves with it):
+        (GPU-seconds per prompt token, GPU-seconds per completion token), each the largest over the engines of
+        ours among them (partner routes use no GPU of ours; none of ours: (0, 0)).
+
+        Per prompt token: the prefill cost per token `s_per_token` x gpus (prefill is charged at most that).
+        Per completion token: the larger of the engine's step x gpus (a decoding sequence is charged at most
+        the whole step it shares, all of it when it runs alone) and the largest apportioned decode time per
+        completion token (`shared_gpu_seconds / completion tokens`) of the engine's last DECODE_WINDOW
+        requests with DECODE_MIN_TOKENS or more (it adds what is charged besides the steps: HTTP, queueing).
+        Before anything is learned: the router's priors, 0.125 ms per prompt token and a 15 ms step."""
+        cfg = self._config()
+        names = backends or tuple(b.name for b in cfg.raw.backends)
+        per_prompt = per_completion = 0.0
+        for name in names:
+            if not self._own(name):
+                continue
+            bc = backend_cost(self.cfg, name)
+            gpus = bc.gpus if bc is not None else 1
+            seen = self._decode.get(name)
+            per_prompt = max(per_prompt, self.s_per_token(name) * gpus)
+            per_completion = max(per_completion, self.step_s(name) * gpus, max(seen) if seen else 0.0)
+        return per_prompt, per_completion
 
     def _own(self, name: str) -> bool:
         try:
@@ -137,6 +176,12 @@ class CostMeter:
             self._est_ratio[engine] = 0.9 * self._est_ratio.get(engine, 1.0) + 0.1 * r
         bc = backend_cost(self.cfg, engine)
         gpus = bc.gpus if bc is not None else 1
+        completion = u.completion_tokens if u is not None else ctx.delivered_completion_tokens
+        if completion >= DECODE_MIN_TOKENS:  # the decode cost per completion token GPU-second budgets reserve
+            d = self._decode.get(engine)
+            if d is None:
+                d = self._decode[engine] = deque(maxlen=DECODE_WINDOW)
+            d.append(c.shared_s * gpus / completion)
         facts = {
             "engine": engine, "method": "apportioned",
             "gpu_seconds": c.seconds * gpus, "prefill_gpu_seconds": c.prefill_s * gpus,

@@ -25,8 +25,19 @@ def policy_paths(config: Any) -> list[Path]:
 
 
 def load_for_config(config: Any):  # -> CompiledPolicy
-    """Compile the policies of a config snapshot (call on every config reload and swap the result)."""
-    return load_policies(policy_paths(config), default_allow=config.raw.policy.default_allow)
+    """Compile the policies of a config snapshot (call on every config reload and swap the result).
+
+    A GPU-second budget needs the cost meter, which measures what it is settled with: with `cost.enabled:
+    false` such a rule is an error at load (and reload), never a limit that silently never binds."""
+    pol = load_policies(policy_paths(config), default_allow=config.raw.policy.default_allow)
+    cost = getattr(config.raw, "cost", None)
+    if cost is not None and not cost.enabled:
+        bad = [f"{r.source}: rule {r.id!r}: budgets: gpu_seconds needs the cost meter (cost.enabled: true); "
+               "without it no GPU-seconds are apportioned and the limit could never bind"
+               for r in pol.rules if any(b.gpu_seconds is not None for b in r.budgets)]
+        if bad:
+            raise PolicyError(bad)
+    return pol
 
 
 def _paths(args: argparse.Namespace) -> list[Path]:

@@ -389,7 +389,8 @@ def _compile_rule(raw: dict[str, Any], order: int, path: str, src: _Src, errors:
             continue
         budgets.append(BudgetSpec(window=b["window"], scope=b.get("scope", default_scope), tokens=b.get("tokens"),
                                   money=money, currency=currency or "EUR", requests=b.get("requests"),
-                                  concurrency=b.get("concurrency"), rule_id=rid))
+                                  concurrency=b.get("concurrency"), rule_id=rid,
+                                  gpu_seconds=None if b.get("gpu_seconds") is None else float(b["gpu_seconds"])))
 
     # static contradictions inside one rule
     if allowed_models and "model" in match:
