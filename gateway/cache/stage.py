@@ -19,7 +19,7 @@ from prometheus_client import Counter
 from gateway.cache import guards as G
 from gateway.cache.keys import exact_key, params_key, partition, temperature
 from gateway.cache.replay import Capture, CachedStream
-from gateway.cache.store import Entry, MemoryStore
+from gateway.cache.store import CacheStore, Entry
 from gateway.pipeline import RequestContext, Usage
 from gateway.proxy.forward import JsonResult
 
@@ -58,7 +58,7 @@ class Pending:
 class CacheStage:
     name = "cache"
 
-    def __init__(self, config: Callable[[], Any], store: MemoryStore, embedder: Any, metrics: CacheMetrics | None,
+    def __init__(self, config: Callable[[], Any], store: CacheStore, embedder: Any, metrics: CacheMetrics | None,
                  clock: Callable[[], float] = time.time) -> None:
         self.config = config  # -> gateway Config (its raw.cache section)
         self.store = store
@@ -95,7 +95,7 @@ class CacheStage:
         part = partition(ctx, spec.scope)
         key = exact_key(part, body)
         now = self.clock()
-        e = self.store.get(key, now)
+        e = await self.store.get(key, now)
         if e is not None:
             return self._hit(ctx, e, tier="exact", similarity=1.0, guards=["exact_key"])
         pending = Pending(spec=spec, partition=part, key=key, capture=Capture(ctx.endpoint, cc.max_entry_bytes))
@@ -106,7 +106,7 @@ class CacheStage:
             ctx.evidence["cache_embed_ms"] = round((time.perf_counter() - t0) * 1000, 3)
             if vec is not None:
                 pending.vector, pending.params, pending.guards = vec, params_key(body), G.features(turns)
-                cand, sim = self.store.nearest(part, pending.params, vec, now)
+                cand, sim = await self.store.nearest(part, pending.params, vec, now)
                 threshold = spec.similarity if spec.similarity is not None else cc.default_similarity
                 if cand is not None and sim >= threshold:
                     ok, passed, failed = G.compare(pending.guards, cand.guards)
@@ -165,13 +165,17 @@ class CacheStage:
         cost = ctx.evidence.get("cost") or {}
         now = self.clock()
         ttl = p.spec.ttl_s if p.spec.ttl_s is not None else cc.default_ttl_s
-        self.store.put(Entry(key=p.key, partition=p.partition, tenant=ctx.principal.tenant, model=ctx.model,
-                             response=obj, created_by=ctx.request_id, created_at=now, expires_at=now + ttl,
-                             prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-                             cost=cost.get("amount"), currency=cost.get("currency"), vector=p.vector,
-                             params=p.params, guards=p.guards))
+        d = ctx.decision
+        residency = sorted(d.allowed_countries) if d is not None and d.allowed_countries is not None else None
+        stored = await self.store.put(Entry(
+            key=p.key, partition=p.partition, tenant=ctx.principal.tenant, model=ctx.model, response=obj,
+            created_by=ctx.request_id, created_at=now, expires_at=now + ttl, prompt_tokens=u.prompt_tokens,
+            completion_tokens=u.completion_tokens, cost=cost.get("amount"), currency=cost.get("currency"),
+            vector=p.vector, params=p.params, guards=p.guards, residency=residency))
         ev = ctx.evidence.get("cache")
         if isinstance(ev, dict):
-            ev["stored"] = True
+            ev["stored"] = stored
+        if not stored:
+            return
         if self.metrics is not None:
             self.metrics.stored.labels(p.spec.mode).inc()

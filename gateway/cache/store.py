@@ -1,12 +1,20 @@
-"""The in-process store: bounded (LRU + TTL), partitioned, with a per-partition vector list for the semantic
-tier. Local to the gateway's node; its location is declared in config (`cache.location`) so residency can be
-checked before anything is put in it."""
+"""Cache stores. Every store satisfies `CacheStore`: exact lookups by key, a nearest-vector lookup within one
+partition, put, invalidate, TTL and an LRU bound. Three exist (docs/cache.md#stores):
+
+- `MemoryStore` (default): in process, bounded (LRU + TTL), per replica.
+- `SqliteStore` (gateway/cache/sqlite_store.py): one node, survives a restart.
+- `RedisStore` (gateway/cache/redis_store.py): shared by replicas.
+
+A store has a `location` (`cache.location`): where its entries physically live. An entry is stored only where
+that location satisfies the residency of the request that created it: the stage checks `allows(decision)`
+before a lookup and before storing, and `put` checks the entry's own residency again (refusing, not raising).
+"""
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterable, Protocol
 
 import numpy as np
 import orjson
@@ -30,9 +38,80 @@ class Entry:
     params: str = ""
     guards: dict[str, Any] = field(default_factory=dict)
     hits: int = 0
+    residency: list[str] | None = None  # the creating decision's allowed countries (None: unrestricted)
+
+
+# what a persistent store serialises besides key / partition / tenant / model / params / times / vector
+_BODY_FIELDS = ("response", "created_by", "prompt_tokens", "completion_tokens", "cost", "currency", "guards",
+                "hits", "residency")
+
+
+def entry_body(e: Entry) -> bytes:
+    return orjson.dumps({f: getattr(e, f) for f in _BODY_FIELDS})
+
+
+def entry_from(key: str, partition: str, tenant: str, model: str, params: str, created_at: float,
+               expires_at: float, body: bytes | str, vector: bytes | None) -> Entry:
+    d = orjson.loads(body)
+    vec = np.frombuffer(vector, dtype=np.float32).copy() if vector else None
+    return Entry(key=key, partition=partition, tenant=tenant, model=model, params=params, created_at=created_at,
+                 expires_at=expires_at, vector=vec, **d)
+
+
+def vector_bytes(v: np.ndarray | None) -> bytes | None:
+    return None if v is None else np.asarray(v, dtype=np.float32).tobytes()
+
+
+def location_allows(location: Any, countries: Iterable[str] | None) -> bool:
+    """Does a store at `location` satisfy a residency restriction (None: unrestricted)?"""
+    if countries is None:
+        return True
+    return location is not None and location.country in set(countries)
+
+
+def best_of(candidates: list[Any], mat: np.ndarray, vector: np.ndarray) -> list[tuple[int, float]]:
+    """(index, cosine) of the best few rows of `mat` (unit vectors) for `vector`, best first."""
+    if mat.shape[0] == 0 or mat.shape[1] != vector.shape[0]:
+        return []
+    sims = mat @ vector
+    order = np.argsort(-sims)[:8]
+    return [(int(i), float(sims[i])) for i in order]
+
+
+class CacheStore(Protocol):
+    """What the stage and the service need of a store (all I/O is async; `allows` is not)."""
+
+    name: str
+    location: Any
+    max_entries: int
+
+    def allows(self, decision: Any) -> bool: ...
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def get(self, key: str, now: float | None = None) -> Entry | None: ...
+
+    async def nearest(self, partition: str, params: str, vector: np.ndarray,
+                      now: float | None = None) -> tuple[Entry | None, float]: ...
+
+    async def put(self, e: Entry) -> bool: ...
+
+    async def invalidate(self, tenant: str | None = None, model: str | None = None,
+                         prefix: str | None = None) -> int: ...
+
+    async def count(self) -> int: ...
+
+    async def all_entries(self) -> list[Entry]: ...
+
+    async def dump(self) -> bytes: ...
 
 
 class MemoryStore:
+    """In process: bounded (LRU + TTL), partitioned, with a per-partition vector matrix for the semantic tier.
+    Local to the gateway's node and lost on restart."""
+
     name = "memory"
 
     def __init__(self, max_entries: int = 10000, location: Any = None) -> None:
@@ -47,12 +126,15 @@ class MemoryStore:
 
     def allows(self, decision: Any) -> bool:
         """May an entry created under this decision live here (residency of the store's location)?"""
-        countries = getattr(decision, "allowed_countries", None)
-        if countries is None:
-            return True
-        return self.location is not None and self.location.country in countries
+        return location_allows(self.location, getattr(decision, "allowed_countries", None))
 
-    def get(self, key: str, now: float | None = None) -> Entry | None:
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        self._clear()
+
+    async def get(self, key: str, now: float | None = None) -> Entry | None:
         e = self._entries.get(key)
         if e is None:
             return None
@@ -62,8 +144,8 @@ class MemoryStore:
         self._entries.move_to_end(key)
         return e
 
-    def nearest(self, partition: str, params: str, vector: np.ndarray,
-                now: float | None = None) -> tuple[Entry | None, float]:
+    async def nearest(self, partition: str, params: str, vector: np.ndarray,
+                      now: float | None = None) -> tuple[Entry | None, float]:
         """The most similar live entry of the partition with the same parameters, and its cosine similarity
         (one matrix product over the partition's vectors, rebuilt only after the partition changed)."""
         now = now if now is not None else time.time()
@@ -78,26 +160,26 @@ class MemoryStore:
                 return None, -1.0
             idx = self._index[partition] = ([e for e, _ in with_vec], np.stack([v for _, v in with_vec]))
         live, mat = idx
-        if mat.shape[1] != vector.shape[0]:
-            return None, -1.0
-        sims = mat @ vector
-        for i in np.argsort(-sims)[:8]:  # the best live entry with the same parameters among the top few
-            e = live[int(i)]
+        for i, sim in best_of(live, mat, vector):  # the best live entry with the same parameters among the top few
+            e = live[i]
             if e.expires_at <= now:
                 self._drop(e.key)
                 continue
             if e.params == params and e.key in self._entries:
                 self._entries.move_to_end(e.key)
-                return e, float(sims[i])
+                return e, sim
         return None, -1.0
 
-    def put(self, e: Entry) -> None:
+    async def put(self, e: Entry) -> bool:
+        if not location_allows(self.location, e.residency):
+            return False
         self._drop(e.key)
         self._entries[e.key] = e
         self._by_partition.setdefault(e.partition, {})[e.key] = e
         self._index.pop(e.partition, None)
         while len(self._entries) > self.max_entries:
             self._drop(next(iter(self._entries)))
+        return True
 
     def _drop(self, key: str) -> None:
         e = self._entries.pop(key, None)
@@ -109,7 +191,12 @@ class MemoryStore:
                 if not part:
                     del self._by_partition[e.partition]
 
-    def invalidate(self, tenant: str | None = None, model: str | None = None, prefix: str | None = None) -> int:
+    def _clear(self) -> None:
+        self._entries.clear()
+        self._by_partition.clear()
+        self._index.clear()
+
+    async def invalidate(self, tenant: str | None = None, model: str | None = None, prefix: str | None = None) -> int:
         """Drop entries matching every given filter (all entries when none is given); returns how many."""
         gone = [k for k, e in self._entries.items()
                 if (tenant is None or e.tenant == tenant) and (model is None or e.model == model)
@@ -118,10 +205,16 @@ class MemoryStore:
             self._drop(k)
         return len(gone)
 
-    def entries(self) -> Iterator[Entry]:
-        return iter(list(self._entries.values()))
+    async def count(self) -> int:
+        return len(self._entries)
 
-    def dump(self) -> bytes:
+    def entries(self) -> list[Entry]:
+        return list(self._entries.values())
+
+    async def all_entries(self) -> list[Entry]:
+        return self.entries()
+
+    async def dump(self) -> bytes:
         """Every byte the store holds, serialised (tests grep it for canaries)."""
         return orjson.dumps([{k: (v.tolist() if isinstance(v, np.ndarray) else v)
                               for k, v in ((f, getattr(e, f)) for f in Entry.__slots__)}

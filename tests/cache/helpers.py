@@ -21,9 +21,11 @@ class Clock:
         return self.t
 
 
-def make_stage(location: str | None = "DE", **cfg: Any) -> tuple[CacheStage, MemoryStore, Clock]:
+def make_stage(location: str | None = "DE", stores: Any = None, **cfg: Any) -> tuple[CacheStage, Any, Clock]:
+    """A stage over a fresh store: `stores` (the conftest fixture) picks memory / sqlite / redis."""
     cc = CacheConfig(location=CacheLocation(country=location) if location else None, **cfg)
-    store = MemoryStore(cc.max_entries, cc.location)
+    store = stores(cc.max_entries, cc.location, cc.max_partition_entries) if stores is not None else \
+        MemoryStore(cc.max_entries, cc.location)
     clock = Clock()
     stage = CacheStage(lambda: SimpleNamespace(raw=SimpleNamespace(cache=cc)), store, LexicalEmbedder(), None, clock)
     return stage, store, clock

@@ -15,6 +15,8 @@ from backends.sim.fleet import start_fleet
 from gateway.app import Gateway, build_app
 from gateway.config import load_config
 from gateway.wiring import wire
+from tests.cache.conftest import REDIS_URL, redis_clean, redis_up
+from tests.conftest import require_service
 
 KEY = "cache-test-key-0123456789"
 ZR_KEY = "cache-zr-key-0123456789"
@@ -34,8 +36,18 @@ rules:
 """
 
 
-@pytest.fixture
-async def stack(tmp_path: Path) -> AsyncIterator[tuple[Gateway, httpx.AsyncClient, Path]]:
+def store_config(kind: str, tmp_path: Path, redis_prefix: str) -> dict:
+    if kind == "sqlite":
+        return {"store": "sqlite", "sqlite_path": str(tmp_path / "cache.db")}
+    if kind == "redis":
+        require_service(redis_up(), "Redis at 127.0.0.1:6379")
+        return {"store": "redis", "redis_url": REDIS_URL, "redis_key_prefix": redis_prefix}
+    return {}
+
+
+@pytest.fixture(params=["memory", "sqlite", "redis"])
+async def stack(request, tmp_path: Path, redis_prefix: str) -> AsyncIterator[tuple[Gateway, httpx.AsyncClient, Path]]:
+    extra = store_config(request.param, tmp_path, redis_prefix)
     async with start_fleet(1, profiles=["tiny"]) as fleet:
         (tmp_path / "policy.yaml").write_text(POLICY)
         e = fleet.manifest()["engines"][0]
@@ -44,7 +56,7 @@ async def stack(tmp_path: Path) -> AsyncIterator[tuple[Gateway, httpx.AsyncClien
                              "location": {"country": "DE"}, "retention": "zero"}],
                "keys": [{"name": "a", "key": KEY, "tenant": "acme"}, {"name": "z", "key": ZR_KEY, "tenant": "zr"}],
                "admin": {"key": ADMIN_KEY},
-               "cache": {"location": {"country": "DE"}, "max_temperature": 1.0},
+               "cache": {"location": {"country": "DE"}, "max_temperature": 1.0, **extra},
                "policy": {"files": [str(tmp_path / "policy.yaml")], "audit_path": str(tmp_path / "audit.jsonl")},
                "identity": {"sqlite_path": str(tmp_path / "gw.db")},
                "budgets": {"sqlite_path": str(tmp_path / "budgets.db")},
@@ -55,11 +67,14 @@ async def stack(tmp_path: Path) -> AsyncIterator[tuple[Gateway, httpx.AsyncClien
         wire(gw)
         app = build_app(gw)
         await gw.start()
+        assert gw.cache.store.name == request.param
         try:
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
                 yield gw, c, tmp_path
         finally:
             await gw.close()
+            if request.param == "redis":
+                await redis_clean(redis_prefix)
 
 
 async def chat(c: httpx.AsyncClient, content: str, key: str = KEY, **body: Any) -> httpx.Response:
@@ -121,13 +136,16 @@ async def test_stream_hit_is_a_replayed_sse_stream(stack) -> None:
 
 
 async def test_zero_retention_tenant_is_bypassed_and_leaves_nothing(stack) -> None:
-    gw, c, _ = stack
+    gw, c, tmp_path = stack
     canary = "ZR-CANARY-9f3a"
     for _ in range(2):
         r = await chat(c, canary, key=ZR_KEY)
         assert r.status_code == 200 and r.headers["x-gateway-cache"] == "bypass"
-    assert canary.encode() not in gw.cache.store.dump()
-    assert all(e.tenant != "zr" for e in gw.cache.store.entries())
+    assert canary.encode() not in await gw.cache.store.dump()
+    assert all(e.tenant != "zr" for e in await gw.cache.store.all_entries())
+    db = tmp_path / "cache.db"
+    for p in (db, Path(str(db) + "-wal")):  # the SQLite store's files themselves
+        assert not p.exists() or canary.encode() not in p.read_bytes()
 
 
 async def test_admin_delete_and_reload_purge(stack) -> None:
@@ -141,5 +159,5 @@ async def test_admin_delete_and_reload_purge(stack) -> None:
     r = await c.delete("/admin/cache", headers={"authorization": f"Bearer {KEY}"})
     assert r.status_code in (401, 403) and "error" in r.json()
     await gw.reload()
-    assert len(gw.cache.store) == 0
+    assert await gw.cache.store.count() == 0
     assert (await chat(c, "purge me")).headers["x-gateway-cache"] == "miss"

@@ -26,19 +26,19 @@ def _req(**q):
     return SimpleNamespace(query_params=q)
 
 
-async def test_tenant_admin_purges_only_its_own_tenant():
-    stage, store, _ = make_stage()
+async def test_tenant_admin_purges_only_its_own_tenant(stores):
+    stage, store, _ = make_stage(stores=stores)
     for t in ("a", "b"):
         await serve(stage, make_ctx(user("q"), tenant=t, mode="exact"), t)
     svc = _svc(store)
     b_admin = SimpleNamespace(roles=("tenant_admin",), tenant="b")
     with pytest.raises(GatewayError) as ei:
         await svc.admin_delete(_req(tenant="a"), b_admin)
-    assert ei.value.status == 403 and len(store) == 2
+    assert ei.value.status == 403 and await store.count() == 2
     r = await svc.admin_delete(_req(), b_admin)
-    assert b'"deleted":1' in r.body and [e.tenant for e in store.entries()] == ["a"]
+    assert b'"deleted":1' in r.body and [e.tenant for e in await store.all_entries()] == ["a"]
     r = await svc.admin_delete(_req(tenant="a"), SimpleNamespace(roles=("admin",), tenant=None))
-    assert b'"deleted":1' in r.body and len(store) == 0
+    assert b'"deleted":1' in r.body and await store.count() == 0
 
 
 def _backend(name, country):
@@ -56,3 +56,37 @@ async def test_backend_embedder_respects_residency_and_fails_as_a_miss():
     assert emb._backend(ctx) is None and await emb.embed(ctx, "x") is None
     ctx.decision = Decision(allowed_countries=frozenset({"DE"}))
     assert await emb.embed(ctx, "x") is None  # nothing listens on port 9: a miss, not an error
+
+
+@pytest.mark.parametrize("cache, why", [
+    ({"store": "postgres"}, "cache.store"),
+    ({"store": "redis"}, "redis_url"),
+    ({"store": "redis", "redis_url": "http://x"}, "redis_url"),
+    ({"store": "sqlite", "max_entries": 0}, "max_entries"),
+    ({"store": "redis", "redis_url": "redis://x", "redis_key_prefix": "p:"}, "redis_key_prefix"),
+])
+async def test_bad_store_settings_are_refused(cache, why):
+    from gateway.cache.config import CacheConfig
+    from gateway.cache.service import check_store
+    from gateway.config import ConfigError
+
+    with pytest.raises(ConfigError, match=why):
+        check_store(CacheConfig(**cache))
+
+
+async def test_store_is_built_from_config(tmp_path):
+    import yaml
+
+    from gateway.cache.service import build_store, namespace
+    from gateway.config import parse_config
+
+    def cfg(**cache):
+        return parse_config(yaml.safe_dump({"cache": cache, "data_dir": "var"}), "t.yaml", base_dir=tmp_path)
+
+    assert build_store(cfg()).name == "memory"
+    s = build_store(cfg(store="sqlite"))
+    assert s.name == "sqlite" and s.path == tmp_path / "var" / "cache.db"
+    r = build_store(cfg(store="redis", redis_url="redis://127.0.0.1:6379/0", location={"country": "DE"}))
+    assert r.name == "redis" and r.location.country == "DE"
+    await r.close()
+    assert namespace(cfg(store="sqlite")) != namespace(cfg(store="sqlite", default_ttl_s=1))

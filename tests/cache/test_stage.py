@@ -13,8 +13,8 @@ from tests.cache.helpers import answer_of, make_ctx, make_stage, serve, user
 pytestmark = pytest.mark.asyncio
 
 
-async def test_exact_repeat_hits_with_original_usage_and_evidence():
-    stage, store, _ = make_stage()
+async def test_exact_repeat_hits_with_original_usage_and_evidence(stores):
+    stage, store, _ = make_stage(stores=stores)
     first = make_ctx(user("What is the capital of France?"), mode="exact")
     assert await serve(stage, first, "Paris") == "miss"
     again = make_ctx(user("What is the capital of France?"), mode="exact")
@@ -26,8 +26,8 @@ async def test_exact_repeat_hits_with_original_usage_and_evidence():
     assert ev["guards_passed"] == ["exact_key"] and ev["similarity"] == 1.0
 
 
-async def test_exact_key_covers_sampling_params_tools_and_format():
-    stage, _, _ = make_stage()
+async def test_exact_key_covers_sampling_params_tools_and_format(stores):
+    stage, _, _ = make_stage(stores=stores)
     await serve(stage, make_ctx(user("q"), mode="exact", temperature=0.0), "a")
     for extra in ({"temperature": 0.5}, {"max_tokens": 3}, {"response_format": {"type": "json_object"}},
                   {"tools": [{"type": "function", "function": {"name": "f"}}]}, {"seed": 1}):
@@ -39,11 +39,11 @@ async def test_exact_key_covers_sampling_params_tools_and_format():
     assert c.answer is not None
 
 
-async def test_temperature_above_the_bound_never_caches():
-    stage, store, _ = make_stage(max_temperature=0.5)
+async def test_temperature_above_the_bound_never_caches(stores):
+    stage, store, _ = make_stage(stores=stores, max_temperature=0.5)
     c = make_ctx(user("q"), mode="exact", temperature=0.9)
     assert await serve(stage, c, "a") == "bypass"
-    assert c.evidence["cache"]["reason"] == "temperature" and len(store) == 0
+    assert c.evidence["cache"]["reason"] == "temperature" and (await store.count()) == 0
     assert await serve(stage, make_ctx(user("q"), mode="exact"), "a") == "bypass"  # absent = 1.0
 
 
@@ -58,8 +58,8 @@ requests = st.fixed_dictionaries({
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(a=requests, b=requests)
-async def test_tenant_b_never_receives_tenant_a_entry(a, b):
-    stage, _, _ = make_stage()
+async def test_tenant_b_never_receives_tenant_a_entry(stores, a, b):
+    stage, _, _ = make_stage(stores=stores)
     secret = "TENANT-A-SECRET"
     await serve(stage, make_ctx(user(a["text"]), tenant="a", model=a["model"], team=a["team"], mode=a["mode"]), secret)
     cb = make_ctx(user(b["text"]), tenant="b", model=b["model"], team=b["team"], mode=b["mode"])
@@ -71,16 +71,16 @@ async def test_tenant_b_never_receives_tenant_a_entry(a, b):
     assert answer_of(ca) == secret
 
 
-async def test_team_scope_keeps_teams_apart():
-    stage, _, _ = make_stage()
+async def test_team_scope_keeps_teams_apart(stores):
+    stage, _, _ = make_stage(stores=stores)
     await serve(stage, make_ctx(user("q"), team="x", scope="team", mode="exact"), "x-answer")
     other = make_ctx(user("q"), team="y", scope="team", mode="exact")
     await stage.run(other)
     assert other.answer is None
 
 
-async def test_residency_and_retention_partition_entries():
-    stage, _, _ = make_stage("DE")
+async def test_residency_and_retention_partition_entries(stores):
+    stage, _, _ = make_stage("DE", stores=stores)
     await serve(stage, make_ctx(user("q"), mode="exact"), "anywhere")
     eea = make_ctx(user("q"), mode="exact", countries=frozenset({"DE", "FR"}))
     await stage.run(eea)
@@ -88,8 +88,8 @@ async def test_residency_and_retention_partition_entries():
 
 
 @pytest.mark.parametrize("why", ["zero", "unknown"])
-async def test_zero_or_unknown_retention_leaves_nothing_in_the_store(why):
-    stage, store, _ = make_stage()
+async def test_zero_or_unknown_retention_leaves_nothing_in_the_store(stores, why):
+    stage, store, _ = make_stage(stores=stores)
     canary = "ZR-CANARY-77e1"
     c = make_ctx(user(f"my secret {canary}"), retention="zero" if why == "zero" else None)
     if why == "unknown":
@@ -99,7 +99,7 @@ async def test_zero_or_unknown_retention_leaves_nothing_in_the_store(why):
         c.cache.capture.json({"choices": [{"message": {"content": canary}}]})
     c.status = 200
     await stage.finish(c)
-    assert len(store) == 0 and canary.encode() not in store.dump()
+    assert (await store.count()) == 0 and canary.encode() not in await stores.raw_bytes()
     # and a zero-retention request is never served from an entry a retaining request left
     await serve(stage, make_ctx(user("shared q")), "kept")
     z = make_ctx(user("shared q"), retention="zero")
@@ -107,35 +107,35 @@ async def test_zero_or_unknown_retention_leaves_nothing_in_the_store(why):
     assert z.answer is None and (why == "unknown" or z.extra_headers["x-gateway-cache"] == "bypass")
 
 
-async def test_retention_tightened_after_lookup_is_not_stored():
+async def test_retention_tightened_after_lookup_is_not_stored(stores):
     import dataclasses
 
-    stage, store, _ = make_stage()
+    stage, store, _ = make_stage(stores=stores)
     c = make_ctx(user("late zdr CANARY-2"))
     await stage.run(c)
     c.decision = dataclasses.replace(c.decision, retention="zero")
     c.cache.capture.json({"choices": [{"message": {"content": "x"}}]})
     c.status = 200
     await stage.finish(c)
-    assert len(store) == 0
+    assert (await store.count()) == 0
 
 
-async def test_store_location_must_satisfy_residency():
-    stage, store, _ = make_stage("US")
+async def test_store_location_must_satisfy_residency(stores):
+    stage, store, _ = make_stage("US", stores=stores)
     c = make_ctx(user("q"), countries=frozenset({"DE", "FR"}))
     assert await serve(stage, c, "a") == "bypass"
-    assert c.evidence["cache"]["reason"] == "residency" and len(store) == 0
-    stage, store, _ = make_stage(None)
+    assert c.evidence["cache"]["reason"] == "residency" and (await store.count()) == 0
+    stage, store, _ = make_stage(None, stores=stores)
     assert await serve(stage, make_ctx(user("q"), countries=frozenset({"DE"})), "a") == "bypass"
-    stage, store, _ = make_stage("DE")
-    assert await serve(stage, make_ctx(user("q"), countries=frozenset({"DE"})), "a") == "miss" and len(store) == 1
+    stage, store, _ = make_stage("DE", stores=stores)
+    assert await serve(stage, make_ctx(user("q"), countries=frozenset({"DE"})), "a") == "miss" and (await store.count()) == 1
 
 
 BASE = "Can you tell me how to reset the password for my account on the Orion portal?"
 
 
-async def test_paraphrase_hits_semantic_with_similarity_header():
-    stage, _, _ = make_stage()
+async def test_paraphrase_hits_semantic_with_similarity_header(stores):
+    stage, _, _ = make_stage(stores=stores)
     await serve(stage, make_ctx(user(BASE)), "reset via settings")
     p = make_ctx(user("please, how do I reset the password for my account on the Orion portal"))
     assert await serve(stage, p, "x") == "hit"
@@ -150,16 +150,16 @@ async def test_paraphrase_hits_semantic_with_similarity_header():
     "Can you tell me how to not reset the password for my account on the Orion portal?",  # negation
     "Can you tell me how to reset the password for my 2 accounts on the Orion portal?",  # number
 ])
-async def test_near_miss_intents_miss(near_miss):
-    stage, _, _ = make_stage()
+async def test_near_miss_intents_miss(stores, near_miss):
+    stage, _, _ = make_stage(stores=stores)
     await serve(stage, make_ctx(user(BASE)), "reset via settings")
     c = make_ctx(user(near_miss))
     await stage.run(c)
     assert c.answer is None
 
 
-async def test_number_swap_misses_by_guard_even_under_a_loose_threshold():
-    stage, _, _ = make_stage()
+async def test_number_swap_misses_by_guard_even_under_a_loose_threshold(stores):
+    stage, _, _ = make_stage(stores=stores)
     await serve(stage, make_ctx(user("What is the status of order 1234?"), similarity=0.3), "shipped")
     c = make_ctx(user("What is the status of order 1243?"), similarity=0.3)
     await stage.run(c)
@@ -167,8 +167,8 @@ async def test_number_swap_misses_by_guard_even_under_a_loose_threshold():
     assert c.evidence.get("cache_guard_rejected", {}).get("guard") == "numbers"
 
 
-async def test_multi_turn_conversations_sharing_only_the_last_message_miss():
-    stage, _, _ = make_stage()
+async def test_multi_turn_conversations_sharing_only_the_last_message_miss(stores):
+    stage, _, _ = make_stage(stores=stores)
     conv_a = [{"role": "user", "content": "I want to cancel my Orion subscription"},
               {"role": "assistant", "content": "Sure, which plan?"},
               {"role": "user", "content": "Yes, go ahead with that."}]
@@ -185,8 +185,8 @@ async def test_multi_turn_conversations_sharing_only_the_last_message_miss():
     assert answer_of(c) == "cancelled"
 
 
-async def test_system_prompt_and_tools_must_be_identical():
-    stage, _, _ = make_stage()
+async def test_system_prompt_and_tools_must_be_identical(stores):
+    stage, _, _ = make_stage(stores=stores)
     sys_a = [{"role": "system", "content": "You are terse."}, *user(BASE)]
     await serve(stage, make_ctx(sys_a), "a")
     c = make_ctx([{"role": "system", "content": "You are verbose."}, *user(BASE)])
@@ -197,8 +197,8 @@ async def test_system_prompt_and_tools_must_be_identical():
     assert c.answer is None
 
 
-async def test_ttl_expiry():
-    stage, store, clock = make_stage()
+async def test_ttl_expiry(stores):
+    stage, store, clock = make_stage(stores=stores)
     await serve(stage, make_ctx(user("q"), mode="exact", ttl_s=30), "a")
     clock.t += 29
     c = make_ctx(user("q"), mode="exact")
@@ -207,26 +207,28 @@ async def test_ttl_expiry():
     clock.t += 2
     c = make_ctx(user("q"), mode="exact")
     await stage.run(c)
-    assert c.answer is None and len(store) == 0
+    assert c.answer is None and (await store.count()) == 0
 
 
-async def test_invalidation_by_tenant_model_prefix():
-    stage, store, _ = make_stage()
+async def test_invalidation_by_tenant_model_prefix(stores):
+    stage, store, _ = make_stage(stores=stores)
     for t in ("a", "b"):
         for m in ("m", "n"):
             await serve(stage, make_ctx(user("q"), tenant=t, model=m, mode="exact"), f"{t}{m}")
-    assert len(store) == 4
-    assert store.invalidate(tenant="a", model="m") == 1
-    key = next(store.entries()).key
-    assert store.invalidate(prefix=key[:10]) >= 1
-    assert store.invalidate(tenant="b") + store.invalidate() + 1 + 1 >= 4
-    assert len(store) == 0
+    assert (await store.count()) == 4
+    assert await store.invalidate(tenant="a", model="m") == 1
+    assert await store.invalidate(tenant="a", model="m") == 0
+    key = (await store.all_entries())[0].key
+    n = await store.invalidate(prefix=key[:33])  # one partition (tenant, model, ...): its one entry
+    assert n == 1 and key not in {e.key for e in await store.all_entries()}
+    assert await store.invalidate(model="n") + await store.invalidate() == 2
+    assert (await store.count()) == 0
 
 
-async def test_streamed_responses_are_captured_and_replayed_in_chunk_shape():
+async def test_streamed_responses_are_captured_and_replayed_in_chunk_shape(stores):
     from gateway.cache.replay import Capture, sse_events
 
-    stage, store, _ = make_stage()
+    stage, store, _ = make_stage(stores=stores)
     c = make_ctx(user("stream me"), mode="exact", stream=True)
     await stage.run(c)
     cap = c.cache.capture
@@ -244,7 +246,7 @@ async def test_streamed_responses_are_captured_and_replayed_in_chunk_shape():
 
     c.usage, c.status = Usage(7, 2), 200
     await stage.finish(c)
-    assert len(store) == 1
+    assert (await store.count()) == 1
     hit = make_ctx(user("stream me"), mode="exact", stream=True)
     await stage.run(hit)
     assert hit.answer.obj["choices"][0]["message"]["content"] == "Hello"
@@ -254,8 +256,8 @@ async def test_streamed_responses_are_captured_and_replayed_in_chunk_shape():
     assert events[-1]["usage"]["completion_tokens"] == 2 and sse.endswith(b"data: [DONE]\n\n")
 
 
-async def test_error_or_cut_responses_are_not_stored():
-    stage, store, _ = make_stage()
+async def test_error_or_cut_responses_are_not_stored(stores):
+    stage, store, _ = make_stage(stores=stores)
     c = make_ctx(user("q"), mode="exact")
     await stage.run(c)
     c.cache.capture.json({"choices": [{"message": {"content": "x"}}]})
@@ -265,26 +267,59 @@ async def test_error_or_cut_responses_are_not_stored():
     await stage.run(c)
     c.status = 502
     await stage.finish(c)
-    assert len(store) == 0
+    assert (await store.count()) == 0
 
 
-async def test_provider_preferences_bypass():
-    stage, store, _ = make_stage()
+async def test_provider_preferences_bypass(stores):
+    stage, store, _ = make_stage(stores=stores)
     c = make_ctx(user("q"), provider={"zdr": True})
-    assert await serve(stage, c, "a") == "bypass" and len(store) == 0
+    assert await serve(stage, c, "a") == "bypass" and (await store.count()) == 0
 
 
-async def test_off_unless_a_rule_turns_it_on():
-    stage, store, _ = make_stage()
+async def test_off_unless_a_rule_turns_it_on(stores):
+    stage, store, _ = make_stage(stores=stores)
     c = make_ctx(user("q"), mode="off")
-    assert await serve(stage, c, "a") == "" and len(store) == 0
+    assert await serve(stage, c, "a") == "" and (await store.count()) == 0
     c = make_ctx(user("q"))
     c.decision = type(c.decision)()
-    assert await serve(stage, c, "a") == "" and len(store) == 0
+    assert await serve(stage, c, "a") == "" and (await store.count()) == 0
 
 
-async def test_batch_lane_lines_bypass():
-    stage, store, _ = make_stage()
+async def test_batch_lane_lines_bypass(stores):
+    stage, store, _ = make_stage(stores=stores)
     c = make_ctx(user("q"), mode="exact")
     c.batch = {"batch_id": "b", "line": 1, "custom_id": "x"}
-    assert await serve(stage, c, "a") == "bypass" and len(store) == 0 and c.answer is None
+    assert await serve(stage, c, "a") == "bypass" and (await store.count()) == 0 and c.answer is None
+
+
+async def test_lru_bound_evicts_the_least_recently_used(stores):
+    stage, store, _ = make_stage(stores=stores, max_entries=3)
+    for i in range(3):
+        await serve(stage, make_ctx(user(f"question {i}"), mode="exact"), f"a{i}")
+    assert await serve(stage, make_ctx(user("question 0"), mode="exact"), "x") == "hit"  # 0 is now the most recent
+    for i in (3, 4):
+        await serve(stage, make_ctx(user(f"question {i}"), mode="exact"), f"a{i}")
+    assert await store.count() == 3
+    for i, want in ((0, "hit"), (3, "hit"), (4, "hit"), (1, "miss")):
+        c = make_ctx(user(f"question {i}"), mode="exact")
+        await stage.run(c)
+        assert c.extra_headers["x-gateway-cache"] == want, i
+
+
+async def test_partition_candidate_list_is_bounded(stores):
+    if stores.kind == "memory":
+        pytest.skip("the in-process store bounds entries only (cache.max_entries)")
+    stage, store, _ = make_stage(stores=stores, max_partition_entries=2)
+    texts = ["how do I reset the password on the Orion portal", "how do I export the invoices of the Orion portal",
+             "how do I delete the account on the Orion portal"]
+    for t in texts:
+        await serve(stage, make_ctx(user(t)), t.upper())
+    c = make_ctx(user("please, " + texts[0]))  # its candidate was the least recently used: gone
+    await stage.run(c)
+    assert c.answer is None
+    c = make_ctx(user(texts[0]))  # the entry itself still answers exact lookups
+    await stage.run(c)
+    assert answer_of(c) == texts[0].upper()
+    c = make_ctx(user("please, " + texts[2]))
+    await stage.run(c)
+    assert answer_of(c) == texts[2].upper()

@@ -1,0 +1,236 @@
+"""The Redis store: shared by the gateway's replicas (`cache.store: redis`, `cache.redis_url`).
+
+Redis 7 has no vector search, so the semantic tier compares in the gateway: each partition keeps a bounded
+hash of candidate vectors (at most `cache.max_partition_entries`, least recently used out first) that a lookup
+reads in one round trip and scores with one matrix product. Keys (P = `cache.redis_key_prefix`, N = the config
+namespace, a fingerprint of backends, aliases, policy and cache settings):
+
+- `P:N:e:<partition>:<hash>`  the entry (a hash), with a Redis TTL of the entry's ttl_s;
+- `P:N:v:<partition>`         candidate vectors of the partition: field = entry key, value = params|vector;
+- `P:N:vz:<partition>`        the same candidates by last use (the bound);
+- `P:N:lru`                   every entry key by last use (the global `cache.max_entries` bound).
+
+The partition id is part of every key that holds an entry or a candidate, so no lookup can cross it; the
+namespace keeps replicas running different configs (a rolling reload) from serving each other's entries.
+A store error is a miss (lookups) or a skipped store (puts), never a failed request.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import time
+from typing import Any
+
+import numpy as np
+
+from gateway.cache.store import Entry, best_of, entry_body, entry_from, location_allows, vector_bytes
+
+log = logging.getLogger("gateway.cache")
+_GLOB = re.compile(r"([*?\[\]\\])")
+
+
+def _glob_escape(s: str) -> str:
+    return _GLOB.sub(r"\\\1", s)
+
+
+def _s(b: Any) -> str:
+    return b.decode() if isinstance(b, bytes) else str(b)
+
+
+class RedisStore:
+    name = "redis"
+
+    def __init__(self, url: str, key_prefix: str = "gwcache", max_entries: int = 10000, location: Any = None,
+                 max_partition_entries: int = 1000, timeout_s: float = 0.5, namespace: str = "") -> None:
+        import redis.asyncio as aioredis
+
+        self.url = url
+        self.key_prefix = key_prefix
+        self.max_entries = max_entries
+        self.max_partition_entries = max_partition_entries
+        self.location = location
+        self.namespace = namespace or "0"
+        self.client = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+
+    @property
+    def _p(self) -> str:
+        return f"{self.key_prefix}:{self.namespace}"
+
+    def _e(self, key: str) -> str:
+        return f"{self._p}:e:{key}"
+
+    def allows(self, decision: Any) -> bool:
+        return location_allows(self.location, getattr(decision, "allowed_countries", None))
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    async def _read(self, key: str, now: float) -> Entry | None:
+        h: dict[bytes, bytes] = await self.client.hgetall(self._e(key))  # type: ignore[misc,assignment]
+        if not h:
+            return None
+        e = entry_from(key, _s(h[b"partition"]), _s(h[b"tenant"]), _s(h[b"model"]), _s(h[b"params"]),
+                       float(h[b"created_at"]), float(h[b"expires_at"]), h[b"body"], h.get(b"vector") or None)
+        if e.expires_at <= now:
+            await self._forget([key])
+            return None
+        t = time.time()
+        pipe = self.client.pipeline(transaction=False)
+        pipe.zadd(f"{self._p}:lru", {key: t}, xx=True)
+        if e.vector is not None:
+            pipe.zadd(f"{self._p}:vz:{e.partition}", {key: t}, xx=True)
+        await pipe.execute()
+        return e
+
+    async def get(self, key: str, now: float | None = None) -> Entry | None:
+        try:
+            return await self._read(key, now if now is not None else time.time())
+        except Exception as ex:  # a store outage is a miss
+            log.warning("cache redis get failed: %s", ex)
+            return None
+
+    async def nearest(self, partition: str, params: str, vector: np.ndarray,
+                      now: float | None = None) -> tuple[Entry | None, float]:
+        now = now if now is not None else time.time()
+        try:
+            cands: dict[bytes, bytes] = await self.client.hgetall(f"{self._p}:v:{partition}")  # type: ignore[misc,assignment]
+            want = params.encode() + b"|"
+            vec = vector.astype(np.float32)
+            keys: list[str] = []
+            rows: list[bytes] = []
+            for k, v in cands.items():
+                if v.startswith(want) and len(v) - len(want) == vec.nbytes:
+                    keys.append(_s(k))
+                    rows.append(v[len(want):])
+            if not rows:
+                return None, -1.0
+            mat = np.frombuffer(b"".join(rows), dtype=np.float32).reshape(len(rows), -1)
+            for i, sim in best_of(keys, mat, vec):
+                e = await self._read(keys[i], now)
+                if e is not None and e.partition == partition:
+                    return e, sim
+                await self._forget([keys[i]], partition)  # expired or evicted: drop its candidate
+            return None, -1.0
+        except Exception as ex:
+            log.warning("cache redis nearest failed: %s", ex)
+            return None, -1.0
+
+    async def put(self, e: Entry) -> bool:
+        if not location_allows(self.location, e.residency):
+            return False
+        ttl_ms = max(1, int((e.expires_at - e.created_at) * 1000))
+        t = time.time()
+        fields: dict[Any, Any] = {"partition": e.partition, "tenant": e.tenant, "model": e.model, "params": e.params,
+                                  "created_at": repr(e.created_at), "expires_at": repr(e.expires_at),
+                                  "body": entry_body(e)}
+        vb = vector_bytes(e.vector)
+        if vb is not None:
+            fields["vector"] = vb
+        try:
+            pipe = self.client.pipeline(transaction=True)
+            pipe.hset(self._e(e.key), mapping=fields)
+            pipe.pexpire(self._e(e.key), ttl_ms)
+            pipe.zadd(f"{self._p}:lru", {e.key: t})
+            if vb is not None:
+                v, vz = f"{self._p}:v:{e.partition}", f"{self._p}:vz:{e.partition}"
+                pipe.hset(v, e.key, e.params.encode() + b"|" + vb)
+                pipe.zadd(vz, {e.key: t})
+                for k in (v, vz):  # the candidate list lives as long as its longest-lived entry
+                    pipe.pexpire(k, ttl_ms, nx=True)
+                    pipe.pexpire(k, ttl_ms, gt=True)
+                pipe.zcard(vz)
+            pipe.zcard(f"{self._p}:lru")
+            res = await pipe.execute()
+            n_all = int(res[-1])
+            if vb is not None and int(res[-2]) > self.max_partition_entries:
+                vz = f"{self._p}:vz:{e.partition}"
+                old = await self.client.zrange(vz, 0, int(res[-2]) - self.max_partition_entries - 1)
+                if old:
+                    pipe = self.client.pipeline(transaction=True)
+                    pipe.hdel(f"{self._p}:v:{e.partition}", *old)
+                    pipe.zrem(vz, *old)
+                    await pipe.execute()
+            if n_all > self.max_entries:
+                old = await self.client.zrange(f"{self._p}:lru", 0, n_all - self.max_entries - 1)
+                await self._forget([_s(k) for k in old])
+            return True
+        except Exception as ex:
+            log.warning("cache redis put failed: %s", ex)
+            return False
+
+    async def _forget(self, keys: list[str], partition: str | None = None) -> None:
+        """Remove entries and their index members (the partition is the key's part before its last ':')."""
+        if not keys:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for k in keys:
+            part = partition or k.rsplit(":", 1)[0]
+            pipe.unlink(self._e(k))
+            pipe.zrem(f"{self._p}:lru", k)
+            pipe.hdel(f"{self._p}:v:{part}", k)
+            pipe.zrem(f"{self._p}:vz:{part}", k)
+        await pipe.execute()
+
+    async def _scan(self, match: str) -> list[bytes]:
+        return [k async for k in self.client.scan_iter(match=match, count=1000)]
+
+    async def invalidate(self, tenant: str | None = None, model: str | None = None, prefix: str | None = None) -> int:
+        """Drop matching entries in every namespace of this prefix (all of them when no filter is given)."""
+        base = _glob_escape(self.key_prefix)
+        if tenant is None and model is None and prefix is None:
+            entries = await self._scan(f"{base}:*:e:*")
+            every = await self._scan(f"{base}:*")
+            for i in range(0, len(every), 500):
+                await self.client.unlink(*every[i:i + 500])
+            return len(entries)
+        match = f"{base}:*:e:" + (_glob_escape(prefix) if prefix else "") + "*"
+        names = await self._scan(match)
+        n = 0
+        for i in range(0, len(names), 500):
+            chunk = names[i:i + 500]
+            pipe = self.client.pipeline(transaction=False)
+            for name in chunk:
+                pipe.hmget(name, "tenant", "model")
+            gone: dict[str, list[str]] = {}
+            for name, (t, m) in zip(chunk, await pipe.execute()):
+                if t is None or (tenant is not None and _s(t) != tenant) or (model is not None and _s(m) != model):
+                    continue
+                ns, key = _s(name)[len(self.key_prefix) + 1:].split(":e:", 1)
+                gone.setdefault(ns, []).append(key)
+            for ns, keys in gone.items():
+                saved, self.namespace = self.namespace, ns
+                try:
+                    await self._forget(keys)
+                finally:
+                    self.namespace = saved
+                n += len(keys)
+        return n
+
+    async def count(self) -> int:
+        return len(await self._scan(f"{_glob_escape(self._p)}:e:*"))
+
+    async def all_entries(self) -> list[Entry]:
+        out = []
+        for name in await self._scan(f"{_glob_escape(self._p)}:e:*"):
+            e = await self._read(_s(name).split(":e:", 1)[1], 0.0)
+            if e is not None:
+                out.append(e)
+        return out
+
+    async def dump(self) -> bytes:
+        """Every key under the prefix and every value it holds (tests grep it for canaries)."""
+        out = []
+        for name in await self._scan(f"{_glob_escape(self.key_prefix)}:*"):
+            kind = _s(await self.client.type(name))
+            val: Any = None
+            if kind == "hash":
+                val = await self.client.hgetall(name)
+            elif kind == "zset":
+                val = await self.client.zrange(name, 0, -1)
+            elif kind == "string":
+                val = await self.client.get(name)
+            out.append(name + b"=" + repr(val).encode())
+        return b"\n".join(out)
