@@ -8,7 +8,8 @@ namespace, a fingerprint of backends, aliases, policy and cache settings):
 - `P:N:e:<partition>:<hash>`  the entry (a hash), with a Redis TTL of the entry's ttl_s;
 - `P:N:v:<partition>`         candidate vectors of the partition: field = entry key, value = params|vector;
 - `P:N:vz:<partition>`        the same candidates by last use (the bound);
-- `P:N:lru`                   every entry key by last use (the global `cache.max_entries` bound).
+- `P:N:lru`                   every entry key by last use (the global `cache.max_entries` bound);
+- `P:N:exp`                   every entry key by expiry (swept on each put).
 
 The partition id is part of every key that holds an entry or a candidate, so no lookup can cross it; the
 namespace keeps replicas running different configs (a rolling reload) from serving each other's entries.
@@ -134,6 +135,7 @@ class RedisStore:
             pipe.hset(self._e(e.key), mapping=fields)
             pipe.pexpire(self._e(e.key), ttl_ms)
             pipe.zadd(f"{self._p}:lru", {e.key: t})
+            pipe.zadd(f"{self._p}:exp", {e.key: e.expires_at})
             if vb is not None:
                 v, vz = f"{self._p}:v:{e.partition}", f"{self._p}:vz:{e.partition}"
                 pipe.hset(v, e.key, e.params.encode() + b"|" + vb)
@@ -153,6 +155,10 @@ class RedisStore:
                     pipe.hdel(f"{self._p}:v:{e.partition}", *old)
                     pipe.zrem(vz, *old)
                     await pipe.execute()
+            expired = await self.client.zrangebyscore(f"{self._p}:exp", "-inf", e.created_at, start=0, num=100)
+            if expired:  # swept here so expired entries do not count against the LRU bound
+                await self._forget([_s(k) for k in expired])
+                n_all -= len(expired)
             if n_all > self.max_entries:
                 old = await self.client.zrange(f"{self._p}:lru", 0, n_all - self.max_entries - 1)
                 await self._forget([_s(k) for k in old])
@@ -170,6 +176,7 @@ class RedisStore:
             part = partition or k.rsplit(":", 1)[0]
             pipe.unlink(self._e(k))
             pipe.zrem(f"{self._p}:lru", k)
+            pipe.zrem(f"{self._p}:exp", k)
             pipe.hdel(f"{self._p}:v:{part}", k)
             pipe.zrem(f"{self._p}:vz:{part}", k)
         await pipe.execute()

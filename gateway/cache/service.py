@@ -2,6 +2,7 @@
 serves `DELETE /admin/cache?tenant=&model=&prefix=` (platform admin: any; tenant admin: its own tenant only)."""
 from __future__ import annotations
 
+import glob
 import hashlib
 from pathlib import Path
 from typing import Any
@@ -65,18 +66,23 @@ def store_settings(cc: Any) -> tuple:
 
 def namespace(config: Any) -> str:
     """A fingerprint of everything that decides who may share an answer and where it comes from: backends,
-    aliases, the policy (its settings and its files' bytes) and the cache section. Persistent stores key their
-    entries by it, so a restart or a replica on another config never serves an entry made under this one."""
-    raw = config.raw
-    h = hashlib.sha256(msgspec.json.encode([raw.backends, raw.aliases, raw.policy, raw.cache]))
-    for f in getattr(raw.policy, "files", None) or []:
-        p = Path(f)
-        if not p.is_absolute():
-            p = Path(config.base_dir) / p
-        try:
-            h.update(p.read_bytes())
-        except OSError:
-            h.update(b"missing:" + str(p).encode())
+    aliases, the policy (its settings and its files' contents), the store's location and the embedder. Persistent
+    stores key their entries by it, so a restart or a replica on another config never serves an entry made under
+    this one; replicas on the same config (other ports, paths, audit files) share one namespace."""
+    raw, cc = config.raw, config.raw.cache
+    pol = raw.policy
+    h = hashlib.sha256(msgspec.json.encode([raw.backends, raw.aliases, pol.default_allow, pol.opa, cc.location,
+                                            cc.embedder, cc.embeddings_model]))
+    contents = []
+    for pattern in pol.files or []:
+        p = pattern if Path(pattern).is_absolute() else str(Path(config.base_dir) / pattern)
+        for f in sorted(glob.glob(p)) or [p]:
+            try:
+                contents.append(Path(f).read_bytes())
+            except OSError:
+                contents.append(b"missing:" + pattern.encode())
+    for c in sorted(contents):
+        h.update(hashlib.sha256(c).digest())
     return h.hexdigest()[:16]
 
 

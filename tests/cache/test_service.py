@@ -89,4 +89,5 @@ async def test_store_is_built_from_config(tmp_path):
     r = build_store(cfg(store="redis", redis_url="redis://127.0.0.1:6379/0", location={"country": "DE"}))
     assert r.name == "redis" and r.location.country == "DE"
     await r.close()
-    assert namespace(cfg(store="sqlite")) != namespace(cfg(store="sqlite", default_ttl_s=1))
+    assert namespace(cfg(store="sqlite")) == namespace(cfg(store="redis", redis_url="redis://h:1/0"))
+    assert namespace(cfg()) != namespace(cfg(location={"country": "DE"}))

@@ -1,0 +1,85 @@
+"""Store specifics: the SQLite store survives a restart within its namespace (and drops other namespaces'
+rows at start); Redis keys all carry the prefix and the partition; a residency the store's location does not
+satisfy is refused by the store itself, whatever the caller."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from gateway.cache.config import CacheLocation
+from gateway.cache.sqlite_store import SqliteStore
+from gateway.cache.store import Entry
+
+pytestmark = pytest.mark.asyncio
+
+
+def entry(key: str = "p1:k1", partition: str = "p1", residency: list[str] | None = None, ttl: float = 60) -> Entry:
+    now = time.time()
+    v = np.ones(4, dtype=np.float32) / 2
+    return Entry(key=key, partition=partition, tenant="a", model="m", response={"answer": key}, created_by="r1",
+                 created_at=now, expires_at=now + ttl, vector=v, params="q", residency=residency)
+
+
+async def test_sqlite_survives_a_restart_in_its_namespace(tmp_path):
+    s = SqliteStore(tmp_path / "c.db", namespace="ns1")
+    await s.start()
+    assert await s.put(entry())
+    await s.close()
+    s = SqliteStore(tmp_path / "c.db", namespace="ns1")
+    await s.start()
+    e = await s.get("p1:k1")
+    assert e is not None and e.response == {"answer": "p1:k1"} and e.created_by == "r1"
+    got, sim = await s.nearest("p1", "q", np.ones(4, dtype=np.float32) / 2)
+    assert got is not None and sim == pytest.approx(1.0)
+    await s.close()
+    s = SqliteStore(tmp_path / "c.db", namespace="ns2")  # another config: never served, dropped at start
+    await s.start()
+    assert await s.get("p1:k1") is None and await s.count() == 0
+    await s.close()
+
+
+async def test_every_store_refuses_an_entry_its_location_does_not_satisfy(stores):
+    s = stores(location=CacheLocation(country="US"))
+    assert not await s.put(entry(residency=["DE", "FR"]))
+    assert await s.count() == 0
+    assert await s.put(entry(key="p1:k2"))  # unrestricted
+    s = stores(location=None)
+    assert not await s.put(entry(residency=["DE"]))
+    s = stores(location=CacheLocation(country="DE"))
+    assert await s.put(entry(residency=["DE", "FR"])) and await s.count() == 1
+
+
+async def test_nearest_never_leaves_the_partition(stores):
+    s = stores()
+    await s.put(entry("p1:k1", "p1"))
+    got, _ = await s.nearest("p2", "q", np.ones(4, dtype=np.float32) / 2)
+    assert got is None
+    got, _ = await s.nearest("p1", "other-params", np.ones(4, dtype=np.float32) / 2)
+    assert got is None
+    got, _ = await s.nearest("p1", "q", np.ones(4, dtype=np.float32) / 2)
+    assert got is not None and got.key == "p1:k1"
+
+
+async def test_redis_keys_carry_prefix_namespace_and_partition(stores):
+    if stores.kind != "redis":
+        pytest.skip("redis key layout")
+    s = stores(max_partition_entries=5)
+    await s.put(entry("p1:k1", "p1"))
+    names = sorted(k.decode() for k in await s._scan(f"{s.key_prefix}:*"))
+    assert names == [f"{s.key_prefix}:ns:e:p1:k1", f"{s.key_prefix}:ns:exp", f"{s.key_prefix}:ns:lru", f"{s.key_prefix}:ns:v:p1",
+                     f"{s.key_prefix}:ns:vz:p1"]
+    ttl = await s.client.pttl(f"{s.key_prefix}:ns:e:p1:k1")
+    assert 0 < ttl <= 60_000  # Redis expires the entry itself too
+
+
+async def test_expired_entries_are_swept_and_do_not_count_against_the_bound(stores):
+    s = stores(max_entries=2)
+    old = entry("p1:old", ttl=60)
+    old.created_at -= 120
+    old.expires_at -= 120  # already expired when stored
+    await s.put(old)
+    await s.put(entry("p1:k1"))
+    await s.put(entry("p1:k2"))
+    assert {e.key for e in await s.all_entries()} == {"p1:k1", "p1:k2"}
