@@ -148,6 +148,7 @@ class Gateway:
         self.telemetry: Any = None  # gateway.telemetry.service.TelemetryService
         self.router: Any = None  # gateway.routing.stage.PredictiveRouteStage
         self.evidence: Any = None  # gateway.evidence.recorder.EvidenceRecorder
+        self.cost: Any = None  # gateway.cost.meter.CostMeter (None when cost.enabled was false at startup)
         self.observer: Any = None  # gateway.observability.hooks.RequestObserver
         self.tracing: Any = None  # gateway.observability.tracing.Tracing (only with tracing on)
         self.batch: Any = None  # gateway.batch.service.BatchService (only with batch.enabled)

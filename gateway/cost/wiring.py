@@ -14,6 +14,7 @@ from starlette.responses import JSONResponse, Response
 
 from gateway.admin_guard import PLATFORM_ADMIN, gateway_guard
 from gateway.budget.ledger import Ledger, PostgresSink, SqliteSink
+from gateway.config import ConfigError
 from gateway.cost.meter import CostMeter
 
 
@@ -67,8 +68,26 @@ def unbilled_ledger(config: Any) -> Ledger:
     return Ledger(sink, spool.with_name("cost-" + spool.name), b.ledger_flush_s)
 
 
+class MeterOff:
+    """Wired instead of the meter when `cost.enabled: false` at startup: the meter's stage, clocks and ledger
+    are assembled only then, so a reload cannot switch it on (it would be a meter that never saw a request
+    begin, and GPU-second budgets could not reserve); such a reload is refused and says to restart."""
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    def check_config(self, new: Any) -> None:
+        if new.raw.cost.enabled:
+            raise ConfigError("cost.enabled: true needs a restart: the cost meter was off at startup, and it is "
+                              "assembled (its stage, engine clocks, ledger) only when the gateway starts")
+
+
 def wire_cost(gw: Any) -> CostMeter | None:
     if not gw.config.raw.cost.enabled:
+        gw.services.append(MeterOff())
         return None
     budgets = _service(gw, "BudgetService")
     unbilled = unbilled_ledger(gw.config)
@@ -76,7 +95,7 @@ def wire_cost(gw: Any) -> CostMeter | None:
     meter = CostMeter(lambda: gw.config,
                       predictor=lambda: getattr(getattr(gw, "router", None), "predictor", None),
                       ledger=lambda: unbilled, metrics=gw.metrics)
-    gw.cost = meter  # type: ignore[attr-defined]
+    gw.cost = meter
     # last before dispatch: its run is the dispatch, its finish the first of the finishes (before the budget
     # settles, so a GPU-second price charges the apportioned time)
     stages = gw.pipeline.stages

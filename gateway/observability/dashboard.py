@@ -135,7 +135,7 @@ async def dashboard_data(gw: Any, recent_ids: Callable[[], list[str]], limit: in
     series = [{"request_id": d["request_id"], "backend": d["backend"], "ts": d["ts"],
                "predicted_ms": d["predicted_ttft_ms"], "actual_ms": d["actual_ttft_ms"]}
               for d in decisions if d["predicted_ttft_ms"] is not None and d["actual_ttft_ms"] is not None]
-    meter = getattr(gw, "cost", None)
+    meter = gw.cost
     # utilisation is busy_s / (generated_at - started_at), computed by the page: the data stays stable when idle
     cost = ({"currency": meter.cfg.currency, "started_at": meter.started_at, "engines": meter.engines_snapshot(),
              "by_model": meter.by_model()}

@@ -85,3 +85,30 @@ def test_apportioned_decode_per_completion_token_raises_the_worst_case(tmp_path)
     for i in range(64):  # ... until the slow one left the window of the last 64
         _served(m, clock, f"f{i}", 0.4, 40)
     assert m.gpu_worst_case(("e1",))[1] == pytest.approx(PRIOR_STEP_S)  # 10 ms apportioned < the step prior
+
+
+async def test_a_reload_cannot_switch_the_cost_meter_on(tmp_path):
+    """The meter (stage, engine clocks, ledger) is assembled at startup only: a gateway started with
+    `cost.enabled: false` refuses a reload that enables it (a GPU-second budget would then reserve with no
+    meter behind it) and keeps serving the old snapshot; a reload that keeps it off is taken."""
+    from gateway.app import Gateway
+    from gateway.config import ConfigError, load_config
+    from gateway.wiring import wire
+
+    path = tmp_path / "gw.yaml"
+    base = {"backends": [{"name": "e1", "url": "http://127.0.0.1:1/v1", "kind": "vllm", "models": ["m"]}],
+            "keys": [{"name": "k", "key": "k-0123456789abcdef", "tenant": "t"}],
+            "identity": {"sqlite_path": str(tmp_path / "id.db")},
+            "budgets": {"sqlite_path": str(tmp_path / "b.db")},
+            "policy": {"audit_path": str(tmp_path / "audit.jsonl")},
+            "cost": {"enabled": False}, "data_dir": str(tmp_path)}
+    path.write_text(yaml.safe_dump(base))
+    gw = Gateway(load_config(path))
+    wire(gw)
+    assert gw.cost is None
+    path.write_text(yaml.safe_dump({**base, "cost": {"enabled": True}}))
+    with pytest.raises(ConfigError, match="needs a restart"):
+        await gw.reload()
+    assert gw.config.raw.cost.enabled is False and gw.config.generation == 0
+    path.write_text(yaml.safe_dump({**base, "cost": {"enabled": False, "currency": "USD"}}))
+    assert (await gw.reload()).raw.cost.currency == "USD"
