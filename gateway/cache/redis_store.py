@@ -8,6 +8,7 @@ namespace, a fingerprint of backends, aliases, policy and cache settings):
 - `P:N:e:<partition>:<hash>`  the entry (a hash), with a Redis TTL of the entry's ttl_s;
 - `P:N:v:<partition>`         candidate vectors of the partition: field = entry key, value = params|vector;
 - `P:N:vz:<partition>`        the same candidates by last use (the bound);
+- `P:N:vver:<partition>`      the candidates' version (a process rereads them only when it changed);
 - `P:N:lru`                   every entry key by last use (the global `cache.max_entries` bound);
 - `P:N:exp`                   every entry key by expiry (swept on each put).
 
@@ -24,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from gateway.cache.store import Entry, best_of, entry_body, entry_from, location_allows, vector_bytes
+from gateway.cache.store import VectorCache, Entry, entry_body, entry_from, location_allows, ranked, vector_bytes
 
 log = logging.getLogger("gateway.cache")
 _GLOB = re.compile(r"([*?\[\]\\])")
@@ -52,6 +53,11 @@ class RedisStore:
         self.location = location
         self.namespace = namespace or "0"
         self.client = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self._vectors = VectorCache(max(max_entries, max_partition_entries))
+
+    def set_namespace(self, ns: str) -> None:
+        self.namespace = ns or "0"
+        self._vectors.clear()
 
     @property
     def _p(self) -> str:
@@ -64,13 +70,22 @@ class RedisStore:
         return location_allows(self.location, getattr(decision, "allowed_countries", None))
 
     async def start(self) -> None:
-        return None
+        try:
+            await self.client.ping()
+        except Exception as e:  # start anyway: every lookup is a miss until Redis answers
+            log.warning("cache redis %s unreachable at start: %s", self.url.split("@")[-1], e)
 
     async def close(self) -> None:
         await self.client.aclose()
 
     async def _read(self, key: str, now: float) -> Entry | None:
-        h: dict[bytes, bytes] = await self.client.hgetall(self._e(key))  # type: ignore[misc,assignment]
+        """The entry and its LRU bump in one round trip (ZADD XX touches only existing members)."""
+        t = time.time()
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hgetall(self._e(key))
+        pipe.zadd(f"{self._p}:lru", {key: t}, xx=True)
+        pipe.zadd(f"{self._p}:vz:{key.rsplit(':', 1)[0]}", {key: t}, xx=True)
+        h: dict[bytes, bytes] = (await pipe.execute())[0]
         if not h:
             return None
         e = entry_from(key, _s(h[b"partition"]), _s(h[b"tenant"]), _s(h[b"model"]), _s(h[b"params"]),
@@ -78,12 +93,6 @@ class RedisStore:
         if e.expires_at <= now:
             await self._forget([key])
             return None
-        t = time.time()
-        pipe = self.client.pipeline(transaction=False)
-        pipe.zadd(f"{self._p}:lru", {key: t}, xx=True)
-        if e.vector is not None:
-            pipe.zadd(f"{self._p}:vz:{e.partition}", {key: t}, xx=True)
-        await pipe.execute()
         return e
 
     async def get(self, key: str, now: float | None = None) -> Entry | None:
@@ -95,25 +104,37 @@ class RedisStore:
 
     async def nearest(self, partition: str, params: str, vector: np.ndarray,
                       now: float | None = None) -> tuple[Entry | None, float]:
+        """Cosine over the partition's candidates: this process's copy while the partition's version is
+        unchanged (one GET), else one HGETALL of the partition's bounded candidate hash."""
         now = now if now is not None else time.time()
         try:
-            cands: dict[bytes, bytes] = await self.client.hgetall(f"{self._p}:v:{partition}")  # type: ignore[misc,assignment]
-            want = params.encode() + b"|"
-            vec = vector.astype(np.float32)
-            keys: list[str] = []
-            rows: list[bytes] = []
-            for k, v in cands.items():
-                if v.startswith(want) and len(v) - len(want) == vec.nbytes:
-                    keys.append(_s(k))
-                    rows.append(v[len(want):])
-            if not rows:
+            version = await self.client.get(f"{self._p}:vver:{partition}")
+            if version is None:
                 return None, -1.0
-            mat = np.frombuffer(b"".join(rows), dtype=np.float32).reshape(len(rows), -1)
-            for i, sim in best_of(keys, mat, vec):
-                e = await self._read(keys[i], now)
+            vec = vector.astype(np.float32)
+            cached = self._vectors.get(partition, version)
+            if cached is None:
+                cands: dict[bytes, bytes] = await self.client.hgetall(  # type: ignore[misc,assignment]
+                    f"{self._p}:v:{partition}")
+                keys: list[str] = []
+                pars: list[str] = []
+                rows: list[bytes] = []
+                for k, v in cands.items():
+                    pb, _, vb = v.partition(b"|")
+                    if len(vb) == vec.nbytes:
+                        keys.append(_s(k))
+                        pars.append(_s(pb))
+                        rows.append(vb)
+                mat = np.frombuffer(b"".join(rows), dtype=np.float32).reshape(len(rows), vec.shape[0])
+                self._vectors.put(partition, version, keys, pars, mat)
+                cached = (keys, np.array(pars, dtype=object), mat)
+            keys, par, mat = cached
+            for key, sim in ranked(keys, par, mat, params, vec):
+                e = await self._read(key, now)
                 if e is not None and e.partition == partition:
                     return e, sim
-                await self._forget([keys[i]], partition)  # expired or evicted: drop its candidate
+                await self._forget([key], partition)  # expired or evicted: drop its candidate
+                self._vectors.drop(partition)
             return None, -1.0
         except Exception as ex:
             log.warning("cache redis nearest failed: %s", ex)
@@ -138,9 +159,11 @@ class RedisStore:
             pipe.zadd(f"{self._p}:exp", {e.key: e.expires_at})
             if vb is not None:
                 v, vz = f"{self._p}:v:{e.partition}", f"{self._p}:vz:{e.partition}"
+                ver = f"{self._p}:vver:{e.partition}"
                 pipe.hset(v, e.key, e.params.encode() + b"|" + vb)
                 pipe.zadd(vz, {e.key: t})
-                for k in (v, vz):  # the candidate list lives as long as its longest-lived entry
+                pipe.incr(ver)
+                for k in (v, vz, ver):  # the candidate list lives as long as its longest-lived entry
                     pipe.pexpire(k, ttl_ms, nx=True)
                     pipe.pexpire(k, ttl_ms, gt=True)
                 pipe.zcard(vz)
@@ -154,6 +177,7 @@ class RedisStore:
                     pipe = self.client.pipeline(transaction=True)
                     pipe.hdel(f"{self._p}:v:{e.partition}", *old)
                     pipe.zrem(vz, *old)
+                    pipe.incr(f"{self._p}:vver:{e.partition}")
                     await pipe.execute()
             expired = await self.client.zrangebyscore(f"{self._p}:exp", "-inf", e.created_at, start=0, num=100)
             if expired:  # swept here so expired entries do not count against the LRU bound
@@ -192,6 +216,7 @@ class RedisStore:
             every = await self._scan(f"{base}:*")
             for i in range(0, len(every), 500):
                 await self.client.unlink(*every[i:i + 500])
+            self._vectors.clear()
             return len(entries)
         match = f"{base}:*:e:" + (_glob_escape(prefix) if prefix else "") + "*"
         names = await self._scan(match)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from gateway.cache.store import CacheStore, MemoryStore
 from gateway.errors import GatewayError
 
 STORES = ("memory", "sqlite", "redis")
+log = logging.getLogger("gateway.cache")
 
 
 def _config_error(msg: str) -> Exception:
@@ -127,7 +129,10 @@ class CacheService:
         replica; replicas still on the old config keep a namespace of their own, docs/cache.md#stores)."""
         cc = config.raw.cache
         old = self.gw.config.raw.cache
-        await self.store.invalidate()
+        try:
+            await self.store.invalidate()
+        except Exception as e:  # the namespace below still keeps entries of another config from being served
+            log.warning("cache purge on reload failed (%s store): %s", self.store.name, e)
         if store_settings(cc) != store_settings(old):
             new = build_store(config)
             await new.start()
@@ -141,8 +146,8 @@ class CacheService:
             s.location = cc.location
             if hasattr(s, "max_partition_entries"):
                 s.max_partition_entries = cc.max_partition_entries
-            if hasattr(s, "namespace") and s.name != "memory":
-                s.namespace = namespace(config)
+            if hasattr(s, "set_namespace"):
+                s.set_namespace(namespace(config))
         if cc != old:
             self.stage.embedder = build_embedder(self.gw, cc)
 

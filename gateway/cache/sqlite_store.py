@@ -1,9 +1,10 @@
 """The SQLite store: one node, survives a restart (`cache.store: sqlite`, `cache.sqlite_path`).
 
 Exact lookups by primary key. The semantic tier is a brute-force cosine scan over the vectors of one partition
-with the same request parameters (one query, one matrix product), bounded: a partition keeps at most
+(one matrix product; candidates with other request parameters masked out), bounded: a partition keeps at most
 `cache.max_partition_entries` candidate vectors (the least recently used lose theirs first; their entries stay
-for exact lookups). sqlite-vec is not used: Python's sqlite3 here is built without `enable_load_extension`,
+for exact lookups). Each process keeps a copy of a partition's vectors while the partition's version (bumped
+when a candidate is added or trimmed) is unchanged, so a lookup reads one row instead of every vector. sqlite-vec is not used: Python's sqlite3 here is built without `enable_load_extension`,
 so the extension cannot be loaded (docs/cache.md#stores).
 
 Every row carries the namespace of the config that created it (a fingerprint of backends, aliases, policy and
@@ -20,7 +21,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from gateway.cache.store import Entry, best_of, entry_body, entry_from, location_allows, vector_bytes
+from gateway.cache.store import VectorCache, Entry, entry_body, entry_from, location_allows, ranked, vector_bytes
 
 SCHEMA = """
 create table if not exists cache_entries (
@@ -36,9 +37,15 @@ create table if not exists cache_entries (
   body blob not null,
   vector blob
 );
-create index if not exists cache_part on cache_entries(ns, partition, params, used_at);
+create index if not exists cache_part on cache_entries(ns, partition, used_at);
 create index if not exists cache_exp on cache_entries(expires_at);
 create index if not exists cache_used on cache_entries(used_at);
+create table if not exists cache_versions (
+  ns text not null,
+  partition text not null,
+  version integer not null,
+  primary key (ns, partition)
+);
 """
 _COLS = "key, partition, tenant, model, params, created_at, expires_at, body, vector"
 
@@ -54,6 +61,11 @@ class SqliteStore:
         self.location = location
         self.namespace = namespace
         self._db: sqlite3.Connection | None = None
+        self._vectors = VectorCache(max(max_entries, max_partition_entries))
+
+    def set_namespace(self, ns: str) -> None:
+        self.namespace = ns
+        self._vectors.clear()
 
     @property
     def db(self) -> sqlite3.Connection:
@@ -73,6 +85,7 @@ class SqliteStore:
     async def start(self) -> None:
         # rows of another config (a restart after a change) are never served: drop them now
         self.db.execute("delete from cache_entries where ns != ? or expires_at <= ?", (self.namespace, time.time()))
+        self.db.execute("delete from cache_versions where ns != ?", (self.namespace,))
 
     async def close(self) -> None:
         if self._db is not None:
@@ -96,20 +109,31 @@ class SqliteStore:
 
     async def nearest(self, partition: str, params: str, vector: np.ndarray,
                       now: float | None = None) -> tuple[Entry | None, float]:
+        """Cosine over the partition's candidates: this process's copy while the partition's version is
+        unchanged (one indexed read), else one query for the partition's vectors."""
         now = now if now is not None else time.time()
-        rows = self.db.execute(
-            "select key, vector from cache_entries where ns = ? and partition = ? and params = ?"
-            " and vector is not null and expires_at > ? order by used_at desc limit ?",
-            (self.namespace, partition, params, now, self.max_partition_entries)).fetchall()
-        want = vector.astype(np.float32).nbytes
-        rows = [r for r in rows if len(r[1]) == want]
-        if not rows:
+        db = self.db
+        r = db.execute("select version from cache_versions where ns = ? and partition = ?",
+                       (self.namespace, partition)).fetchone()
+        if r is None:
             return None, -1.0
-        mat = np.frombuffer(b"".join(r[1] for r in rows), dtype=np.float32).reshape(len(rows), -1)
-        for i, sim in best_of(rows, mat, vector.astype(np.float32)):
-            e = await self.get(rows[i][0], now)
+        cached = self._vectors.get(partition, r[0])
+        if cached is None:
+            rows = db.execute(
+                "select key, params, vector from cache_entries where ns = ? and partition = ?"
+                " and vector is not null order by used_at desc limit ?",
+                (self.namespace, partition, self.max_partition_entries)).fetchall()
+            dim = vector.shape[0] * 4
+            rows = [x for x in rows if len(x[2]) == dim]
+            mat = np.frombuffer(b"".join(x[2] for x in rows), dtype=np.float32).reshape(len(rows), vector.shape[0])
+            self._vectors.put(partition, r[0], [x[0] for x in rows], [x[1] for x in rows], mat)
+            cached = ([x[0] for x in rows], np.array([x[1] for x in rows], dtype=object), mat)
+        keys, par, mat = cached
+        for key, sim in ranked(keys, par, mat, params, vector.astype(np.float32)):
+            e = await self.get(key, now)
             if e is not None:
                 return e, sim
+            self._vectors.drop(partition)  # a candidate is gone (expired, evicted, purged): reread next time
         return None, -1.0
 
     async def put(self, e: Entry) -> bool:
@@ -126,9 +150,12 @@ class SqliteStore:
             if e.vector is not None:  # the partition's candidate list is bounded: the least recently used lose it
                 db.execute(
                     "update cache_entries set vector = null where key in (select key from cache_entries"
-                    " where ns = ? and partition = ? and params = ? and vector is not null"
+                    " where ns = ? and partition = ? and vector is not null"
                     " order by used_at desc limit -1 offset ?)",
-                    (self.namespace, e.partition, e.params, self.max_partition_entries))
+                    (self.namespace, e.partition, self.max_partition_entries))
+                db.execute("insert into cache_versions (ns, partition, version) values (?, ?, 1)"
+                           " on conflict (ns, partition) do update set version = version + 1",
+                           (self.namespace, e.partition))
             n = db.execute("select count(*) from cache_entries").fetchone()[0]
             if n > self.max_entries:
                 db.execute("delete from cache_entries where key in (select key from cache_entries"
@@ -152,7 +179,11 @@ class SqliteStore:
             where.append("substr(key, 1, ?) = ?")
             args += [len(prefix), prefix]
         sql = "delete from cache_entries" + (" where " + " and ".join(where) if where else "")
-        return self.db.execute(sql, args).rowcount
+        n = self.db.execute(sql, args).rowcount
+        if not where:
+            self.db.execute("delete from cache_versions")
+            self._vectors.clear()
+        return n
 
     async def count(self) -> int:
         return int(self.db.execute("select count(*) from cache_entries").fetchone()[0])

@@ -5,10 +5,12 @@ finish stores the response the client received, when it was a complete 200 and t
 
 Never stored, never served: zero or unknown retention, a residency the store's location does not satisfy,
 per-request provider preferences, temperature above `cache.max_temperature`, endpoints other than chat and
-completions, batch-lane lines (the lane dispatches itself). Each of those is answered `x-gateway-cache: bypass` with the reason in evidence.
+completions, batch-lane lines (the lane dispatches itself), a store that fails (a lookup error is a bypass, a put
+error stores nothing; never a failed request). Each of those is answered `x-gateway-cache: bypass` with the reason in evidence.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -24,6 +26,7 @@ from gateway.pipeline import RequestContext, Usage
 from gateway.proxy.forward import JsonResult
 
 HEADER = "x-gateway-cache"
+log = logging.getLogger("gateway.cache")
 
 
 class CacheMetrics:
@@ -95,7 +98,11 @@ class CacheStage:
         part = partition(ctx, spec.scope)
         key = exact_key(part, body)
         now = self.clock()
-        e = await self.store.get(key, now)
+        try:
+            e = await self.store.get(key, now)
+        except Exception as ex:  # a failing store is a bypass, never a failed request
+            log.warning("cache store %s lookup failed: %s", self.store.name, ex)
+            return self._bypass(ctx, "store_error", tier)
         if e is not None:
             return self._hit(ctx, e, tier="exact", similarity=1.0, guards=["exact_key"])
         pending = Pending(spec=spec, partition=part, key=key, capture=Capture(ctx.endpoint, cc.max_entry_bytes))
@@ -106,7 +113,11 @@ class CacheStage:
             ctx.evidence["cache_embed_ms"] = round((time.perf_counter() - t0) * 1000, 3)
             if vec is not None:
                 pending.vector, pending.params, pending.guards = vec, params_key(body), G.features(turns)
-                cand, sim = await self.store.nearest(part, pending.params, vec, now)
+                try:
+                    cand, sim = await self.store.nearest(part, pending.params, vec, now)
+                except Exception as ex:
+                    log.warning("cache store %s nearest failed: %s", self.store.name, ex)
+                    cand, sim = None, -1.0
                 threshold = spec.similarity if spec.similarity is not None else cc.default_similarity
                 if cand is not None and sim >= threshold:
                     ok, passed, failed = G.compare(pending.guards, cand.guards)
@@ -167,11 +178,15 @@ class CacheStage:
         ttl = p.spec.ttl_s if p.spec.ttl_s is not None else cc.default_ttl_s
         d = ctx.decision
         residency = sorted(d.allowed_countries) if d is not None and d.allowed_countries is not None else None
-        stored = await self.store.put(Entry(
-            key=p.key, partition=p.partition, tenant=ctx.principal.tenant, model=ctx.model, response=obj,
-            created_by=ctx.request_id, created_at=now, expires_at=now + ttl, prompt_tokens=u.prompt_tokens,
-            completion_tokens=u.completion_tokens, cost=cost.get("amount"), currency=cost.get("currency"),
-            vector=p.vector, params=p.params, guards=p.guards, residency=residency))
+        try:
+            stored = await self.store.put(Entry(
+                key=p.key, partition=p.partition, tenant=ctx.principal.tenant, model=ctx.model, response=obj,
+                created_by=ctx.request_id, created_at=now, expires_at=now + ttl, prompt_tokens=u.prompt_tokens,
+                completion_tokens=u.completion_tokens, cost=cost.get("amount"), currency=cost.get("currency"),
+                vector=p.vector, params=p.params, guards=p.guards, residency=residency))
+        except Exception as ex:
+            log.warning("cache store %s put failed: %s", self.store.name, ex)
+            stored = False
         ev = ctx.evidence.get("cache")
         if isinstance(ev, dict):
             ev["stored"] = stored

@@ -78,6 +78,52 @@ def best_of(candidates: list[Any], mat: np.ndarray, vector: np.ndarray) -> list[
     return [(int(i), float(sims[i])) for i in order]
 
 
+class VectorCache:
+    """This process's copy of partitions' candidate vectors for the persistent stores, so a semantic lookup
+    reads one version number instead of every vector: refreshed when the store's version of the partition
+    changed (a candidate was added or trimmed), dropped when a candidate turned out gone. Bounded by rows."""
+
+    def __init__(self, max_rows: int) -> None:
+        self.max_rows = max_rows
+        self._d: OrderedDict[str, tuple[Any, list[str], np.ndarray, np.ndarray]] = OrderedDict()
+        self._rows = 0
+
+    def get(self, partition: str, version: Any) -> tuple[list[str], np.ndarray, np.ndarray] | None:
+        hit = self._d.get(partition)
+        if hit is None or hit[0] != version:
+            return None
+        self._d.move_to_end(partition)
+        return hit[1], hit[2], hit[3]
+
+    def put(self, partition: str, version: Any, keys: list[str], params: list[str], mat: np.ndarray) -> None:
+        self.drop(partition)
+        if len(keys) > self.max_rows:
+            return
+        self._d[partition] = (version, keys, np.array(params, dtype=object), mat)
+        self._rows += len(keys)
+        while self._rows > self.max_rows:
+            self.drop(next(iter(self._d)))
+
+    def drop(self, partition: str) -> None:
+        old = self._d.pop(partition, None)
+        if old is not None:
+            self._rows -= len(old[1])
+
+    def clear(self) -> None:
+        self._d.clear()
+        self._rows = 0
+
+
+def ranked(keys: list[str], params: np.ndarray, mat: np.ndarray, want: str,
+           vector: np.ndarray) -> list[tuple[str, float]]:
+    """(key, cosine) of the best few candidates with the wanted parameters, best first."""
+    if not keys or mat.shape[1] != vector.shape[0]:
+        return []
+    sims = mat @ vector
+    sims = np.where(params == want, sims, -np.inf)
+    return [(keys[int(i)], float(sims[i])) for i in np.argsort(-sims)[:8] if sims[i] > -np.inf]
+
+
 class CacheStore(Protocol):
     """What the stage and the service need of a store (all I/O is async; `allows` is not)."""
 

@@ -69,7 +69,7 @@ async def test_redis_keys_carry_prefix_namespace_and_partition(stores):
     await s.put(entry("p1:k1", "p1"))
     names = sorted(k.decode() for k in await s._scan(f"{s.key_prefix}:*"))
     assert names == [f"{s.key_prefix}:ns:e:p1:k1", f"{s.key_prefix}:ns:exp", f"{s.key_prefix}:ns:lru", f"{s.key_prefix}:ns:v:p1",
-                     f"{s.key_prefix}:ns:vz:p1"]
+                     f"{s.key_prefix}:ns:vver:p1", f"{s.key_prefix}:ns:vz:p1"]
     ttl = await s.client.pttl(f"{s.key_prefix}:ns:e:p1:k1")
     assert 0 < ttl <= 60_000  # Redis expires the entry itself too
 
