@@ -83,3 +83,25 @@ async def test_expired_entries_are_swept_and_do_not_count_against_the_bound(stor
     await s.put(entry("p1:k1"))
     await s.put(entry("p1:k2"))
     assert {e.key for e in await s.all_entries()} == {"p1:k1", "p1:k2"}
+
+
+async def test_a_failing_store_is_a_bypass_or_a_miss_never_an_error(tmp_path):
+    from gateway.cache.redis_store import RedisStore
+    from gateway.cache.store import MemoryStore
+    from tests.cache.helpers import make_ctx, make_stage, serve, user
+
+    class Broken(MemoryStore):
+        async def get(self, key, now=None):
+            raise OSError("disk gone")
+
+        async def put(self, e):
+            raise OSError("disk gone")
+
+    stage, _, _ = make_stage(stores=lambda *a: Broken(*a[:2]))
+    c = make_ctx(user("q"), mode="exact")
+    assert await serve(stage, c, "a") == "bypass" and c.evidence["cache"]["reason"] == "store_error"
+    down = RedisStore("redis://127.0.0.1:9/0", "gwctest:down", timeout_s=0.2)  # nothing listens there
+    stage, _, _ = make_stage(stores=lambda *a: down)
+    c = make_ctx(user("q"))
+    assert await serve(stage, c, "a") == "miss" and c.evidence["cache"]["stored"] is False
+    await down.close()
