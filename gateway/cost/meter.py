@@ -42,7 +42,7 @@ class CostStage:
         self.meter = meter
 
     async def run(self, ctx: Any) -> None:
-        self.meter.open(ctx)
+        return None  # spans open per attempt (the dispatcher calls attempt_begin / attempt_failed)
 
     async def finish(self, ctx: Any) -> None:
         self.meter.close(ctx)
@@ -67,6 +67,7 @@ class CostMeter:
         self._decode: dict[str, deque[float]] = {}
         self._facts: dict[str, dict[str, Any]] = {}  # request id -> ledger fields until its row is enqueued
         self._priced: dict[str, dict[str, Any]] = {}  # request id -> its priced facts, before_settle -> finish
+        self._retry: dict[str, list[Any]] = {}  # request id -> [engine, GPU-seconds of its failed attempts]
         self._children: dict[tuple[str, str, str], tuple[Any, ...]] = {}  # (backend, model, category) -> series
         self.stage = CostStage(self)
         # fleet-wide GPU-seconds per token of served requests (a response-cache hit's saving is priced with it)
@@ -138,28 +139,48 @@ class CostMeter:
         return getattr(b, "operator", "self") != "partner"
 
     def open(self, ctx: Any) -> None:
-        """The request is about to be dispatched: its span begins on the engine the route plan tries first."""
-        if not self.cfg.enabled or ctx.request_id in self._open:
+        """A span on the engine the route plan tries first (what the dispatcher's first attempt does)."""
+        cands = getattr(ctx.route, "candidates", None) or ()
+        if cands:
+            self.attempt_begin(ctx, cands[0])
+
+    def attempt_begin(self, ctx: Any, cand: Any) -> None:
+        """The dispatcher sends the request to `cand`: its span begins on that engine (ours only)."""
+        if ctx.request_id in self._open or not self.cfg.enabled:
             return
-        plan = ctx.route
-        cands = getattr(plan, "candidates", None) or ()
-        if not cands:
-            return
-        engine = cands[0].backend.name
+        engine = cand.backend.name
         if not self._own(engine):
             return
         # what it will prefill: the gateway's prompt estimate, scaled by how far it ran from the engine's own
         # count on this engine lately (chars/4 counted 2x the sim's tokens), less the cached tokens routing
         # predicted (the KV index counts engine tokens), times the learned cost per token
         est = ctx.prompt_tokens_est
-        expected = max(0.0, est * self._est_ratio.get(engine, 1.0) - (getattr(cands[0], "cached_tokens", None) or 0))
+        expected = max(0.0, est * self._est_ratio.get(engine, 1.0) - (getattr(cand, "cached_tokens", None) or 0))
         token = self.clock_of(engine).begin(self.clock(), expected * self.s_per_token(engine))
         self._open[ctx.request_id] = (engine, token, est)
+
+    def attempt_failed(self, ctx: Any, cand: Any) -> None:
+        """The attempt on `cand` failed (the dispatcher tries the next candidate or gives up): its engine time
+        ends now and is the request's retry waste (`wasted_gpu_seconds.retry`), not part of what it is charged."""
+        span = self._open.pop(ctx.request_id, None)
+        if span is None:
+            return
+        engine, token, _ = span
+        c = self.clock_of(engine).end(self.clock(), token)
+        bc = backend_cost(self.cfg, engine)
+        w = self._retry.setdefault(ctx.request_id, [engine, 0.0])
+        w[0] = engine
+        w[1] += c.seconds * (bc.gpus if bc is not None else 1)
 
     def close(self, ctx: Any) -> None:
         """The response is complete (or failed, or cut): the span ends and the request is charged."""
         span = self._open.pop(ctx.request_id, None)
+        retry = self._retry.pop(ctx.request_id, None)
         if span is None:
+            if retry is not None:  # every attempt failed: all its engine time was retry waste
+                ctx.evidence["unit_cost"] = {"engine": retry[0], "method": "apportioned", "gpu_seconds": 0.0,
+                                             "prefill_gpu_seconds": 0.0, "shared_gpu_seconds": 0.0,
+                                             "retry_gpu_seconds": retry[1]}
             return
         engine, token, est = span
         ec = self.clock_of(engine)
@@ -189,6 +210,8 @@ class CostMeter:
             "s_per_prefill_token": spt, "gpus": gpus,
             "cached_prefill_gpu_seconds": cached * spt * gpus,
         }
+        if retry is not None:
+            facts["retry_gpu_seconds"] = retry[1]
         ctx.evidence["unit_cost"] = facts
 
     # ------------------------------------------------------------------ pricing (finish hook)
@@ -221,7 +244,8 @@ class CostMeter:
         if cat in ("cache_hit", "rejected"):
             amount, gpu_s = 0.0, 0.0
         estimate = self.gpu_per_token * (prompt + completion) if cat == "cache_hit" else None
-        saved, wasted = savings_and_waste(cat, gpu_s, float(uc.get("cached_prefill_gpu_seconds") or 0.0), estimate)
+        saved, wasted = savings_and_waste(cat, gpu_s, float(uc.get("cached_prefill_gpu_seconds") or 0.0), estimate,
+                                          float(uc.get("retry_gpu_seconds") or 0.0))
         out = {**uc, "category": cat, "backend": backend, "gpu_seconds": gpu_s, "cost": amount,
                "cost_basis": basis, "currency": cfg.currency, "retries": o.retries,
                "saved_gpu_seconds": saved, "wasted_gpu_seconds": wasted}

@@ -67,10 +67,12 @@ def category(o: Outcome) -> str:
 
 
 def savings_and_waste(cat: str, gpu_seconds: float | None, cached_prefill_s: float,
-                      cache_hit_estimate_s: float | None) -> tuple[dict[str, float], dict[str, float]]:
+                      cache_hit_estimate_s: float | None, retry_s: float = 0.0
+                      ) -> tuple[dict[str, float], dict[str, float]]:
     """GPU-seconds saved and wasted, by reason. Saved: prompt tokens the engine's prefix cache served (their
     prefill at the learned cost per token), a response-cache hit (what a like request cost on the engines).
-    Wasted: all engine time of an aborted, cut or failed request (the answer was not delivered whole)."""
+    Wasted: all engine time of an aborted, cut or failed request (the answer was not delivered whole), and
+    the engine time of failed attempts before the one that answered (`retry`)."""
     saved: dict[str, float] = {}
     wasted: dict[str, float] = {}
     if cached_prefill_s > 0:
@@ -79,6 +81,8 @@ def savings_and_waste(cat: str, gpu_seconds: float | None, cached_prefill_s: flo
         saved["response_cache"] = cache_hit_estimate_s
     if cat in WASTE and gpu_seconds:
         wasted[cat] = gpu_seconds
+    if retry_s > 0:  # engine time of failed attempts before the one that answered (or of all of them)
+        wasted["retry"] = retry_s
     return saved, wasted
 
 

@@ -96,6 +96,7 @@ def wire_cost(gw: Any) -> CostMeter | None:
                       predictor=lambda: getattr(getattr(gw, "router", None), "predictor", None),
                       ledger=lambda: unbilled, metrics=gw.metrics)
     gw.cost = meter
+    gw.dispatcher.attempts = meter  # engine time per attempt: a failed attempt's is retry waste
     # last before dispatch: its run is the dispatch, its finish the first of the finishes (before the budget
     # settles, so a GPU-second price charges the apportioned time)
     stages = gw.pipeline.stages

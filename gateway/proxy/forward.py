@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Protocol
 
 
 from gateway.api.wire.base import StreamState
@@ -131,6 +131,14 @@ class DispatchStage:
         return None
 
 
+class AttemptObserver(Protocol):
+    """Told of each attempt on a candidate (the cost meter: engine time per attempt, failed ones as waste)."""
+
+    def attempt_begin(self, ctx: RequestContext, cand: Candidate) -> None: ...
+
+    def attempt_failed(self, ctx: RequestContext, cand: Candidate) -> None: ...
+
+
 class Dispatcher:
     """Opens the upstream request for a planned request, following the candidate list."""
 
@@ -142,6 +150,7 @@ class Dispatcher:
         self._residency_check = residency_check
         self.max_attempts = max_attempts
         self.retry_budget = RetryBudget()
+        self.attempts: AttemptObserver | None = None  # gateway.cost.meter.CostMeter when cost is enabled
 
     def _headers(self, ctx: RequestContext, cand: Candidate, dialect: Dialect) -> dict[str, str]:
         h = {"content-type": "application/json", "x-request-id": ctx.request_id}
@@ -183,9 +192,14 @@ class Dispatcher:
                 ctx.attempts.append({"backend": name, "skipped": "retry budget exhausted"})
                 break
             attempts += 1
+            obs = self.attempts
+            if obs is not None:
+                obs.attempt_begin(ctx, cand)
             try:
                 result = await self._attempt(ctx, cand, ex)
             except GatewayError as e:
+                if obs is not None:
+                    obs.attempt_failed(ctx, cand)
                 retryable = bool(e.extra.pop("_retryable", False))
                 ctx.attempts.append({"backend": name, "error": e.code, "status": e.status})
                 last_error = e

@@ -88,3 +88,32 @@ def test_the_simulators_busy_time_is_the_sum_of_its_step_times():
     # the per-request truth splits every step: its sum is the busy time
     assert sum(r.true_s for r in reqs) == pytest.approx(s.stats.busy_s, rel=1e-12)
     assert all(r.true_s > 0 for r in reqs)
+
+
+async def test_a_failed_attempt_is_retry_waste_on_its_engine_not_part_of_the_charge(tmp_path):
+    """The dispatcher tells the meter of each attempt: the first engine answers 500, the second serves. The
+    first engine's time is booked on its own clock (conserved there) as the request's `retry` waste; the
+    request's charged GPU-seconds are those of the engine that answered."""
+    seen: dict[str, dict] = {}
+    async with start_fleet(2, profiles=["l40s-8b", "l40s-8b"]) as fleet:
+        engines = fleet.manifest()["engines"]
+        cfg = gateway_config(engines, tmp_path)
+        async with wired_gateway(cfg, tmp_path) as (gw, cl):
+            async def keep(ctx) -> None:
+                seen[ctx.request_id] = dict(ctx.evidence.get("unit_cost") or {})
+
+            gw.finish_hooks.append(keep)
+            fleet.servers[0].engine.faults.error_rate = 1.0
+            first, second = engines[0]["name"], engines[1]["name"]
+            r = await cl.post("/v1/chat/completions", headers={"authorization": f"Bearer {KEY}"}, json={
+                "model": "sim-model", "max_tokens": 8, "provider": {"order": [first, second]},
+                "messages": [{"role": "user", "content": "one engine fails, the next one answers " * 20}]})
+            assert r.status_code == 200
+            uc = seen[r.headers["x-request-id"]]
+            clocks = gw.cost.engines_snapshot()
+    assert uc["engine"] == second and uc["retries"] == 1 and uc["category"] == "served"
+    assert uc["retry_gpu_seconds"] > 0 and uc["wasted_gpu_seconds"] == {"retry": uc["retry_gpu_seconds"]}
+    assert uc["gpu_seconds"] > 0
+    assert clocks[first]["busy_s"] > 0 and clocks[first]["in_flight"] == 0
+    assert clocks[first]["charged_s"] == pytest.approx(clocks[first]["busy_s"], rel=1e-6, abs=1e-6)
+    assert uc["retry_gpu_seconds"] == pytest.approx(clocks[first]["charged_s"], rel=1e-3, abs=1e-6)
