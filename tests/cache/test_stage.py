@@ -105,6 +105,8 @@ async def test_zero_or_unknown_retention_leaves_nothing_in_the_store(stores, why
     z = make_ctx(user("shared q"), retention="zero")
     await stage.run(z)
     assert z.answer is None and (why == "unknown" or z.extra_headers["x-gateway-cache"] == "bypass")
+    raw = await stores.raw_bytes()  # now the SQLite file exists and Redis holds keys: still no canary
+    assert b"kept" in raw and canary.encode() not in raw
 
 
 async def test_retention_tightened_after_lookup_is_not_stored(stores):
