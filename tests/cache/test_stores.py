@@ -105,3 +105,25 @@ async def test_a_failing_store_is_a_bypass_or_a_miss_never_an_error(tmp_path):
     c = make_ctx(user("q"))
     assert await serve(stage, c, "a") == "miss" and c.evidence["cache"]["stored"] is False
     await down.close()
+
+
+async def test_sqlite_shared_by_two_processes_on_one_node(tmp_path):
+    """Two connections on one file (two gateway processes of one node): an entry and a new semantic candidate
+    written by one are seen by the other (its vector copy is reread when the partition's version moved)."""
+    a = SqliteStore(tmp_path / "c.db", namespace="ns")
+    b = SqliteStore(tmp_path / "c.db", namespace="ns")
+    await a.start()
+    await b.start()
+    q = np.ones(4, dtype=np.float32) / 2
+    assert (await b.nearest("p1", "q", q))[0] is None
+    await a.put(entry("p1:k1", "p1"))
+    assert (await b.get("p1:k1")) is not None
+    assert (await b.nearest("p1", "q", q))[0].key == "p1:k1"
+    other = entry("p1:k2", "p1")
+    other.vector = np.array([1, 0, 0, 0], dtype=np.float32)
+    await a.put(other)
+    got, sim = await b.nearest("p1", "q", np.array([1, 0, 0, 0], dtype=np.float32))
+    assert got.key == "p1:k2" and sim == pytest.approx(1.0)
+    assert await a.invalidate(prefix="p1:") == 2 and (await b.nearest("p1", "q", q))[0] is None
+    await a.close()
+    await b.close()
