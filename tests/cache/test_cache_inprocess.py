@@ -161,3 +161,24 @@ async def test_admin_delete_and_reload_purge(stack) -> None:
     await gw.reload()
     assert await gw.cache.store.count() == 0
     assert (await chat(c, "purge me")).headers["x-gateway-cache"] == "miss"
+
+
+async def test_reload_that_changes_the_store_opens_the_new_one(stack) -> None:
+    gw, c, tmp_path = stack
+    if gw.cache.store.name != "memory":
+        pytest.skip("one switch is enough: memory -> sqlite")
+    await chat(c, "switch me")
+    path = tmp_path / "gw.yaml"
+    cfg = yaml.safe_load(path.read_text())
+    cfg["cache"].update({"store": "sqlite", "sqlite_path": str(tmp_path / "switched.db")})
+    path.write_text(yaml.safe_dump(cfg))
+    await gw.reload()
+    assert gw.cache.store.name == "sqlite" and gw.cache.stage.store is gw.cache.store
+    assert (await chat(c, "switch me")).headers["x-gateway-cache"] == "miss"
+    assert (await chat(c, "switch me")).headers["x-gateway-cache"] == "hit"
+    assert (tmp_path / "switched.db").exists()
+    cfg["cache"]["store"] = "nonsense"
+    path.write_text(yaml.safe_dump(cfg))
+    with pytest.raises(Exception, match="cache.store"):
+        await gw.reload()
+    assert gw.cache.store.name == "sqlite"
