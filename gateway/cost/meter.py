@@ -61,7 +61,8 @@ class CostMeter:
         self.clock = clock
         self.metrics = metrics
         self.engines: dict[str, EngineClock] = {}
-        self._open: dict[str, tuple[str, int, int]] = {}  # request id -> (engine, clock token, estimate)
+        # request id -> (engine, clock token, prompt estimate, learned prefill cost per token at begin)
+        self._open: dict[str, tuple[str, int, int, float]] = {}
         self._est_ratio: dict[str, float] = {}  # engine -> EWMA of prompt tokens counted / estimated at dispatch
         # engine -> apportioned decode GPU-seconds per completion token of its last DECODE_WINDOW requests
         self._decode: dict[str, deque[float]] = {}
@@ -146,18 +147,18 @@ class CostMeter:
 
     def attempt_begin(self, ctx: Any, cand: Any) -> None:
         """The dispatcher sends the request to `cand`: its span begins on that engine (ours only)."""
-        if ctx.request_id in self._open or not self.cfg.enabled:
-            return
-        engine = cand.backend.name
-        if not self._own(engine):
-            return
+        b = cand.backend
+        if b.operator == "partner" or ctx.request_id in self._open or not self.cfg.enabled:
+            return  # a partner route uses no GPU of ours
+        engine = b.name
         # what it will prefill: the gateway's prompt estimate, scaled by how far it ran from the engine's own
         # count on this engine lately (chars/4 counted 2x the sim's tokens), less the cached tokens routing
         # predicted (the KV index counts engine tokens), times the learned cost per token
         est = ctx.prompt_tokens_est
         expected = max(0.0, est * self._est_ratio.get(engine, 1.0) - (getattr(cand, "cached_tokens", None) or 0))
-        token = self.clock_of(engine).begin(self.clock(), expected * self.s_per_token(engine))
-        self._open[ctx.request_id] = (engine, token, est)
+        spt = self.s_per_token(engine)
+        token = self.clock_of(engine).begin(self.clock(), expected * spt)
+        self._open[ctx.request_id] = (engine, token, est, spt)
 
     def attempt_failed(self, ctx: Any, cand: Any) -> None:
         """The attempt on `cand` failed (the dispatcher tries the next candidate or gives up): its engine time
@@ -165,7 +166,7 @@ class CostMeter:
         span = self._open.pop(ctx.request_id, None)
         if span is None:
             return
-        engine, token, _ = span
+        engine, token, _, _ = span
         c = self.clock_of(engine).end(self.clock(), token)
         bc = backend_cost(self.cfg, engine)
         w = self._retry.setdefault(ctx.request_id, [engine, 0.0])
@@ -182,7 +183,7 @@ class CostMeter:
                                              "prefill_gpu_seconds": 0.0, "shared_gpu_seconds": 0.0,
                                              "retry_gpu_seconds": retry[1]}
             return
-        engine, token, est = span
+        engine, token, est, spt = span  # spt: the learned prefill cost per token its begin used
         ec = self.clock_of(engine)
         c = ec.end(self.clock(), token)
         u = ctx.usage
@@ -191,7 +192,6 @@ class CostMeter:
             prompt, cached = u.prompt_tokens, min(max(u.cached_tokens or 0, 0), u.prompt_tokens)
         else:
             prompt, cached = (ctx.prompt_tokens_est if dispatched else 0), 0
-        spt = self.s_per_token(engine)
         if u is not None and est > 0:  # the gateway's prompt estimate vs the engine's count, on this engine
             r = min(max(prompt / est, 0.05), 20.0)
             self._est_ratio[engine] = 0.9 * self._est_ratio.get(engine, 1.0) + 0.1 * r

@@ -62,7 +62,8 @@ def test_learned_prefill_cost_and_step_from_the_router(tmp_path):
 
 def _served(m: CostMeter, clock: Clock, rid: str, seconds: float, completion: int) -> None:
     c = RequestContext(request_id=rid, endpoint="chat", headers={}, body={}, model="m", prompt_tokens_est=0)
-    c.route = SimpleNamespace(candidates=[SimpleNamespace(backend=SimpleNamespace(name="e1"), cached_tokens=0)])
+    backend = m._config().backend("e1")  # the configured backend, as a route plan's candidate carries it
+    c.route = SimpleNamespace(candidates=[SimpleNamespace(backend=backend, cached_tokens=0)])
     m.open(c)
     clock.t += seconds
     c.backend = "e1"
