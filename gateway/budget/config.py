@@ -11,6 +11,7 @@ class ModelPrice(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     gpu_second: float | None = None  # self-hosted: price per GPU-second of the engine that served it
     batch_input: float | None = None  # per million input tokens of batch-lane lines (docs/batch.md); None = input
     batch_output: float | None = None  # per million output tokens of batch-lane lines; None = output
+    cache_hit: float = 0.0  # per million tokens (prompt + completion) of a response-cache hit; 0: free, no budget
     currency: str = "EUR"
 
 

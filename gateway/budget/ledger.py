@@ -28,16 +28,19 @@ COLUMNS = ("request_id", "ts", "principal_id", "tenant", "team", "project", "key
            # engine time apportioned to the request, what that cost the platform (in cost.currency), the
            # request's category and the GPU-seconds it saved (prefix/response cache) or wasted
            "engine", "gpu_seconds_apportioned", "engine_cost", "cost_basis", "cost_category",
-           "saved_gpu_seconds", "wasted_gpu_seconds", "retries")
+           "saved_gpu_seconds", "wasted_gpu_seconds", "retries",
+           # a response-cache hit (docs/cache.md#price): the tokens it answered without the GPU and the money
+           # saved (its normal price minus what it was charged, in the budget currency, as `cost`)
+           "saved_tokens", "saved_cost")
 # Columns added after the first release: an existing table gets them on open (ALTER TABLE ... ADD COLUMN).
 _ADDED = ("client_request_id", "engine", "gpu_seconds_apportioned", "engine_cost", "cost_basis", "cost_category",
-          "saved_gpu_seconds", "wasted_gpu_seconds", "retries")
+          "saved_gpu_seconds", "wasted_gpu_seconds", "retries", "saved_tokens", "saved_cost")
 _TYPES_SQL = {"ts": "DOUBLE PRECISION", "prompt_tokens": "BIGINT", "completion_tokens": "BIGINT",
               "cached_tokens": "BIGINT", "total_tokens": "BIGINT", "cost": "DOUBLE PRECISION",
               "gpu_seconds": "DOUBLE PRECISION", "status": "INTEGER", "cut_by_budget": "BOOLEAN",
               "gpu_seconds_apportioned": "DOUBLE PRECISION", "engine_cost": "DOUBLE PRECISION",
               "saved_gpu_seconds": "DOUBLE PRECISION", "wasted_gpu_seconds": "DOUBLE PRECISION",
-              "retries": "INTEGER"}
+              "retries": "INTEGER", "saved_tokens": "BIGINT", "saved_cost": "DOUBLE PRECISION"}
 
 
 def _ddl(table: str) -> str:

@@ -11,9 +11,17 @@ from gateway.pipeline import Usage
 
 
 def find_price(model: str, prices: Mapping[str, ModelPrice], backend: str | None = None,
-               batch: bool = False) -> ModelPrice | None:
+               batch: bool = False, cache_hit: bool = False) -> ModelPrice | None:
     """`backend:model` wins over `model`, so one model can be priced differently per engine or partner. With
-    `batch` (a batch-lane line) the price's batch_input/batch_output replace input/output where set."""
+    `batch` (a batch-lane line) the price's batch_input/batch_output replace input/output where set. With
+    `cache_hit` (an answer from the response cache: no backend, no GPU) the price is its `cache_hit` rate for
+    prompt and completion tokens alike, nothing per GPU-second; `backend` is ignored (a hit has none)."""
+    if cache_hit:
+        hp = prices.get(model)
+        if hp is None:
+            return None
+        return msgspec.structs.replace(hp, input=hp.cache_hit, cached_input=None, output=hp.cache_hit,
+                                       gpu_second=None, batch_input=None, batch_output=None)
     p = prices.get(f"{backend}:{model}") if backend is not None else None
     if p is None:
         p = prices.get(model)
@@ -26,10 +34,11 @@ def find_price(model: str, prices: Mapping[str, ModelPrice], backend: str | None
 
 
 def cost(model: str, usage: Usage, prices: Mapping[str, ModelPrice], gpu_seconds: float | None = None,
-         backend: str | None = None, batch: bool = False) -> float:
+         backend: str | None = None, batch: bool = False, cache_hit: bool = False) -> float:
     """Money for `usage` of `model`; 0.0 for an unpriced model. Cached prompt tokens are billed at
-    cached_input (input when unset); GPU-seconds add gpu_second * seconds when both are known."""
-    p = find_price(model, prices, backend, batch)
+    cached_input (input when unset); GPU-seconds add gpu_second * seconds when both are known. `cache_hit`:
+    a response-cache hit, every token at the price's `cache_hit` rate (find_price)."""
+    p = find_price(model, prices, backend, batch, cache_hit)
     if p is None:
         return 0.0
     cached = min(max(usage.cached_tokens or 0, 0), usage.prompt_tokens)

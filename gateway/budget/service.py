@@ -245,13 +245,15 @@ class BudgetService:
             self._period_cache[window] = ref
         return ref.ref
 
-    def _price(self, models: tuple[str, ...], batch: bool = False) -> tuple[float, float, float]:
+    def _price(self, models: tuple[str, ...], batch: bool = False, cache_hit: bool = False
+               ) -> tuple[float, float, float]:
         """Worst-case (input, output, fixed) nano-units (per token; fixed per request) over every (backend,
         model) the request may be charged at: each model of the chain with each backend serving any of them
         (the route is not planned yet, and retries or spills may land on any of them), each pair priced as
         settle prices it (`<backend>:<model>`, else `<model>`). A model no configured backend serves is also
-        priced without a backend. Cached per chain until the next config swap."""
-        ck = (*models, "\x00batch") if batch else models
+        priced without a backend. `cache_hit`: a response-cache hit, priced at each model's `cache_hit` rate with
+        no backend and nothing per GPU-second. Cached per chain until the next config swap."""
+        ck = (*models, "\x00batch") if batch else (*models, "\x00hit") if cache_hit else models
         hit = self._price_cache.get(ck)
         if hit is not None:
             return hit
@@ -263,8 +265,8 @@ class BudgetService:
             gpu_s = self.longest_request_s(backends)
         pin = pout = fixed = 0.0
         for m in models:
-            for b in (backends if m in serving else (*backends, None)):
-                p: ModelPrice | None = find_price(m, cfg.prices, b, batch)
+            for b in ((None,) if cache_hit else backends if m in serving else (*backends, None)):
+                p: ModelPrice | None = find_price(m, cfg.prices, b, batch, cache_hit)
                 if p is None:
                     continue
                 fx = convert(1.0, p.currency, cfg.currency, cfg.fx_rates)
@@ -282,21 +284,24 @@ class BudgetService:
 
     async def reserve(self, rid: str, principal: Principal, budgets: tuple[BudgetSpec, ...],
                       models: tuple[str, ...], prompt_tokens: int, max_tokens: int | None,
-                      max_tokens_cap: int | None = None, batch: bool = False) -> ReserveOutcome:
-        """Reserve the worst case over every scope x window, or raise GatewayError 429/503."""
+                      max_tokens_cap: int | None = None, batch: bool = False, cache_hit: bool = False
+                      ) -> ReserveOutcome:
+        """Reserve the worst case over every scope x window, or raise GatewayError 429/503. `cache_hit`: an
+        answer from the response cache (its usage is known: `prompt_tokens` and `max_tokens` are the stored
+        usage), priced at the cache price and using no GPU-seconds."""
         cfg = self.cfg
         now = self.clock()
         default_cap = _min(cfg.default_max_tokens, max_tokens_cap)
         max_c = max_tokens if max_tokens is not None else default_cap
         min_c = max_c if max_tokens is not None else min(cfg.min_completion_tokens, max_c)
-        pin, pout, pfixed = self._price(models, batch)
+        pin, pout, pfixed = self._price(models, batch, cache_hit)
         store_name, store, scale = "primary", self.primary, 1.0
         if now < self._down_until:
             store_name, store, scale = self._fallback(now)
         limits = self.limits_for(principal, budgets, scale)
         if not limits:
             raise _NoLimits()
-        gfix, gtok = self._gpu_worst(limits, models, prompt_tokens)
+        gfix, gtok = (0, 0) if cache_hit else self._gpu_worst(limits, models, prompt_tokens)
         args = self._reserve_args(rid, now, limits, prompt_tokens, max_c, min_c, pin, pout, pfixed, gfix, gtok)
         try:
             res = await store.reserve(args)
@@ -354,22 +359,23 @@ class BudgetService:
 
     async def settle(self, resv: Reservation, usage: Usage, model: str, backend: str | None = None,
                      gpu_seconds: float | None = None, batch: bool = False,
-                     apportioned_gpu_seconds: float = 0.0) -> SettleOutcome:
+                     apportioned_gpu_seconds: float = 0.0, cache_hit: bool = False) -> SettleOutcome:
         """Replace the hold with actual usage. Never loses spend: a failed primary settle is queued and replayed.
 
         A GPU-second-priced model served by `backend` without `gpu_seconds` given is charged the wall time
         from this reservation to now (what the gateway held the request for: it bounds the engine's time).
         `apportioned_gpu_seconds` (the engine time the cost meter apportioned to the request; 0 when no engine
-        of ours served it) is what every window's GPU-seconds counter is charged."""
+        of ours served it) is what every window's GPU-seconds counter is charged. `cache_hit`: priced at the
+        cache price (find_price)."""
         if resv.settled:
             raise RuntimeError(f"reservation {resv.rid} settled twice")
         resv.settled = True
         now = self.clock()
-        p = find_price(model, self.cfg.prices, backend, batch)
+        p = find_price(model, self.cfg.prices, backend, batch, cache_hit)
         if gpu_seconds is None and backend is not None and p is not None and p.gpu_second is not None:
             gpu_seconds = max(0.0, round(now - resv.args.now, 3))
         ccy = self.cfg.currency
-        amount = cost(model, usage, self.cfg.prices, gpu_seconds, backend, batch)
+        amount = cost(model, usage, self.cfg.prices, gpu_seconds, backend, batch, cache_hit)
         if p is not None:
             amount = convert(amount, p.currency, ccy, self.cfg.fx_rates)
         # the in-process fail-open store cannot lose a reply: no marker there (it would never be purged)
@@ -404,13 +410,13 @@ class BudgetService:
         return f"{self.cfg.key_prefix}:settled:{rid}", int(self.cfg.reservation_ttl_s) + 300
 
     def price(self, model: str, usage: Usage, backend: str | None = None, gpu_seconds: float | None = None,
-              batch: bool = False) -> float:
+              batch: bool = False, cache_hit: bool = False) -> float:
         """Cost of `usage` in the budget currency (for requests without a reservation)."""
-        p = find_price(model, self.cfg.prices, backend, batch)
+        p = find_price(model, self.cfg.prices, backend, batch, cache_hit)
         if p is None:
             return 0.0
-        return convert(cost(model, usage, self.cfg.prices, gpu_seconds, backend, batch), p.currency, self.cfg.currency,
-                       self.cfg.fx_rates)
+        return convert(cost(model, usage, self.cfg.prices, gpu_seconds, backend, batch, cache_hit), p.currency,
+                       self.cfg.currency, self.cfg.fx_rates)
 
     async def _flush_pending(self) -> None:
         while self._pending:

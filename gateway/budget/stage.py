@@ -4,15 +4,23 @@ run: no budgets in the Decision -> nothing (one attribute check). Otherwise rese
 (or the default cap) atomically over every scope x window, set x-ratelimit-* headers, evidence, and for an
 uncapped request whose remaining budget is below the cap, `completion_token_allowance` so the proxy cuts the
 stream at the budget. finish: settle with the real usage (or what was delivered) and queue a ledger row.
+
+`charge_answer`: a response-cache hit (answered by the cache stage, before this stage would run) at a non-zero
+cache price (`budgets.prices.<model>.cache_hit`) is charged here like any request: a reservation sized exactly
+for its stored usage (a hit that does not fit is the same 429), settled at once, a ledger row with category
+cache_hit. A free hit (the default) is not charged and files no row here (docs/cache.md#price).
 """
 from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from gateway.budget.pricing import find_price
 from gateway.budget.service import BudgetService, Reservation, _NoLimits
 from gateway.pipeline import RequestContext, Usage
+
+HIT = "cache_hit"  # the cost category (gateway/cost/model.py) of an answer from the response cache
 
 log = logging.getLogger("gateway.budget.stage")
 
@@ -28,12 +36,25 @@ class BudgetStage:
         if d is None or not d.budgets or ctx.principal is None:
             return
         models = ctx.model_chain or ((ctx.model,) if ctx.model else ())
-        try:
-            out = await self.service.reserve(ctx.request_id, ctx.principal, d.budgets, models,
-                                             max(ctx.prompt_tokens_est, ctx.prompt_tokens_max), ctx.max_tokens,
-                                             d.max_tokens_cap, batch=ctx.batch is not None)
-        except _NoLimits:
+        out = await self._reserve(ctx, models, max(ctx.prompt_tokens_est, ctx.prompt_tokens_max), ctx.max_tokens,
+                                  d.max_tokens_cap, batch=ctx.batch is not None)
+        if out is None:
             return
+        if out.allowance is not None:
+            ctx.completion_token_allowance = (out.allowance if ctx.completion_token_allowance is None
+                                              else min(out.allowance, ctx.completion_token_allowance))
+            self._send_allowance(ctx)
+
+    async def _reserve(self, ctx: RequestContext, models: tuple[str, ...], prompt: int, max_tokens: int | None,
+                       cap: int | None, batch: bool = False, cache_hit: bool = False) -> Any:
+        """Reserve over the decision's budgets (None: no limit applies); headers and evidence on ctx."""
+        d = ctx.decision
+        assert d is not None and ctx.principal is not None
+        try:
+            out = await self.service.reserve(ctx.request_id, ctx.principal, d.budgets, models, prompt, max_tokens,
+                                             cap, batch=batch, cache_hit=cache_hit)
+        except _NoLimits:
+            return None
         except Exception as e:
             # refusals carry headers + evidence; keep the evidence on the context for the record
             ev = getattr(e, "extra", {}).get("budget") if hasattr(e, "extra") else None
@@ -45,10 +66,43 @@ class BudgetStage:
         ctx.budget = out.reservation
         ctx.extra_headers.update(out.headers)
         ctx.evidence["budget"] = out.evidence
-        if out.allowance is not None:
-            ctx.completion_token_allowance = (out.allowance if ctx.completion_token_allowance is None
-                                              else min(out.allowance, ctx.completion_token_allowance))
-            self._send_allowance(ctx)
+        return out
+
+    async def charge_answer(self, ctx: RequestContext, recorded_cost: float | None) -> tuple[float, float]:
+        """Charge a response-cache hit (ctx.usage is its stored usage). Returns (charged, saved) in the budget
+        currency: saved = what it would have been charged at the normal price (`recorded_cost`, what the request
+        that created the entry was charged; else the model's normal token price) minus what it was charged.
+
+        A zero cache price (the default): nothing is reserved, settled or filed (charged 0; the cost meter
+        files the hit's row in cost_unbilled). Otherwise, exactly as a normal request over the same scopes and
+        windows: a reservation of the stored prompt + completion tokens at the cache price (a refusal raises the
+        same 429), settled at once with that usage, `cost` evidence, a spend-ledger row with category cache_hit."""
+        usage = ctx.usage or Usage()
+        svc = self.service
+        model = self._price_model(ctx, cache_hit=True)
+        normal = recorded_cost if recorded_cost is not None else svc.price(model, usage)
+        p = find_price(model, svc.cfg.prices, cache_hit=True)
+        if p is None or p.input <= 0:
+            return 0.0, normal
+        d = ctx.decision
+        resv = None
+        if d is not None and d.budgets and ctx.principal is not None:
+            out = await self._reserve(ctx, (model,), usage.prompt_tokens, usage.completion_tokens, None,
+                                      cache_hit=True)
+            resv = out.reservation if out is not None else None
+        if resv is not None:
+            so = await svc.settle(resv, usage, model, None, None, cache_hit=True)
+            amount, ccy = so.cost, so.currency
+            ev = ctx.evidence.get("budget")
+            if isinstance(ev, dict):
+                ev["settled"] = {"tokens": usage.total_tokens, "money": amount, "gpu_seconds": 0.0}
+        else:
+            amount, ccy = svc.price(model, usage, cache_hit=True), svc.cfg.currency
+        saved = normal - amount
+        self._record(ctx, usage, model, amount, ccy, None, resv, priced_as=HIT,
+                     row={"status": ctx.status or 200, "cost_category": HIT,
+                          "saved_tokens": usage.total_tokens, "saved_cost": saved})
+        return amount, saved
 
     @staticmethod
     def _send_allowance(ctx: RequestContext) -> None:
@@ -101,12 +155,18 @@ class BudgetStage:
                                  "gpu_seconds": out.apportioned_gpu_seconds}
         else:
             amount, ccy = svc.price(model, usage, ctx.backend, gpu_s, batch), svc.cfg.currency
+        self._record(ctx, usage, model, amount, ccy, gpu_s, resv, priced_as="batch" if batch else None)
+
+    def _record(self, ctx: RequestContext, usage: Usage, model: str, amount: float, ccy: str,
+                gpu_s: float | None, resv: Reservation | None, priced_as: str | None = None,
+                row: dict[str, Any] | None = None) -> None:
+        """The charge as `cost` evidence and a spend-ledger row (`row`: fields added or replaced)."""
         ctx.evidence["cost"] = {"amount": amount, "currency": ccy, "model": model,
                                 "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
                                 "cached_tokens": usage.cached_tokens, "gpu_seconds": gpu_s,
-                                **({"priced_as": "batch"} if batch else {})}
+                                **({"priced_as": priced_as} if priced_as else {})}
         p = ctx.principal
-        svc.ledger.enqueue({
+        self.service.ledger.enqueue({
             "request_id": ctx.request_id, "ts": ctx.received_wall, "principal_id": p.id if p else None,
             "tenant": p.tenant if p else None, "team": p.team if p else None, "project": p.project if p else None,
             "key_id": p.key_id if p else None, "partner": p.partner if p else None,
@@ -115,6 +175,7 @@ class BudgetStage:
             "cached_tokens": usage.cached_tokens, "total_tokens": usage.total_tokens, "cost": amount,
             "currency": ccy, "gpu_seconds": gpu_s, "status": ctx.status, "cut_by_budget": ctx.cut_by_budget,
             "budget_store": resv.store if resv is not None else None, "client_request_id": ctx.client_request_id,
+            **(row or {}),
         })
 
     @staticmethod
@@ -128,11 +189,11 @@ class BudgetStage:
         v = uc.get("gpu_seconds")
         return max(0.0, float(v)) if isinstance(v, (int, float)) else 0.0
 
-    def _price_model(self, ctx: RequestContext) -> str:
+    def _price_model(self, ctx: RequestContext, cache_hit: bool = False) -> str:
         """The model name prices are looked up by: the first priced of served/concrete/requested names."""
         prices = self.service.cfg.prices
         names = [n for n in (ctx.backend_model, *ctx.model_chain, ctx.model) if n]
         for n in names:
-            if find_price(n, prices, ctx.backend) is not None:
+            if find_price(n, prices, ctx.backend, cache_hit=cache_hit) is not None:
                 return n
         return names[0] if names else ""

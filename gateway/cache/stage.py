@@ -7,13 +7,17 @@ Never stored, never served: zero or unknown retention, a residency the store's l
 per-request provider preferences, temperature above `cache.max_temperature`, endpoints other than chat and
 completions, batch-lane lines (the lane dispatches itself), a store that fails (a lookup error is a bypass, a put
 error stores nothing; never a failed request). Each of those is answered `x-gateway-cache: bypass` with the reason in evidence.
+
+A hit's price: `charge` (wired to the budget stage's `charge_answer`, gateway/wiring.py) charges the hit at the
+configured cache price (`budgets.prices.<model>.cache_hit`, default 0: free, not charged) over the principal's
+budgets; a hit that does not fit them is refused with the budget's 429 and nothing is answered from the cache.
 """
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import orjson
 from prometheus_client import Counter
@@ -68,6 +72,8 @@ class CacheStage:
         self.embedder = embedder
         self.metrics = metrics
         self.clock = clock
+        # (ctx with the hit's usage, the entry's recorded cost) -> (charged, saved); raises the budget's 429
+        self.charge: Callable[[RequestContext, float | None], Awaitable[tuple[float, float]]] | None = None
 
     def _bypass(self, ctx: RequestContext, why: str, tier: str) -> None:
         ctx.extra_headers[HEADER] = "bypass"
@@ -104,7 +110,7 @@ class CacheStage:
             log.warning("cache store %s lookup failed: %s", self.store.name, ex)
             return self._bypass(ctx, "store_error", tier)
         if e is not None:
-            return self._hit(ctx, e, tier="exact", similarity=1.0, guards=["exact_key"])
+            return await self._hit(ctx, e, tier="exact", similarity=1.0, guards=["exact_key"])
         pending = Pending(spec=spec, partition=part, key=key, capture=Capture(ctx.endpoint, cc.max_entry_bytes))
         if spec.mode == "semantic":
             turns = G.conversation(body)
@@ -122,8 +128,8 @@ class CacheStage:
                 if cand is not None and sim >= threshold:
                     ok, passed, failed = G.compare(pending.guards, cand.guards)
                     if ok:
-                        return self._hit(ctx, cand, tier="semantic", similarity=sim,
-                                         guards=["partition", "params", *passed])
+                        return await self._hit(ctx, cand, tier="semantic", similarity=sim,
+                                               guards=["partition", "params", *passed])
                     ctx.evidence["cache_guard_rejected"] = {"entry": cand.key, "similarity": round(sim, 4),
                                                             "guard": failed}
                     if self.metrics is not None:
@@ -134,26 +140,37 @@ class CacheStage:
         if self.metrics is not None:
             self.metrics.lookups.labels("miss", tier).inc()
 
-    def _hit(self, ctx: RequestContext, e: Entry, tier: str, similarity: float, guards: list[str]) -> None:
+    async def _hit(self, ctx: RequestContext, e: Entry, tier: str, similarity: float, guards: list[str]) -> None:
         e.hits += 1
-        obj = e.response
-        ctx.answer = CachedStream(obj, ctx.endpoint) if ctx.stream else JsonResult(200, orjson.dumps(obj), None)
         ctx.usage = Usage(prompt_tokens=e.prompt_tokens, completion_tokens=e.completion_tokens)
         ctx.extra_headers[HEADER] = "hit"
         if tier == "semantic":
             ctx.extra_headers[HEADER + "-similarity"] = f"{similarity:.4f}"
+        saved: dict[str, Any] = {"prompt_tokens": e.prompt_tokens, "completion_tokens": e.completion_tokens,
+                                 "cost": e.cost, "currency": e.currency}
         ctx.evidence["cache"] = {"result": "hit", "tier": tier, "entry": e.key, "created_by": e.created_by,
                                  "similarity": round(similarity, 4), "guards_passed": guards, "cached": True,
-                                 "age_s": round(self.clock() - e.created_at, 3),
-                                 "saved": {"prompt_tokens": e.prompt_tokens, "completion_tokens": e.completion_tokens,
-                                           "cost": e.cost, "currency": e.currency}}
+                                 "age_s": round(self.clock() - e.created_at, 3), "saved": saved}
         m = self.metrics
         if m is not None:
             m.lookups.labels("hit", tier).inc()
+        if self.charge is not None:
+            try:
+                charged, saved["cost"] = await self.charge(ctx, e.cost)
+            except Exception:  # the budget refused (429): the hit is not served, nothing was saved
+                ctx.usage = None
+                ctx.evidence["cache"]["refused_by"] = "budget"
+                raise
+            saved["charged"] = charged
+            if saved["currency"] is None:  # both in the budget currency (the charge's)
+                saved["currency"] = (ctx.evidence.get("cost") or {}).get("currency")
+        obj = e.response
+        ctx.answer = CachedStream(obj, ctx.endpoint) if ctx.stream else JsonResult(200, orjson.dumps(obj), None)
+        if m is not None:
             m.saved_tokens.labels("input").inc(e.prompt_tokens)
             m.saved_tokens.labels("output").inc(e.completion_tokens)
-            if e.cost:
-                m.saved_cost.labels(e.currency or "EUR").inc(e.cost)
+            if saved["cost"]:
+                m.saved_cost.labels(e.currency or "EUR").inc(saved["cost"])
 
     async def finish(self, ctx: RequestContext) -> None:
         p = ctx.cache

@@ -248,10 +248,21 @@ class CostMeter:
                                           float(uc.get("retry_gpu_seconds") or 0.0))
         out = {**uc, "category": cat, "backend": backend, "gpu_seconds": gpu_s, "cost": amount,
                "cost_basis": basis, "currency": cfg.currency, "retries": o.retries,
-               "saved_gpu_seconds": saved, "wasted_gpu_seconds": wasted}
+               "saved_gpu_seconds": saved, "wasted_gpu_seconds": wasted, **self._hit_savings(ctx, cat)}
         if charged:
             self._charge(out, ctx)
         return out
+
+    @staticmethod
+    def _hit_savings(ctx: Any, cat: str) -> dict[str, Any]:
+        """Tokens a response-cache hit answered without the GPU and the money it saved (its normal price less
+        what it was charged, in the budget currency: the cache stage's `saved` evidence); 0 for the others."""
+        if cat != "cache_hit":
+            return {"saved_tokens": 0, "saved_cost": 0.0}
+        saved = (ctx.evidence.get("cache") or {}).get("saved") or {}
+        u = ctx.usage
+        tokens = u.total_tokens if u is not None else 0
+        return {"saved_tokens": tokens, "saved_cost": float(saved.get("cost") or 0.0)}
 
     def _charge(self, facts: dict[str, Any], ctx: Any) -> None:
         """What the budget charged (known only after it settled): the charge and the margin against the cost."""
@@ -280,14 +291,24 @@ class CostMeter:
                 "cost_basis": facts.get("cost_basis"), "cost_category": facts.get("category"),
                 "saved_gpu_seconds": float(sum((facts.get("saved_gpu_seconds") or {}).values(), 0.0)),
                 "wasted_gpu_seconds": float(sum((facts.get("wasted_gpu_seconds") or {}).values(), 0.0)),
-                "retries": facts.get("retries") or 0}
+                "retries": facts.get("retries") or 0, "saved_tokens": facts.get("saved_tokens") or 0,
+                "saved_cost": float(facts.get("saved_cost") or 0.0)}
 
     def enrich(self, row: dict[str, Any]) -> None:
-        """Ledger hook (gateway/budget/ledger.py): a row the budget stage files gets this request's cost."""
+        """Ledger hook (gateway/budget/ledger.py): a row the budget stage files gets this request's cost. A
+        priced response-cache hit (category cache_hit, filed by the budget stage, which also set its saved
+        tokens and money) never reached an engine: no engine time, no cost, the GPU-seconds a like request costs
+        saved (what the meter's own row for a free hit says)."""
         rid = row.get("request_id")
         f = self._facts.pop(rid, None) if isinstance(rid, str) else None
         if f is not None:
             row.update(f)
+        elif row.get("cost_category") == "cache_hit":
+            tokens = int(row.get("prompt_tokens") or 0) + int(row.get("completion_tokens") or 0)
+            saved, _ = savings_and_waste("cache_hit", 0.0, 0.0, self.gpu_per_token * tokens)
+            row.update({"engine": None, "gpu_seconds_apportioned": 0.0, "engine_cost": 0.0, "cost_basis": None,
+                        "saved_gpu_seconds": float(sum(saved.values(), 0.0)), "wasted_gpu_seconds": 0.0,
+                        "retries": 0})
 
     def before_settle(self, ctx: Any) -> None:
         """Runs after `close`, before the budget finish files the row: prices what is known and parks the
@@ -346,7 +367,8 @@ class CostMeter:
         t = self.totals.get(key)
         if t is None:
             t = self.totals[key] = {"requests": 0, "gpu_seconds": 0.0, "cost": 0.0, "charged": 0.0, "tokens": 0,
-                                    "saved_gpu_seconds": 0.0, "wasted_gpu_seconds": 0.0}
+                                    "saved_gpu_seconds": 0.0, "wasted_gpu_seconds": 0.0, "saved_tokens": 0,
+                                    "saved_cost": 0.0}
         u = ctx.usage
         tokens = u.total_tokens if u is not None else 0
         saved_by, wasted_by = f["saved_gpu_seconds"], f["wasted_gpu_seconds"]
@@ -362,6 +384,8 @@ class CostMeter:
         t["tokens"] += tokens
         t["saved_gpu_seconds"] += saved
         t["wasted_gpu_seconds"] += wasted
+        t["saved_tokens"] += int(f.get("saved_tokens") or 0)  # response-cache hits (docs/cache.md#price)
+        t["saved_cost"] += float(f.get("saved_cost") or 0.0)
         self.recent.append({"t": time.time(), "backend": backend, "model": model, "category": cat,
                             "gpu_seconds": gpu_s, "cost": cost, "charged": charged, "tokens": tokens,
                             "saved": saved, "wasted": wasted})
@@ -408,9 +432,10 @@ class CostMeter:
         for (b, m, cat), t in self.totals.items():
             a = acc.setdefault((b, m), {"backend": b, "model": m, "requests": 0, "tokens": 0, "gpu_seconds": 0.0,
                                         "cost": 0.0, "charged": 0.0, "saved_gpu_seconds": 0.0,
-                                        "wasted_gpu_seconds": 0.0, "categories": {}})
+                                        "wasted_gpu_seconds": 0.0, "saved_tokens": 0, "saved_cost": 0.0,
+                                        "categories": {}})
             for k in ("requests", "tokens", "gpu_seconds", "cost", "charged", "saved_gpu_seconds",
-                      "wasted_gpu_seconds"):
+                      "wasted_gpu_seconds", "saved_tokens", "saved_cost"):
                 a[k] += t[k]
             a["categories"][cat] = a["categories"].get(cat, 0) + t["requests"]
         out = []

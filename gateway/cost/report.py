@@ -2,8 +2,10 @@
 Postgres: table budget_ledger, plus cost_unbilled for cache hits and early refusals), grouped by tenant, team, project, partner, model and/or backend over a time range, as CSV or JSON.
 
 Per group: requests (and per cost category), tokens, the price charged, the engine time apportioned to the
-requests (GPU-seconds) and what it cost, the margin, cost and charge per million tokens, and the GPU-seconds
-saved (prefix cache, response cache) and wasted (aborted, cut, failed). Sums are the ledger's own sums: a
+requests (GPU-seconds) and what it cost, the margin, cost and charge per million tokens, the GPU-seconds
+saved (prefix cache, response cache) and wasted (aborted, cut, failed), and the tokens and money response-cache
+hits saved (`saved_tokens`, `saved_cost`: their normal price less what they were charged, in the currency of
+`charged`). Sums are the ledger's own sums: a
 `--group-by` over nothing (the default: one `all` row) equals `select sum(...)` over the same range.
 """
 from __future__ import annotations
@@ -24,10 +26,12 @@ from gateway.cost.model import CATEGORIES
 GROUPS = ("tenant", "team", "project", "partner", "model", "backend")
 _READ = ("ts", "tenant", "team", "project", "partner", "model", "backend", "engine", "prompt_tokens",
          "completion_tokens", "cached_tokens", "total_tokens", "cost", "currency", "gpu_seconds_apportioned",
-         "engine_cost", "cost_category", "saved_gpu_seconds", "wasted_gpu_seconds", "retries")
+         "engine_cost", "cost_category", "saved_gpu_seconds", "wasted_gpu_seconds", "retries", "saved_tokens",
+         "saved_cost")
 FIELDS = ("requests", *(f"requests_{c}" for c in CATEGORIES), "retries", "prompt_tokens", "cached_tokens",
           "completion_tokens", "total_tokens", "charged", "currency", "gpu_seconds", "engine_cost", "margin",
-          "engine_cost_per_1m_tokens", "charged_per_1m_tokens", "saved_gpu_seconds", "wasted_gpu_seconds")
+          "engine_cost_per_1m_tokens", "charged_per_1m_tokens", "saved_gpu_seconds", "wasted_gpu_seconds",
+          "saved_tokens", "saved_cost")
 
 
 def parse_time(s: str | None) -> float | None:
@@ -96,12 +100,12 @@ def summarize(rows: Iterable[dict[str, Any]], group_by: Sequence[str] = ()) -> l
             a = acc[key] = {**({g: v for g, v in zip(group_by, key)} if group_by else {"group": "all"}),
                             **{f: 0 for f in FIELDS if f != "currency"}, "currency": None,
                             "charged": 0.0, "gpu_seconds": 0.0, "engine_cost": 0.0,
-                            "saved_gpu_seconds": 0.0, "wasted_gpu_seconds": 0.0}
+                            "saved_gpu_seconds": 0.0, "wasted_gpu_seconds": 0.0, "saved_cost": 0.0}
         a["requests"] += 1
         cat = r.get("cost_category") or ("served" if r.get("backend") else "rejected")
         if f"requests_{cat}" in a:
             a[f"requests_{cat}"] += 1
-        for f in ("prompt_tokens", "cached_tokens", "completion_tokens", "total_tokens", "retries"):
+        for f in ("prompt_tokens", "cached_tokens", "completion_tokens", "total_tokens", "retries", "saved_tokens"):
             a[f] += int(r.get(f) or 0)
         a["charged"] += float(r.get("cost") or 0.0)
         ccy = r.get("currency")
@@ -111,6 +115,7 @@ def summarize(rows: Iterable[dict[str, Any]], group_by: Sequence[str] = ()) -> l
         a["engine_cost"] += float(r.get("engine_cost") or 0.0)
         a["saved_gpu_seconds"] += float(r.get("saved_gpu_seconds") or 0.0)
         a["wasted_gpu_seconds"] += float(r.get("wasted_gpu_seconds") or 0.0)
+        a["saved_cost"] += float(r.get("saved_cost") or 0.0)
     out = []
     for key in sorted(acc, key=lambda k: tuple("" if v is None else str(v) for v in k)):
         a = acc[key]

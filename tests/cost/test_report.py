@@ -38,7 +38,10 @@ def ledger(tmp_path):
                      "status": 200, "cut_by_budget": False, "gpu_seconds_apportioned": gpu,
                      "engine_cost": gpu * 2.5 / 3600, "cost_category": cat,
                      "saved_gpu_seconds": rng.uniform(0, 0.5), "wasted_gpu_seconds": gpu if cat == "aborted" else 0.0,
-                     "retries": rng.choice([0, 0, 1])})
+                     "retries": rng.choice([0, 0, 1]),
+                     # response-cache hits: the tokens answered without the GPU, the money saved
+                     "saved_tokens": prompt + comp if cat == "cache_hit" else 0,
+                     "saved_cost": rng.uniform(0, 0.01) if cat == "cache_hit" else 0.0})
     # spend rows in the budget ledger, cache hits and early refusals in the meter's own table (as wired)
     unbilled = [r for r in rows if r["cost_category"] in ("cache_hit", "rejected")]
     spent = [r for r in rows if r["cost_category"] not in ("cache_hit", "rejected")]
@@ -62,7 +65,7 @@ def run(capsys, *argv: str) -> str:
 
 
 SUMS = ("count(*)", "sum(total_tokens)", "sum(cost)", "sum(gpu_seconds_apportioned)", "sum(engine_cost)",
-        "sum(saved_gpu_seconds)", "sum(wasted_gpu_seconds)")
+        "sum(saved_gpu_seconds)", "sum(wasted_gpu_seconds)", "sum(saved_tokens)", "sum(saved_cost)")
 
 
 def sql(db, where: str = "1=1", group: str | None = None) -> list[tuple]:
@@ -80,12 +83,13 @@ def test_totals_equal_the_ledger_sums_json(ledger, capsys):
     cfg, db = ledger
     out = json.loads(run(capsys, "--config", str(cfg), "--format", "json"))
     (g,) = out["groups"]
-    n, tokens, charged, gpu, cost, saved, wasted = sql(db)[0]
+    n, tokens, charged, gpu, cost, saved, wasted, saved_tokens, saved_cost = sql(db)[0]
     assert g["requests"] == n and g["total_tokens"] == tokens
     assert g["charged"] == pytest.approx(charged) and g["gpu_seconds"] == pytest.approx(gpu)
     assert g["engine_cost"] == pytest.approx(cost) and g["margin"] == pytest.approx(charged - cost)
     assert g["saved_gpu_seconds"] == pytest.approx(saved) and g["wasted_gpu_seconds"] == pytest.approx(wasted)
     assert g["engine_cost_per_1m_tokens"] == pytest.approx(cost / tokens * 1e6)
+    assert g["saved_tokens"] == saved_tokens > 0 and g["saved_cost"] == pytest.approx(saved_cost) and saved_cost > 0
     assert sum(g[f"requests_{c}"] for c in ("served", "batch", "cache_hit", "aborted", "cut", "error",
                                             "rejected")) == n
 
@@ -99,13 +103,15 @@ def test_group_by_each_dimension_csv_with_a_time_range(ledger, capsys, group):
     want = sql(db, f"ts >= {parse_time(since)} and ts < {parse_time(until)}", group)
     assert len(rows) == len(want)
     by = {(r[group] or None): r for r in rows}
-    for key, n, tokens, charged, gpu, cost, saved, wasted in want:
+    for key, n, tokens, charged, gpu, cost, saved, wasted, saved_tokens, saved_cost in want:
         r = by[key]
         assert int(r["requests"]) == n and int(r["total_tokens"]) == tokens
         assert float(r["charged"]) == pytest.approx(charged, abs=1e-8)
         assert float(r["gpu_seconds"]) == pytest.approx(gpu, abs=1e-8)
         assert float(r["engine_cost"]) == pytest.approx(cost, abs=1e-8)
         assert float(r["wasted_gpu_seconds"]) == pytest.approx(wasted, abs=1e-8)
+        assert int(r["saved_tokens"]) == saved_tokens
+        assert float(r["saved_cost"]) == pytest.approx(saved_cost, abs=1e-8)
 
 
 def test_two_groups_and_errors(ledger, capsys, tmp_path):
