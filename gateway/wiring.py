@@ -25,6 +25,7 @@ def wire(gw: Gateway) -> None:
     decide = _wire_policy(gw)
     reserve = _wire_budgets(gw)
     cache = _wire_cache(gw)
+    cache.charge = reserve.charge_answer  # a hit is charged at the cache price by the budget (docs/cache.md#price)
     _wire_telemetry(gw)
     route = _wire_routing(gw)
     _wire_evidence(gw)
