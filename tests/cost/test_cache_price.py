@@ -95,3 +95,24 @@ async def test_a_free_hit_by_default_counts_against_no_budget_and_stays_unbilled
         assert row["saved_tokens"] == tokens and row["saved_cost"] == pytest.approx(spent[fid]["cost"])
         assert "cost" not in audit[rid] or audit[rid]["cost"] is None
         assert audit[rid]["evidence"]["cache"]["saved"]["cost"] == pytest.approx(spent[fid]["cost"])
+
+
+async def test_a_priced_streamed_hit_is_replayed_and_charged(tmp_path):
+    prices = {"sim-model": {"input": 0.5, "output": 1.5, "cache_hit": RATE}}
+    async with start_fleet(1, profiles=["l40s-8b"]) as fleet:
+        cfg = gateway_config(fleet.manifest()["engines"], tmp_path, prices=prices)
+        cfg["keys"].append({"name": "o", "key": OTHER, "tenant": "acme", "team": "search", "project": "p1"})
+        (tmp_path / "policy.yaml").write_text(yaml.safe_dump(POLICY))
+        async with wired_gateway(cfg, tmp_path) as (gw, cl):
+            first = await cl.post("/v1/chat/completions", headers={"authorization": f"Bearer {KEY}"}, json=BODY)
+            hit = await cl.post("/v1/chat/completions", headers={"authorization": f"Bearer {OTHER}"},
+                                json={**BODY, "stream": True, "stream_options": {"include_usage": True}})
+    assert first.status_code == hit.status_code == 200 and hit.headers["x-gateway-cache"] == "hit"
+    assert hit.text.rstrip().endswith("data: [DONE]")
+    usage = first.json()["usage"]
+    db = sqlite3.connect(tmp_path / "budgets.db")
+    (cat, cost, saved) = db.execute("select cost_category, cost, saved_tokens from budget_ledger where request_id=?",
+                                    (hit.headers["x-request-id"],)).fetchone()
+    db.close()
+    tokens = usage["prompt_tokens"] + usage["completion_tokens"]
+    assert cat == "cache_hit" and cost == pytest.approx(tokens * RATE / 1e6) and saved == tokens
