@@ -45,7 +45,7 @@ class CacheMetrics:
         self.saved_tokens = Counter("gateway_cache_saved_tokens_total", "Tokens answered from the cache instead "
                                     "of the GPU", ["token_type"], registry=registry)
         self.saved_cost = Counter("gateway_cache_saved_cost_total", "Money not spent thanks to hits (the original"
-                                  " request's cost)", ["currency"], registry=registry)
+                                  " request's charge less the hit's)", ["currency"], registry=registry)
         self.stored = Counter("gateway_cache_stores_total", "Entries stored", ["tier"], registry=registry)
 
 

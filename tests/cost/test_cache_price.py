@@ -54,6 +54,7 @@ async def test_a_priced_hit_is_charged_filed_and_refused_when_it_does_not_fit(tm
     # charged like any request: the key's one request a day is used by the hit, so the next hit is refused
     assert hit.headers["x-ratelimit-remaining-requests"] == "0"
     assert again.status_code == 429 and again.json()["error"]["code"] == "rate_limit_exceeded"
+    assert again.headers["x-gateway-cache"] == "hit" and "retry-after" in again.headers  # the lookup hit
     fid, hid, aid = (r.headers["x-request-id"] for r in (first, hit, again))
     tokens = hit.json()["usage"]["prompt_tokens"] + hit.json()["usage"]["completion_tokens"]
     charged = tokens * RATE / 1e6
