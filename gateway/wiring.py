@@ -29,25 +29,29 @@ def wire(gw: Gateway) -> None:
     _wire_telemetry(gw)
     route = _wire_routing(gw)
     _wire_evidence(gw)
+    meter = _wire_cost(gw)
     gw.pipeline = Pipeline([
         ObserveStage(gw),  # first in, last out: metrics and the finish hooks (evidence, feedback) see every request
         authenticate,
         decide,
-        cache,  # a hit answers here: no reservation, no route, no GPU
+        cache,  # a hit answers here: no route, no GPU; charged at the cache price (budgets.prices, default 0)
         reserve,
         route,
+        # cost (docs/cost.md): its finish is the first of the finishes, so the engine time is apportioned
+        # before the budget settles (a GPU-second budget settles it); spans open per dispatch attempt
+        *([meter.stage] if meter is not None else []),
     ], DispatchStage(gw.dispatcher))
     _wire_observability(gw)  # after the stage list: with tracing on it adds the `trace` stage before dispatch
-    _wire_cost(gw)  # after the stage list: the meter stage goes last before dispatch (docs/cost.md)
     _wire_batch(gw)
     _wire_discovery(gw)  # last: its first resolution reloads the config into services already started
 
 
-def _wire_cost(gw: Gateway) -> None:
-    """Engine time apportioned to requests, priced per backend, on audit records, ledger rows and /metrics."""
+def _wire_cost(gw: Gateway) -> Any:
+    """Engine time apportioned to requests, priced per backend, on audit records, ledger rows and /metrics;
+    the meter (its stage goes in the stage list), or None with `cost.enabled: false`."""
     from gateway.cost.wiring import wire_cost
 
-    wire_cost(gw)
+    return wire_cost(gw)
 
 
 def _wire_discovery(gw: Gateway) -> None:

@@ -1,5 +1,6 @@
-"""Assembly of cost engineering into a Gateway (called from gateway.wiring.wire once the stage list is built):
-the meter stage goes last before dispatch, its finish hook first (before the audit recorder's),
+"""Assembly of cost engineering into a Gateway (called from gateway.wiring.wire, which puts the meter's stage
+last in its stage list, before dispatch): the dispatcher reports attempts to the meter, its finish hook is first
+(before the audit recorder's),
 the spend ledger gets the apportioned fields (and unbilled requests a table of their own), /metrics the
 per-engine busy series, /admin/cost the snapshot."""
 from __future__ import annotations
@@ -97,11 +98,6 @@ def wire_cost(gw: Any) -> CostMeter | None:
                       ledger=lambda: unbilled, metrics=gw.metrics)
     gw.cost = meter
     gw.dispatcher.attempts = meter  # engine time per attempt: a failed attempt's is retry waste
-    # last before dispatch: its run is the dispatch, its finish the first of the finishes (before the budget
-    # settles, so a GPU-second price charges the apportioned time)
-    stages = gw.pipeline.stages
-    names = [getattr(st, "name", "") for st in stages]
-    stages.insert(names.index("dispatch") if "dispatch" in names else len(stages), meter.stage)
     if budgets is not None:
         budgets.ledger.enrichers.append(meter.enrich)
         budgets.set_gpu_estimator(meter.gpu_worst_case)  # GPU-second budgets reserve the learned worst case
