@@ -12,7 +12,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway.cache.embed import BackendEmbedder, LexicalEmbedder
+from gateway.cache.embed import BackendEmbedder, EmbedderUnavailable, LexicalEmbedder, WordLlamaEmbedder
 from gateway.cache.stage import CacheMetrics, CacheStage
 from gateway.cache.store import CacheStore, MemoryStore
 from gateway.errors import GatewayError
@@ -40,8 +40,13 @@ def build_embedder(gw: Any, cc: Any) -> Any:
         if not cc.embeddings_model:
             raise _config_error("cache.embedder: backend needs cache.embeddings_model")
         return BackendEmbedder(cc.embeddings_model, lambda: gw.config, lambda: gw.upstreams, cc.embeddings_timeout_s)
+    if cc.embedder == "wordllama":
+        try:
+            return WordLlamaEmbedder()
+        except EmbedderUnavailable as e:
+            raise _config_error(f"cache.embedder: wordllama: {e}") from e
     if cc.embedder != "lexical":
-        raise _config_error(f"cache.embedder: {cc.embedder!r} is not one of lexical, backend")
+        raise _config_error(f"cache.embedder: {cc.embedder!r} is not one of wordllama, lexical, backend")
     return LexicalEmbedder()
 
 
