@@ -89,23 +89,21 @@ class CostMeter:
             c = self.engines[engine] = EngineClock()
         return c
 
-    def s_per_token(self, engine: str) -> float:
-        """The router's learned prefill cost per token on this engine (its public learner), else the prior."""
-        p = self._predictor()
-        learner = getattr(p, "learner", None)
+    def _learned(self, engine: str, fact: str, prior: float) -> float:
+        """A fact the router's learner of this engine has learned (its public learner), else the prior."""
+        learner = getattr(self._predictor(), "learner", None)
         if learner is None:
-            return PRIOR_S_PER_TOKEN
-        v = float(learner(engine).s_per_token())
-        return v if v > 0 else PRIOR_S_PER_TOKEN
+            return prior
+        v = float(getattr(learner(engine), fact)())
+        return v if v > 0 else prior
+
+    def s_per_token(self, engine: str) -> float:
+        """The router's learned prefill cost per token on this engine, else the prior."""
+        return self._learned(engine, "s_per_token", PRIOR_S_PER_TOKEN)
 
     def step_s(self, engine: str) -> float:
         """The router's learned engine step (EWMA of mean inter-token time) on this engine, else its prior."""
-        p = self._predictor()
-        learner = getattr(p, "learner", None)
-        if learner is None:
-            return PRIOR_STEP_S
-        v = float(learner(engine).step())
-        return v if v > 0 else PRIOR_STEP_S
+        return self._learned(engine, "step", PRIOR_STEP_S)
 
     def gpu_worst_case(self, backends: tuple[str, ...] = ()) -> tuple[float, float]:
         """The learned worst case of a request's apportioned GPU-seconds over `backends` (empty: every
