@@ -163,10 +163,9 @@ async def test_admin_delete_and_reload_purge(stack) -> None:
     assert (await chat(c, "purge me")).headers["x-gateway-cache"] == "miss"
 
 
+@pytest.mark.parametrize("stack", ["memory"], indirect=True)  # one switch is enough: memory -> sqlite
 async def test_reload_that_changes_the_store_opens_the_new_one(stack) -> None:
     gw, c, tmp_path = stack
-    if gw.cache.store.name != "memory":
-        pytest.skip("one switch is enough: memory -> sqlite")
     await chat(c, "switch me")
     path = tmp_path / "gw.yaml"
     cfg = yaml.safe_load(path.read_text())

@@ -308,9 +308,8 @@ async def test_lru_bound_evicts_the_least_recently_used(stores):
         assert c.extra_headers["x-gateway-cache"] == want, i
 
 
+@pytest.mark.parametrize("stores", ["sqlite", "redis"], indirect=True)  # memory bounds entries (cache.max_entries)
 async def test_partition_candidate_list_is_bounded(stores):
-    if stores.kind == "memory":
-        pytest.skip("the in-process store bounds entries only (cache.max_entries)")
     stage, store, _ = make_stage(stores=stores, max_partition_entries=2)
     texts = ["how do I reset the password on the Orion portal", "how do I export the invoices of the Orion portal",
              "how do I delete the account on the Orion portal"]

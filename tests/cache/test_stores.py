@@ -62,9 +62,8 @@ async def test_nearest_never_leaves_the_partition(stores):
     assert got is not None and got.key == "p1:k1"
 
 
+@pytest.mark.parametrize("stores", ["redis"], indirect=True)  # the Redis key layout
 async def test_redis_keys_carry_prefix_namespace_and_partition(stores):
-    if stores.kind != "redis":
-        pytest.skip("redis key layout")
     s = stores(max_partition_entries=5)
     await s.put(entry("p1:k1", "p1"))
     names = sorted(k.decode() for k in await s._scan(f"{s.key_prefix}:*"))
