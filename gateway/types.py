@@ -93,6 +93,12 @@ class Decision:
     max_context: int | None = None
     priority: Priority = "standard"
     ttft_slo_ms: float | None = None
+    long_ttft_slo_ms: float | None = None  # TTFT target of a prompt the prefill guard counts as long; None: ttft_slo_ms
+    # Fair queueing (docs/flow_control.md): the request's weight in its flow, and which principal level the flow is
+    # (the scope of the most specific rule that set `share`: key, project, team, tenant or partner); see
+    # gateway/routing/flowkey.py
+    share: float = 1.0
+    share_scope: str = "tenant"
     budgets: tuple[BudgetSpec, ...] = ()
     cache_isolation: bool = False
     spill_to_partner: bool = False
@@ -119,6 +125,9 @@ class Decision:
             "retention": self.retention,
             "priority": self.priority,
             "ttft_slo_ms": self.ttft_slo_ms,
+            "long_ttft_slo_ms": self.long_ttft_slo_ms,
+            "share": self.share,
+            "share_scope": self.share_scope,
             "max_tokens_cap": self.max_tokens_cap,
             "cache_isolation": self.cache_isolation,
             "spill_to_partner": self.spill_to_partner,

@@ -11,7 +11,8 @@ from typing import Any
 
 from gateway.policy.compiler import PolicyError, load_policies
 from gateway.policy.model import RequestAttrs
-from gateway.types import Principal
+from gateway.routing.flowkey import flow_id
+from gateway.types import Decision, Principal
 
 
 def policy_paths(config: Any) -> list[Path]:
@@ -135,9 +136,12 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     print(f"decision: {'ALLOW' if d['allow'] else 'DENY'}" + (f" by {d['deny_rule']}: {d['reason']}" if not d["allow"] else ""))
     if p.allowed_models and not model_allowed(p, args.model, _model_chain(args)):
         print(f"  but the key's own model list {list(p.allowed_models)} excludes {args.model} (403 model_not_allowed)")
-    for k in ("jurisdiction", "retention", "priority", "ttft_slo_ms", "max_tokens_cap", "max_context", "cache_isolation"):
+    for k in ("jurisdiction", "retention", "priority", "ttft_slo_ms", "long_ttft_slo_ms", "max_tokens_cap",
+              "max_context", "cache_isolation"):
         if d.get(k) not in (None, False):
             print(f"  {k}: {d[k]}")
+    if d.get("share", 1.0) != 1.0 or d.get("share_scope", "tenant") != "tenant":
+        print(f"  share: {d['share']:g} (flow: {d['share_scope']}, {flow_id(p, Decision(share_scope=d['share_scope']))})")
     for b in d["budgets"]:
         print(f"  budget: {b}")
     print("rules (precedence: " + out["precedence"] + "):")

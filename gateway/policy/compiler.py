@@ -267,6 +267,15 @@ def _parse_money(v: Any) -> tuple[float, str | None]:
 _SCOPE_LEVELS = ("key", "project", "team", "tenant", "partner")
 
 
+def _rule_scope(match: dict[str, Any]) -> str:
+    """The principal level a rule is about: the most specific of key > project > team > tenant > partner it matches
+    on, else tenant. Budgets without `scope` are charged there and `share` weighs that level's flow."""
+    for s in _SCOPE_LEVELS:
+        if s in match:
+            return s
+    return "tenant"
+
+
 def _compile_rule(raw: dict[str, Any], order: int, path: str, src: _Src, errors: list[str]) -> Rule | None:
     rid = raw["id"]
     match = _normalize_match(raw.get("match") or {})
@@ -342,13 +351,18 @@ def _compile_rule(raw: dict[str, Any], order: int, path: str, src: _Src, errors:
     cache_isolation = bool(sets_raw.pop("cache_isolation", False))
     sets: dict[str, Any] = {}
     for k, dk in (("priority", "priority"), ("ttft_slo_ms", "ttft_slo_ms"), ("ttft_target_ms", "ttft_slo_ms"),
+                  ("long_ttft_slo_ms", "long_ttft_slo_ms"), ("long_ttft_target_ms", "long_ttft_slo_ms"),
                   ("max_tokens", "max_tokens_cap"), ("max_context", "max_context"),
                   ("spill_to_partner", "spill_to_partner")):
         if k in sets_raw:
             v = sets_raw[k]
             if k == "priority" and v == "sheddable":
                 v = "batch"
-            sets[dk] = v
+            sets[dk] = float(v) if dk == "long_ttft_slo_ms" else v
+    rule_scope = _rule_scope(match)
+    if "share" in sets_raw:  # the weight in the fair queue of the flow this rule's scope names (flowkey.flow_id)
+        sets["share"] = float(sets_raw["share"])
+        sets["share_scope"] = rule_scope  # set together, so the rule that wins `share` also names its flow
     if "cache" in sets_raw:  # the response cache of matching requests (gateway/cache, docs/cache.md)
         from gateway.cache.spec import compile_spec
 
@@ -368,11 +382,7 @@ def _compile_rule(raw: dict[str, Any], order: int, path: str, src: _Src, errors:
     if allow and (deny or deny_models):
         errors.append(src.err(f"{path}.allow", "a rule cannot both allow and deny"))
 
-    default_scope = "tenant"
-    for s in _SCOPE_LEVELS:
-        if s in match:
-            default_scope = s
-            break
+    default_scope = rule_scope
     budgets: list[BudgetSpec] = []
     for j, b in enumerate(raw.get("budgets") or []):
         bpath = f"{path}.budgets[{j}]"

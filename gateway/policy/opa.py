@@ -3,7 +3,7 @@
 Input document (docs/policy.md, "OPA"): {"principal": {...}, "request": {model, headers (credentials removed),
 max_tokens, stream, time: {unix (floored to the minute), weekday, hour (UTC)}}, "local_decision": {...}|null}.
 OPA's result at `path` is either a boolean (allow) or an object {allow, reason, rule, jurisdiction, retention,
-priority, ttft_slo_ms, max_tokens, max_context, cache_isolation}. An undefined result is a deny; a timeout or
+priority, ttft_slo_ms, long_ttft_slo_ms, max_tokens, max_context, cache_isolation, share, share_scope}. An undefined result is a deny; a timeout or
 any error is a deny with status 503 (fail-closed). Answers are cached for `cache_ttl_s` per distinct input.
 """
 from __future__ import annotations
@@ -33,6 +33,7 @@ _VOLATILE_HEADERS = frozenset({"content-length", "connection", "keep-alive", "ac
                                "x-b3-traceid", "x-b3-spanid", "x-b3-parentspanid", "x-b3-sampled", "b3",
                                "x-stainless-retry-count", "x-stainless-read-timeout", "x-stainless-timeout"})
 _DAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
+_SHARE_SCOPES = ("key", "project", "team", "tenant", "partner")  # the flow levels of gateway/routing/flowkey.py
 
 
 def build_input(principal: Principal, request: RequestAttrs, local: Decision | None) -> dict[str, Any]:
@@ -69,9 +70,11 @@ def _valid_field(key: str, v: Any) -> Any:
     if key == "priority":
         v = "batch" if v == "sheddable" else v
         return v if v in ("realtime", "standard", "batch") else None
+    if key == "share_scope":
+        return v if v in _SHARE_SCOPES else None
     if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v <= 0:
         return None
-    if key == "ttft_slo_ms":
+    if key in ("ttft_slo_ms", "long_ttft_slo_ms", "share"):
         return float(v)
     return int(v) if float(v).is_integer() else None  # max_tokens, max_context: whole token counts
 
@@ -104,8 +107,9 @@ def merge_result(local: Decision | None, result: Any, defined: bool) -> Decision
     if result.get("retention") == "zero" and retention != "zero":
         retention, retention_rule = "zero", "opa"
     fields: dict[str, Any] = {}
-    for k, dk in (("priority", "priority"), ("ttft_slo_ms", "ttft_slo_ms"), ("max_tokens", "max_tokens_cap"),
-                  ("max_context", "max_context")):
+    for k, dk in (("priority", "priority"), ("ttft_slo_ms", "ttft_slo_ms"), ("long_ttft_slo_ms", "long_ttft_slo_ms"),
+                  ("max_tokens", "max_tokens_cap"), ("max_context", "max_context"), ("share", "share"),
+                  ("share_scope", "share_scope")):
         if result.get(k) is not None:
             v = _valid_field(k, result[k])
             if v is None:  # a malformed answer fails closed, with the reason (never a 500 later on)
@@ -122,6 +126,8 @@ def merge_result(local: Decision | None, result: Any, defined: bool) -> Decision
         max_tokens_cap=fields.get("max_tokens_cap", base.max_tokens_cap),
         max_context=fields.get("max_context", base.max_context),
         priority=fields.get("priority", base.priority), ttft_slo_ms=fields.get("ttft_slo_ms", base.ttft_slo_ms),
+        long_ttft_slo_ms=fields.get("long_ttft_slo_ms", base.long_ttft_slo_ms),
+        share=fields.get("share", base.share), share_scope=fields.get("share_scope", base.share_scope),
         budgets=base.budgets, cache_isolation=base.cache_isolation or bool(result.get("cache_isolation")),
         spill_to_partner=base.spill_to_partner, allowed_models=base.allowed_models, denied_models=base.denied_models,
     )
