@@ -110,6 +110,9 @@ class BackendConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kv_topic: str | None = None  # this engine's KV-event topic; null: telemetry.kv_topic ("" = every topic)
     metrics: str | None = None
     priority_scheduling: bool = False
+    # an inference_gateway upstream's endpoint picker then queues by the same flows (gateway/routing/flowkey.py)
+    # and priorities as the gateway's own fair queue (docs/routing.md, "Inference gateway upstreams")
+    inference_gateway: bool = False  # the upstream is itself a Gateway API Inference Extension / llm-d gateway: it is sent the flow as x-gateway-inference-fairness-id and the policy priority as x-gateway-inference-objective
     # upstream model names that are LoRA adapters (vLLM --lora-modules NAME=PATH): their KV blocks are keyed by
     # the adapter name, so the KV-index lookup for a request to one uses that name (else it would match base
     # blocks the adapter cannot reuse)

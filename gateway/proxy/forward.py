@@ -26,6 +26,7 @@ from gateway.proxy.dialects import Dialect, Exchange, StreamTranslator, dialect_
 from gateway.proxy.health import Health
 from gateway.proxy.transport import UpstreamBroken, UpstreamConnectError, UpstreamResponse
 from gateway.proxy.upstream import Upstreams
+from gateway.routing.flowkey import flow_id
 from gateway.routing.plan import Candidate, RoutePlan
 
 log = logging.getLogger("gateway.proxy")
@@ -111,6 +112,21 @@ def client_error_body(status: int, body: bytes, dialect: Dialect | None = None, 
     return ctx.ep.wire.error_body(e) if ctx is not None and ctx.ep is not None else e.to_bytes()
 
 
+# The request headers a Gateway API Inference Extension endpoint picker (EPP) reads for flow control
+# (https://llm-d.ai/docs/api-reference/epp-http-headers; llm-d 0.8 spelled them x-llm-d-inference-*): the
+# fairness id groups requests that share capacity under the fairness policy, the objective names the
+# InferenceObjective resource whose priority applies (so that cluster defines objectives named after the
+# priorities: realtime, standard, batch).
+FAIRNESS_ID_HEADER = "x-gateway-inference-fairness-id"
+OBJECTIVE_HEADER = "x-gateway-inference-objective"
+
+
+def inference_gateway_headers(ctx: RequestContext) -> dict[str, str]:
+    """What an `inference_gateway: true` backend is told: the request's flow and its policy priority."""
+    return {FAIRNESS_ID_HEADER: flow_id(ctx.principal, ctx.decision),
+            OBJECTIVE_HEADER: ctx.decision.priority if ctx.decision is not None else "standard"}
+
+
 class DispatchStage:
     """The terminal stage: opens the upstream request (or takes the answer a stage prepared, a cache hit) into
     `ctx.result`. The time it waits is the upstream's (`ctx.dispatched_at` .. `ctx.answered_at`)."""
@@ -159,6 +175,8 @@ class Dispatcher:
         if tp:
             h["traceparent"] = tp
         h.update(ctx.upstream_headers)
+        if cand.backend.inference_gateway:
+            h.update(inference_gateway_headers(ctx))
         return h
 
     async def open(self, ctx: RequestContext) -> StreamStart | JsonResult:
