@@ -29,6 +29,7 @@ class GatewayStateCollector(Collector):
             yield from self._health()
             yield from self._telemetry()
             yield from self._router()
+            yield from self._flow()
         except Exception:  # a broken source must not break /metrics
             log.exception("collecting gateway state metrics failed")
 
@@ -139,3 +140,29 @@ class GatewayStateCollector(Collector):
                 mape.add_metric([name], float(s["mape"]))
             samples.add_metric([name], float(s.get("samples") or 0))
         yield from (rate, over, mape, samples)
+
+    def _flow(self) -> Iterator[Metric]:
+        """Flow control (gateway/routing/gate.py): per flow (tenant, team, project, key or partner: at most 200
+        of them, the snapshot's bound) tokens served, requests waiting per priority class and refusals."""
+        gate = getattr(getattr(self.gw, "router", None), "flow", None)
+        if gate is None or not hasattr(gate, "snapshot"):
+            return
+        snap = gate.snapshot()
+        served = CounterMetricFamily("gateway_flow_served_tokens", "Tokens served per flow since start (prompt "
+                                     "tokens dispatched, completion tokens finished)", labels=["flow", "kind"])
+        depth = GaugeMetricFamily("gateway_flow_queue_depth", "Requests waiting in the gateway's fair queue",
+                                  labels=["flow", "priority"])
+        refused = CounterMetricFamily("gateway_flow_refusals", "Requests refused by flow control, by reason "
+                                      "(predicted_wait, queue_full, queue_timeout)", labels=["flow", "reason"])
+        wait = GaugeMetricFamily("gateway_flow_mean_wait_seconds", "Mean wait in the fair queue of the requests "
+                                 "dispatched from it", labels=["priority"])
+        for flow, f in snap["flows"].items():
+            served.add_metric([flow, "prompt"], float(f["served_prompt_tokens"]))
+            served.add_metric([flow, "completion"], float(f["served_completion_tokens"]))
+            for cls, n in f["waiting"].items():
+                depth.add_metric([flow, cls], float(n))
+            for reason, n in f["refused"].items():
+                refused.add_metric([flow, reason], float(n))
+        for cls, ms in snap["mean_wait_ms"].items():
+            wait.add_metric([cls], ms / 1000)
+        yield from (served, depth, refused, wait)

@@ -142,6 +142,7 @@ async def dashboard_data(gw: Any, recent_ids: Callable[[], list[str]], limit: in
             if meter is not None else {"currency": None, "started_at": None, "engines": {}, "by_model": []})
     return {"generated_at": time.time(), "config_generation": cfg.generation, "engines": engines, "cost": cost,
             "admission": routing.get("admission", {}) if isinstance(routing, dict) else {},
+            "flow": routing.get("flow", {}) if isinstance(routing, dict) else {},
             "budgets": _budgets(records), "decisions": list(reversed(decisions)), "ttft_series": series}
 
 

@@ -16,6 +16,37 @@ class PluginSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     params: dict[str, Any] = msgspec.field(default_factory=dict)  # the plugin's own parameters (docs/routing.md)
 
 
+class LongPrefillLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One engine's own prefill-guard limits (`routing.flow_control.engines.<backend>`); unset fields inherit."""
+
+    long_prompt_tokens: int | None = None  # uncached prompt tokens from which a prompt is long on this engine
+    max_long_prefills: int | None = None  # long prompts prefilling on this engine at once
+    max_long_prefill_tokens: int | None = None  # their uncached tokens together
+
+
+class FlowControlConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`routing.flow_control`: the gateway holds what the engines cannot start soon, in fair queues per priority
+    class (weighted by policy `set: {share: N}`), and guards prefill against long prompts (docs/flow_control.md)."""
+
+    enabled: bool = True
+    # an engine takes another request from the gateway's queues while the prefill already queued on it is
+    # predicted to take at most this long (its learned prefill rate); beyond it, requests wait in the gateway
+    engine_queue_ms: float = 100.0
+    max_queue_per_flow: int = 128  # requests one flow (tenant, team or partner) may have waiting per class
+    max_wait_s: float = 30.0  # the longest a request without a TTFT target waits in the gateway
+    tick_ms: float = 10.0  # how often a non-empty queue re-checks the engines between finishes
+    prefill_token_weight: float = 1.0  # a flow's virtual counter: uncached prompt tokens served x this ...
+    decode_token_weight: float = 1.0  # ... plus completion tokens served x this
+    # the prefill guard: a prompt is long from this many uncached tokens (null: 2 x the engine's chunk budget)
+    long_prompt_tokens: int | None = None
+    max_long_prefills: int = 1  # per engine: long prompts prefilling at once
+    max_long_prefill_tokens: int | None = None  # per engine: their uncached tokens together (null: count only)
+    long_engine_share: float = 0.5  # at most this share of a request's allowed engines prefill long prompts at once (at least one)
+    long_context_engines: list[str] = msgspec.field(default_factory=list)  # backends long prompts go to, when allowed
+    long_ttft_slo_ms: float | None = None  # a long prompt's target when policy sets none (null: its target + its own unloaded prefill)
+    engines: dict[str, LongPrefillLimits] = msgspec.field(default_factory=dict)  # per backend, wins over the above
+
+
 class RoutingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # strategy presets: predicted_ttft | least_loaded | round_robin | prefix_hash | target_fit (docs/routing.md)
     strategy: str | list[PluginSpec] = "predicted_ttft"  # a preset or a list of {type, weight, params}
@@ -41,6 +72,7 @@ class RoutingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prefill_token_budgets: dict[str, int] = msgspec.field(default_factory=dict)  # per backend; wins over learned
     # predicted_ttft only: best-fit placement by TTFT target (plugins.TargetFitScorer); off by default
     target_fit: bool = False  # send a request with a target to the engine meeting 0.6 x it with least slack
+    flow_control: FlowControlConfig = msgspec.field(default_factory=FlowControlConfig)
 
     def strategy_error(self) -> tuple[str, str] | None:
         """(key under `routing.`, why) when the strategy cannot be built (gateway.config names file:line)."""

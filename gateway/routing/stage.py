@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import msgspec
@@ -34,6 +35,10 @@ from gateway.routing.early import early_refusal, learn_prefix, refuse_early, una
 from gateway.routing.engines import EngineModel
 from gateway.routing.evidence import kv_view_evidence, route_evidence
 from gateway.routing.feedback import engine_part, feed_back
+from gateway.routing.flow import CLASSES as FLOW_CLASSES
+from gateway.routing.flow import LongFlight, LongLimits, Waiter
+from gateway.routing.flowkey import flow_id, flow_weight
+from gateway.routing.gate import FlowGate, FlowQueueFull, QueueTimeout
 from gateway.routing.inflight import Flight, InFlight
 from gateway.routing.pending import PendingCache, last_chunk_from
 from gateway.routing.plan import Candidate
@@ -52,6 +57,24 @@ __all__ = ["APPROX_BLOCK_CHARS", "CHARS_PER_TOKEN", "PredictiveRouteStage", "Rou
            "split_partners", "tenant_cache_salt"]
 
 _Flight = Flight  # older name
+
+
+@dataclass(slots=True)
+class _FlowState:
+    """One request's standing in flow control while the route stage runs."""
+
+    flow: str = ""  # its flow (flowkey.flow_id); empty: flow control does not apply
+    weight: float = 1.0
+    cls: str = "standard"
+    long: bool = False
+    uncached: dict[str, int] = field(default_factory=dict)
+    go: frozenset[str] = frozenset()  # the engines that may start it now
+    released: frozenset[str] | None = None  # set once the gate released it from the queue
+    waiter: Waiter | None = None
+    enqueued: float = 0.0
+    waited_s: float = 0.0
+    predicted_wait_s: float = 0.0
+    ahead_tokens: float = 0.0
 _no_candidates = no_candidates
 _residency_rules = residency_rules
 _unattainable = unattainable
@@ -117,6 +140,8 @@ class PredictiveRouteStage:
                       "rejected_on_cached_prefix": 0, "spilled": 0, "queued": 0, "shed": 0}
         self._learning: set[asyncio.Task] = set()  # background /tokenize of message prefixes (early.learn_prefix)
         self._strategies: dict[Any, Strategy] = {}
+        self.flow = FlowGate(lambda: self._config().raw.routing.flow_control, self.clock, self._engine_state,
+                             self._long_flights, lambda name: self.chunk_budget(name)[0])
 
     @property
     def telemetry(self) -> Any:
@@ -158,6 +183,23 @@ class PredictiveRouteStage:
         """The engine's view now (engines.EngineModel.view; also read by the batch lane's pacer)."""
         return self.engines.view(name, now, has_tel)
 
+    def _engine_state(self, name: str, now: float) -> tuple[float, Any]:
+        """(prefill tokens queued ahead on the engine now, how fast it drains them): the flow gate's view."""
+        v = self._view(name, now, self.engines.has_telemetry_name(name))
+        return v.ahead_tokens, self.predictor.drain(name, self.chunk_budget(name)[0])
+
+    def _long_flights(self, now: float, limits: Callable[[str], LongLimits]) -> dict[str, list[LongFlight]]:
+        """Per engine, this gateway's long prompts on it still prefilling, with their predicted prefill end."""
+        out: dict[str, list[LongFlight]] = {}
+        for name, fls in self.inflight.by_engine.items():
+            thr = None
+            for fl in fls.values():
+                if thr is None:
+                    thr = limits(name).long_prompt_tokens
+                if fl.uncached >= thr and fl.prefilling(now):
+                    out.setdefault(name, []).append(LongFlight(fl.uncached, max(now, fl.started + fl.predicted_s)))
+        return out
+
     def chunk_budget(self, name: str) -> tuple[int, str]:
         """The engine's chunked-prefill budget and its source: configured, learned or assumed."""
         return self.engines.chunk_budget(name)
@@ -195,6 +237,14 @@ class PredictiveRouteStage:
 
     # ---------------------------------------------------------------- the stage
     async def run(self, ctx: RequestContext) -> None:
+        fs = _FlowState()
+        try:
+            await self._run(ctx, fs)
+        finally:
+            if fs.waiter is not None and self.flow.releasing is fs.waiter:  # released, then did not dispatch
+                self.flow.done(fs.waiter)
+
+    async def _run(self, ctx: RequestContext, fs: "_FlowState") -> None:
         t_start = time.perf_counter()
         require_model(ctx)
         cfg = self._config()
@@ -218,7 +268,12 @@ class PredictiveRouteStage:
         priority = d.priority if d is not None else "standard"
         hdr = ctx.headers.get("x-ttft-slo-ms") if ctx.headers is not None else None
         target = slo_ms(hdr, d.ttft_slo_ms if d is not None else None, rc.default_ttft_slo_ms)
-        if rc.admission and target is not None and not partners and priority != "batch":
+        fc = rc.flow_control
+        flow_on = fc.enabled and priority in FLOW_CLASSES and bool(own)
+        if flow_on:
+            fs.flow, fs.weight, fs.cls = flow_id(ctx.principal, d), flow_weight(d), priority
+        if rc.admission and target is not None and not partners and priority != "batch" and \
+                not (flow_on and self._maybe_long(ctx, own)):
             self._refuse_early(ctx, own, target, t_start, salt)  # before tokenizing: raises when surely late
         n_tokens, cached, source, blocks, unstored = await self._prompt(ctx, own + partners, salt)
         deadline = time.monotonic() + rc.batch_queue_timeout_s
@@ -232,13 +287,21 @@ class PredictiveRouteStage:
             part_ord = [c for c in ordered if c.backend.name not in own_names]
             if not own_ord and not part_ord:
                 raise no_candidates(ctx, plan)
-            if rc.admission and target is not None and own_ord:
-                adm = decide(target, [c.predicted_ttft_upper_ms for c in own_ord],  # type: ignore[misc]
+            goal = target
+            must_wait = False
+            if flow_on and own_ord:
+                must_wait, own_ord, goal = self._flow_plan(ctx, fs, fc, own_ord, feats, n_tokens, target, hdr,
+                                                           elapsed)
+            if rc.admission and goal is not None and own_ord:
+                adm = decide(goal, [c.predicted_ttft_upper_ms for c in own_ord],  # type: ignore[misc]
                              [c.predicted_ttft_ms for c in own_ord], priority=priority,  # type: ignore[misc]
                              can_spill=bool(part_ord), batch_headroom=rc.batch_headroom,
                              batch_target_ms=rc.batch_ttft_target_ms)
             else:
                 adm = decide(None, [], [], priority=priority, can_spill=False)
+            if must_wait and adm.action == "admit":
+                await self._flow_wait(ctx, fs, fc, own_ord, goal, target, source, t_start, salt)
+                continue  # released: re-score with the engines' views as they are now
             if adm.action != "queue":
                 break
             self.stats["queued"] += 1
@@ -254,12 +317,21 @@ class PredictiveRouteStage:
                                    + ("full." if woke is None else "past its wait limit."), code="request_shed",
                                    headers={**retry_headers(max(1.0, adm.retry_after_s)),
                                             "x-predicted-ttft-ms": f"{adm.best_ms:.0f}"})
-        if target is not None and len(own_ord) > 1:  # engines predicted to meet the target first (stable)
+        target = goal
+        if target is not None and len(own_ord) > 1 and not fs.go:  # engines predicted to meet the target first
             own_ord.sort(key=lambda c: (c.predicted_ttft_upper_ms or 0) > target)
         if adm.action == "reject":
             assert target is not None  # decide() rejects only against a target
             self.stats["rejected"] += 1
             self._evidence(ctx, own_ord, target, "reject", source, t_start, salt)
+            if must_wait:
+                self._flow_evidence(ctx, fs, "refused")
+                self.flow.refuse(fs.flow, "predicted_wait")
+                err = unattainable(own_ord[0], target, adm.retry_after_s)
+                err.message += (f" That includes {fs.predicted_wait_s * 1000:.0f} ms waiting in the gateway's fair "
+                                f"queue behind {fs.ahead_tokens:.0f} prompt tokens.")
+                raise err
+            self._flow_evidence(ctx, fs, "refused")
             raise unattainable(own_ord[0], target, adm.retry_after_s)
         if adm.action == "spill":
             self.stats["spilled"] += 1
@@ -273,13 +345,129 @@ class PredictiveRouteStage:
         ctx.route = plan
         pick = final[0]
         self._evidence(ctx, final, target, adm.action, source, t_start, salt)
+        self._flow_evidence(ctx, fs, "spilled" if adm.action == "spill" else "dispatched")
         if aff_key:
             ctx.evidence["route"]["affinity_engine"] = prev_engine  # the session's previous engine, if any
         ctx.extra_headers["x-predicted-ttft-ms"] = f"{pick.predicted_ttft_ms:.0f}"
         ctx.extra_headers["x-gateway-backend"] = pick.backend.name
         self._dispatched(ctx, pick, final, n_tokens, elapsed, feats, blocks, unstored)
+        if fs.flow and pick.backend.name in own_names:
+            self.flow.started(fs.flow, fs.weight, float(n_tokens - (pick.cached_tokens or 0)), fs.waiter,
+                              fs.waited_s, fs.cls)
+            self._by_rid[ctx.request_id].flow = fs.flow
+        elif fs.waiter is not None:
+            self.flow.done(fs.waiter)
         if aff_key:
             self.affinity.remember(aff_key, pick.backend.name)
+
+    # ---------------------------------------------------------------- flow control (gate.py, flow.py)
+    def _maybe_long(self, ctx: RequestContext, own: list[Candidate]) -> bool:
+        """Whether the prompt may be long on some own engine (its estimate is at least half the smallest
+        threshold): then the short target's refusal before tokenizing does not apply to it."""
+        est = ctx.prompt_tokens_est or 0
+        return any(est * 2 >= self.flow.limits(c.backend.name).long_prompt_tokens for c in own)
+
+    def _flow_plan(self, ctx: RequestContext, fs: "_FlowState", fc: Any, own_ord: list[Candidate],
+                   feats: dict[str, Features], n_tokens: int, target: float | None, hdr: str | None,
+                   elapsed: float) -> tuple[bool, list[Candidate], float | None]:
+        """(must wait in the gateway, own candidates in order, the target admission holds it to). The engines
+        that may start it now go first; with none (or others ahead of it in fair order) it waits, and its
+        predictions are made to include the wait."""
+        now = self.clock()
+        unc = {c.backend.name: n_tokens - (c.cached_tokens or 0) for c in own_ord}
+        fs.uncached = unc
+        longs = self.flow.long_on(unc)
+        fs.long = all(longs.values())
+        goal = self._long_target(ctx, fc, own_ord, feats, target, hdr) if fs.long else target
+        go = self.flow.may_start(unc, now)
+        if go and (fs.released or self.flow.first_in_line(fs.cls, fs.flow)):
+            fs.go = go
+            return False, [c for c in own_ord if c.backend.name in go] + \
+                [c for c in own_ord if c.backend.name not in go], goal
+        fs.go = frozenset()
+        wait_s, ahead = self.flow.predicted_wait(fs.cls, fs.flow, fs.weight, unc, now)
+        fs.predicted_wait_s, fs.ahead_tokens = wait_s, ahead
+        queue_s = fc.engine_queue_ms / 1000.0
+        for c in own_ord:  # from arrival: elapsed + the wait + the engine's part once it is open again
+            name = c.backend.name
+            f = feats.get(name)
+            if f is None:
+                continue
+            dr = self.predictor.drain(name, self.chunk_budget(name)[0])
+            gate_tokens = queue_s / max(1e-9, dr.s_per_token + dr.step_s / max(1, dr.budget))
+            g = Features(ahead_tokens=min(f.ahead_tokens, gate_tokens), uncached_tokens=f.uncached_tokens,
+                         running=f.running)
+            mean, upper = self.predictor.predict(name, g)
+            c.predicted_ttft_ms = round((elapsed + wait_s + mean) * 1000, 3)
+            c.predicted_ttft_upper_ms = round((elapsed + wait_s + upper) * 1000, 3)
+            c.info["queue_wait_ms"] = round(wait_s * 1000, 3)
+        own_ord.sort(key=lambda c: c.predicted_ttft_upper_ms or 0.0)
+        return True, own_ord, goal
+
+    def _long_target(self, ctx: RequestContext, fc: Any, own_ord: list[Candidate], feats: dict[str, Features],
+                     target: float | None, hdr: str | None) -> float | None:
+        """A long prompt's TTFT target: the client's x-ttft-slo-ms, else policy's long_ttft_slo_ms, else
+        routing.flow_control.long_ttft_slo_ms, else its target plus its own prefill on an idle engine."""
+        if hdr and slo_ms(hdr, None, None) is not None:
+            return target
+        d = ctx.decision
+        v = getattr(d, "long_ttft_slo_ms", None) if d is not None else None
+        if v:
+            return float(v)
+        if fc.long_ttft_slo_ms:
+            return float(fc.long_ttft_slo_ms)
+        if target is None:
+            return None
+        own = [self.predictor.predict(c.backend.name, Features(0.0, feats[c.backend.name].uncached_tokens, 0.0))[0]
+               for c in own_ord if c.backend.name in feats]
+        return target + (min(own) * 1000 if own else 0.0)
+
+    async def _flow_wait(self, ctx: RequestContext, fs: "_FlowState", fc: Any, own_ord: list[Candidate],
+                         goal: float | None, target: float | None, source: str, t_start: float,
+                         salt: str | None) -> None:
+        """Wait in the fair queue until an engine may start the request; 429 when its flow's queue is full
+        or its target's slack runs out first."""
+        now = self.clock()
+        if fs.waiter is None:
+            best = min((c.predicted_ttft_upper_ms or 0.0) for c in own_ord) / 1000.0
+            slack = fc.max_wait_s if goal is None else (goal / 1000.0) - (best - fs.predicted_wait_s)
+            fs.waiter = Waiter(fs.flow, fs.cls, float(min(fs.uncached.values())), fs.long,
+                               frozenset(fs.uncached), now, now + max(0.0, min(fc.max_wait_s, slack)),
+                               uncached=fs.uncached)
+            fs.enqueued = now
+            front = False
+        else:  # released, but the engines closed again before it dispatched: back to the head of its flow
+            front = True
+        try:
+            fs.released = await self.flow.wait(fs.waiter, fs.weight, front=front)
+        except (FlowQueueFull, QueueTimeout) as e:
+            full = isinstance(e, FlowQueueFull)
+            fs.waited_s = self.clock() - fs.enqueued
+            reason = "queue_full" if full else "queue_timeout"
+            self.flow.refuse(fs.flow, reason)
+            self.stats["rejected"] += 1
+            self._evidence(ctx, own_ord, goal, "reject", source, t_start, salt)
+            self._flow_evidence(ctx, fs, reason)
+            retry = max(1.0, fs.predicted_wait_s)
+            why = (f"its flow {fs.flow!r} already has {fc.max_queue_per_flow} requests waiting" if full else
+                   f"no engine could start it within its TTFT target ({goal:g} ms)" if goal is not None else
+                   f"no engine could start it within {fc.max_wait_s:g} s")
+            raise GatewayError(429, f"Flow control: the request was not dispatched: {why}.",
+                               code="flow_queue_full" if full else "flow_queue_timeout",
+                               headers={**retry_headers(retry),
+                                        "x-predicted-ttft-ms": f"{min(c.predicted_ttft_ms or 0 for c in own_ord):.0f}"},
+                               extra={"flow": fs.flow, "waited_ms": round(fs.waited_s * 1000, 3)}) from None
+        fs.waited_s = self.clock() - fs.enqueued
+
+    def _flow_evidence(self, ctx: RequestContext, fs: "_FlowState", outcome: str) -> None:
+        if not fs.flow:
+            return
+        route = ctx.evidence.setdefault("route", {})
+        route["queue"] = {"class": fs.cls, "flow": fs.flow, "share": fs.weight,
+                          "lane": "long" if fs.long else "short", "queued": fs.waiter is not None,
+                          "waited_ms": round(fs.waited_s * 1000, 3),
+                          "predicted_wait_ms": round(fs.predicted_wait_s * 1000, 3),
+                          "ahead_tokens": round(fs.ahead_tokens, 1), "outcome": outcome}
 
     def _dispatched(self, ctx: RequestContext, pick: Candidate, final: list[Candidate], n_tokens: int,
                     elapsed: float, feats: dict[str, Features], blocks: list[int],
@@ -341,6 +529,9 @@ class PredictiveRouteStage:
             return
         self.pending.remove(ctx.request_id)
         self.batch.wake(2)
+        if fl.flow:
+            u = ctx.usage
+            self.flow.finished(fl.flow, (u.completion_tokens or 0) if u is not None else ctx.delivered_completion_tokens)
         if fl.telemetry:
             self.telemetry.end(fl.engine, fl.uncached)
         feed_back(ctx, fl, predictor=self.predictor, approx=self.approx, avg_uncached=self.avg_uncached,
@@ -357,5 +548,5 @@ class PredictiveRouteStage:
                 engines.setdefault(b.name, {})["facts"] = self.facts(b.name)
         return {"strategy": strategy_label(cfg.raw.routing.strategy), "engines": engines,
                 "admission": dict(self.stats), "batch_queue": len(self.batch),
-                "inflight": self.inflight.counts()}
+                "inflight": self.inflight.counts(), "flow": self.flow.snapshot()}
 
