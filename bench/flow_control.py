@@ -58,9 +58,8 @@ KEY_B = "bench-flow-tenant-b-0123456789"
 CONFIGS: dict[str, dict] = {
     "flow control": {},
     "flow off": {"flow_control": {"enabled": False}},
-    "least_loaded": {"strategy": "least_loaded", "admission": False},
-    # not in the default set: least_loaded with flow_control's defaults still queues (and times out) requests
-    "least_loaded flow off": {"strategy": "least_loaded", "admission": False, "flow_control": {"enabled": False}},
+    # the baseline: least-loaded routing with none of the gateway's own control (no admission, no flow control)
+    "least_loaded": {"strategy": "least_loaded", "admission": False, "flow_control": {"enabled": False}},
 }
 DEFAULT_CONFIGS = ("flow control", "flow off", "least_loaded")
 SHORT_TOKENS = (200, 600)
@@ -152,7 +151,11 @@ def make_config(tmp: Path, manifest: dict, name: str, port: int) -> Path:
     base = "least_loaded" if CONFIGS[name].get("strategy") == "least_loaded" else "predicted_ttft"
     cfg = gateway_config(tmp / name.replace(" ", "_"), manifest, base, port)
     doc = json.loads(cfg.read_text())
-    doc["routing"] = CONFIGS[name]
+    doc["routing"] = json.loads(json.dumps(CONFIGS[name]))
+    fc = doc["routing"].setdefault("flow_control", {})
+    if SCALE[0] != 1 and fc.get("enabled", True):  # slow motion: the gate's own times slow down with the engines
+        fc.setdefault("engine_queue_ms", 100.0 * SCALE[0])
+        fc.setdefault("tick_ms", 10.0 * SCALE[0])
     doc["keys"] = doc["keys"] + [{"key": KEY_A, "tenant": "a"}, {"key": KEY_B, "tenant": "b"}]
     cfg.write_text(json.dumps(doc))
     return cfg
@@ -229,7 +232,8 @@ def print_table(res: dict[str, dict], args: argparse.Namespace) -> None:
     cap_mix, cap_short = cap_rps(int(mix_mean())), cap_rps(int(short_mean()))
     print(f"\n## flow control, live fleet: 4 x {PROFILE} engines, speeds {SPEEDS}, chunk budget {BUDGET}; "
           f"{args.seconds:g} s per run, seed {args.seed}"
-          + (f"; --time-scale {SCALE[0]:g}: engines {SCALE[0]:g}x slower, rates / {SCALE[0]:g}, targets x {SCALE[0]:g}"
+          + (f"; --time-scale {SCALE[0]:g}: engines {SCALE[0]:g}x slower, rates / {SCALE[0]:g}, targets and "
+             f"flow_control's engine_queue_ms and tick_ms x {SCALE[0]:g}"
              if SCALE[0] != 1 else ""))
     if not args.only or args.only == "longmix":
         print(f"long-mix: {args.load:g} x {cap_mix:.1f} req/s (capacity for a {mix_mean():.0f}-token mean prompt), "

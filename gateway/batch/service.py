@@ -29,7 +29,7 @@ log = logging.getLogger("gateway.batch")
 
 # refusals that mean "not now" (the fleet or a rate window is full): the line goes back, nothing is recorded
 DEFER_CODES = {"ttft_slo_unattainable", "request_shed", "rate_limit_exceeded", "budget_store_unavailable",
-               "auth_rate_limited"}
+               "auth_rate_limited", "flow_queue_timeout", "flow_queue_full"}
 RETRY_STATUSES = {502, 503, 504}
 STOP_CODES = {"revoked_api_key", "expired_api_key", "invalid_api_key", "wrong_plane"}
 

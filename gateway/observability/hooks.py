@@ -9,7 +9,7 @@ from typing import Any, Callable
 from gateway.metrics import Metrics
 from gateway.pipeline import RequestContext
 
-ADMISSION_CODES = frozenset({"ttft_slo_unattainable", "request_shed"})
+ADMISSION_CODES = frozenset({"ttft_slo_unattainable", "request_shed", "flow_queue_timeout", "flow_queue_full"})
 access_log = logging.getLogger("gateway.access")
 
 

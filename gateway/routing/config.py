@@ -37,7 +37,8 @@ class FlowControlConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     tick_ms: float = 10.0  # how often a non-empty queue re-checks the engines between finishes
     prefill_token_weight: float = 1.0  # a flow's virtual counter: uncached prompt tokens served x this ...
     decode_token_weight: float = 1.0  # ... plus completion tokens served x this
-    # the prefill guard: a prompt is long from this many uncached tokens (null: 2 x the engine's chunk budget)
+    # the prefill guard: a prompt is long from this many uncached tokens (null: 2 x the engine's chunk budget
+    # once configured or learned, 4096 until then)
     long_prompt_tokens: int | None = None
     max_long_prefills: int = 1  # per engine: long prompts prefilling at once
     max_long_prefill_tokens: int | None = None  # per engine: their uncached tokens together (null: count only)

@@ -15,7 +15,9 @@ Three pure parts, driven by the route stage (`gateway/routing/stage.py`), no I/O
   lowest counter goes next; a flow that becomes backlogged is lifted to the lowest counter of the backlogged
   ones (it cannot bank idle time). Work conserving: a flow alone gets every free slot.
 - `engine_open`: an engine takes another request while the prefill already queued on it drains within
-  `engine_queue_ms` (its learned rate); else the request waits here, where the order is fair.
+  `engine_queue_ms` (its learned rate) and so do the prompts sent to it without a first token yet (observed)
+  while more than one flow is being served; with one flow alone, those may fill one chunked-prefill step
+  (it batches them, and there is nobody to be fair to). Else the request waits here, where the order is fair.
 - `long_slots`: the prefill guard. A prompt is long from `long_prompt_tokens` uncached tokens (default twice the
   engine's chunk budget). An engine prefills at most `max_long_prefills` (and `max_long_prefill_tokens`) long
   prompts at once, and at most `long_engine_share` of a request's allowed engines prefill long prompts at
@@ -37,7 +39,19 @@ from typing import Any, Callable, Iterable, Iterator
 
 from gateway.routing.view import Drain
 
-CLASSES = ("realtime", "standard")  # the classes that queue here, in the order they are served (batch has its own)
+CLASSES = ("realtime", "standard")  # the priority classes that queue here, served in this order (batch has its own)
+# each class has two lanes: short prompts wait for an engine to open, long ones also for a prefill-guard slot, so
+# a long prompt waiting for a slot is never ahead of a short one (queues are keyed "standard", "standard/long")
+LANES = tuple(c + lane for c in CLASSES for lane in ("", "/long"))
+
+
+def lane_class(priority: str, long: bool) -> str:
+    """The queue a request waits in: its priority class, and its lane."""
+    return priority + "/long" if long else priority
+
+
+def _same_lane(a: str, b: str) -> bool:
+    return a.endswith("/long") == b.endswith("/long")
 SCAN = 8  # items looked at per flow for one that may go now (a long head must not block its flow's short ones)
 
 
@@ -91,7 +105,7 @@ class FairQueue:
     """Bounded per-flow FIFOs per priority class, served by lowest virtual token counter (see module doc)."""
 
     def __init__(self, max_per_flow: int = 128, prefill_weight: float = 1.0, decode_weight: float = 1.0,
-                 classes: tuple[str, ...] = CLASSES) -> None:
+                 classes: tuple[str, ...] = LANES) -> None:
         self.max_per_flow = max_per_flow
         self.prefill_weight = prefill_weight
         self.decode_weight = decode_weight
@@ -180,6 +194,15 @@ class FairQueue:
         if decode_tokens:
             self.served_decode[flow] = self.served_decode.get(flow, 0.0) + decode_tokens
 
+    def serve(self, flow: str, cls: str, prefill_tokens: float, weight: float | None = None) -> None:
+        """A request of `flow` went to an engine (from the queue or straight away): a flow with nothing waiting
+        in `cls` is lifted first, as when it queues (a flow served while alone carries no debt into contention
+        and one that was idle banks nothing); the system's virtual time follows it; then its prompt is charged."""
+        if not self.queues[cls].get(flow):
+            self.counter[flow] = max(self.counter.get(flow, 0.0), self._floor(cls, flow))
+        self.vtime = max(self.vtime, self.counter.get(flow, 0.0))
+        self.charge(flow, prefill_tokens=prefill_tokens, weight=weight)
+
     def dispatched(self, w: Waiter) -> None:
         """`w` left the queue for an engine: the system's virtual time follows the flow it served."""
         self.vtime = max(self.vtime, self.counter.get(w.flow, 0.0))
@@ -219,13 +242,14 @@ class FairQueue:
 
     def ahead(self, cls: str, flow: str, cost: float, weight: float = 1.0) -> float:
         """Prompt tokens the fair order serves before a new request of `flow` costing `cost` would go: every
-        queued request of a higher class, its own flow's queue, and of each other flow in its class what
-        finishes (in virtual time) before it would."""
+        queued request of a higher class in its lane, its own flow's queue, and of each other flow in its class
+        what finishes (in virtual time) before it would."""
         total = 0.0
         for c in self.classes:
             if c == cls:
                 break
-            total += sum(self.queued_cost[c].values())
+            if _same_lane(c, cls):
+                total += sum(self.queued_cost[c].values())
         w = weight if weight > 0 else 1.0
         mine = self.queued_cost[cls].get(flow, 0.0)
         finish = self.lifted(cls, flow) + (mine + cost) * self.prefill_weight / w
@@ -243,7 +267,7 @@ class FairQueue:
         for c in self.classes:
             if c == cls:
                 break
-            if self.queues[c]:
+            if self.queues[c] and _same_lane(c, cls):
                 return False
         v = self.lifted(cls, flow)
         return all(v <= self.counter.get(g, 0.0) for g in self.backlogged(cls) if g != flow) and \
@@ -261,14 +285,22 @@ def drain_seconds(drain: Drain, tokens: float) -> float:
     return full * (drain.step_s + drain.s_per_token * b) + (drain.step_s + drain.s_per_token * rest if rest else 0.0)
 
 
-def engine_open(ahead_tokens: float, drain: Drain, queue_s: float) -> bool:
-    """An engine takes another request while what is queued on it drains within `queue_s`."""
-    return drain_seconds(drain, ahead_tokens) <= queue_s
+def engine_open(ahead_tokens: float, unfirst_tokens: float, drain: Drain, queue_s: float,
+                strict: bool = True) -> bool:
+    """An engine takes another request while what is queued on it drains within `queue_s` by the drain model,
+    and the prompts sent to it that have no first token yet (observed, so a hard cap when the model is off)
+    drain within `queue_s` too (`strict`: several flows are being served, and what one flow queues inside an
+    engine another waits behind) or fit one chunked-prefill step (one flow alone: nobody to be fair to, and
+    a full step batches its prompts)."""
+    if drain_seconds(drain, ahead_tokens) > queue_s:
+        return False
+    return drain_seconds(drain, unfirst_tokens) <= queue_s if strict else unfirst_tokens <= drain.budget
 
 
-def open_in(ahead_tokens: float, drain: Drain, queue_s: float) -> float:
-    """Seconds until the engine's queued prefill is down to what `queue_s` allows (0 when open)."""
-    return max(0.0, drain_seconds(drain, ahead_tokens) - queue_s)
+def open_in(ahead_tokens: float, unfirst_tokens: float, drain: Drain, queue_s: float, strict: bool = True) -> float:
+    """Seconds until `engine_open` holds again (0 when it does), on the same two terms."""
+    cap = queue_s if strict else drain_seconds(drain, drain.budget)
+    return max(0.0, drain_seconds(drain, ahead_tokens) - queue_s, drain_seconds(drain, unfirst_tokens) - cap)
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,11 +13,14 @@ import asyncio
 from typing import Any, Callable
 
 from gateway.routing.config import FlowControlConfig
-from gateway.routing.flow import (CLASSES, FairQueue, FlowQueueFull, LongFlight, LongLimits, Waiter, _Rate,
+from gateway.routing.flow import (CLASSES, LANES, FairQueue, FlowQueueFull, LongFlight, LongLimits, Waiter, _Rate,
                                   engine_open, long_slots, open_in, wait_estimate)
 from gateway.routing.view import Drain
 
 __all__ = ["CLASSES", "FlowGate", "FlowQueueFull", "QueueTimeout"]
+
+CONTENTION_S = 2.0  # a flow served this recently counts as active (gate.contended)
+DEFAULT_SMALL_BUDGET = 2048  # vLLM's --max-num-batched-tokens for an OpenAI server on a GPU under 70 GiB
 
 
 class QueueTimeout(Exception):
@@ -28,12 +31,15 @@ class FlowGate:
     """Fair queues and the prefill guard in front of the engines (see module doc)."""
 
     def __init__(self, config: Callable[[], FlowControlConfig], clock: Callable[[], float],
-                 state: Callable[[str, float], tuple[float, Drain]],
+                 state: Callable[[str, float], tuple[float, float, float, Drain]],
                  long_flights: Callable[[float, Callable[[str], LongLimits]], dict[str, list[LongFlight]]],
-                 chunk_budget: Callable[[str], int]) -> None:
+                 chunk_budget: Callable[[str], tuple[int, str]],
+                 predict: Callable[[str, float, float, float], float] | None = None) -> None:
         self._config = config
         self.clock = clock
-        self._state = state  # engine -> (prefill tokens queued ahead on it now, its drain)
+        # engine -> (prefill tokens ahead (drained), own tokens without a first token, running decodes, drain)
+        self._state = state
+        self._predict = predict  # (engine, tokens ahead, uncached tokens, running) -> mean TTFT (s)
         self._long_flights = long_flights
         self._chunk_budget = chunk_budget
         fc = config()
@@ -44,7 +50,8 @@ class FlowGate:
         self._timer: asyncio.TimerHandle | None = None
         self._waiters: dict[int, Waiter] = {}
         self.refused: dict[tuple[str, str], int] = {}  # (flow, reason) -> requests refused by flow control
-        self.waited: dict[str, list[float]] = {c: [0.0, 0.0] for c in CLASSES}  # class -> [sum of waits, count]
+        self.waited: dict[str, list[float]] = {c: [0.0, 0.0] for c in LANES}  # queue -> [sum of waits, count]
+        self.last_served: dict[str, float] = {}  # flow -> when it was last dispatched (contention)
         self.stats = {"direct": 0, "queued": 0, "released": 0, "requeued": 0, "timeouts": 0, "full": 0}
 
     @property
@@ -56,43 +63,91 @@ class FlowGate:
         fc = self.cfg
         own = fc.engines.get(engine)
         thr = own.long_prompt_tokens if own is not None and own.long_prompt_tokens is not None else \
-            fc.long_prompt_tokens if fc.long_prompt_tokens is not None else 2 * self._chunk_budget(engine)
+            fc.long_prompt_tokens if fc.long_prompt_tokens is not None else self._default_long(engine)
         n = own.max_long_prefills if own is not None and own.max_long_prefills is not None else fc.max_long_prefills
         tok = own.max_long_prefill_tokens if own is not None and own.max_long_prefill_tokens is not None else \
             fc.max_long_prefill_tokens
         return LongLimits(int(thr), max(1, int(n)), tok)
 
+    def _default_long(self, engine: str) -> int:
+        """Twice the engine's chunked-prefill budget (a prompt that takes three steps or more) once the budget
+        is configured or learned; until then twice vLLM's smallest default budget (2048): the assumed budget
+        (routing.prefill_token_budget, 8192) would call a 12k-token prompt short on an engine of 2048."""
+        budget, source = self._chunk_budget(engine)
+        return 2 * budget if source != "assumed" else 2 * DEFAULT_SMALL_BUDGET
+
+    def contended(self, now: float) -> bool:
+        """More than one flow was served within the last `CONTENTION_S` or is waiting: the gate is strict."""
+        waiting = {f for qs in self.queue.queues.values() for f, q in qs.items() if q}
+        return len(waiting | {f for f, t in self.last_served.items() if now - t <= CONTENTION_S}) > 1
+
     def long_on(self, uncached: dict[str, int]) -> dict[str, bool]:
         """Per engine: whether the prompt (its uncached tokens there) is long on it."""
         return {e: u >= self.limits(e).long_prompt_tokens for e, u in uncached.items()}
 
+    def _flights(self, now: float, cache: dict[str, Any]) -> dict[str, list[LongFlight]]:
+        flights = cache.get("flights")
+        if flights is None:
+            flights = cache["flights"] = self._long_flights(now, self.limits)
+        return flights
+
     def may_start(self, uncached: dict[str, int], now: float, _cache: dict[str, Any] | None = None
                   ) -> frozenset[str]:
-        """The engines that may start this request now: open (their queued prefill drains within
-        `engine_queue_ms`) and, where the prompt is long, with a long-prefill slot for it."""
+        """The engines that may start this request now: for a short prompt, those without a long prefill in
+        progress (the drain model's estimate of a long prefill's end is not trusted with a short prompt's TTFT);
+        for a long prompt, those with a long-prefill slot for it. Of those, the open ones (`engine_open`) whose
+        predicted TTFT for it is within `engine_queue_ms` of the best it could have on any of them with
+        nothing queued: a slow engine under many decodes opens first, but waiting a moment for a fast one is
+        the shorter way."""
         queue_s = self.cfg.engine_queue_ms / 1000.0
         cache = _cache if _cache is not None else {}
         opened = cache.setdefault("open", {})
+        strict = cache.get("strict")
+        if strict is None:
+            strict = cache["strict"] = self.contended(now)
         go: list[str] = []
         longs = self.long_on(uncached)
+        flights = self._flights(now, cache)
         long_names = [e for e, lg in longs.items() if lg]
         slots: set[str] = set()
         if long_names:
-            flights = cache.get("flights")
-            if flights is None:
-                flights = cache["flights"] = self._long_flights(now, self.limits)
             fc = self.cfg
             ok, _ = long_slots(long_names, max(uncached[e] for e in long_names), flights, self.limits,
                                fc.long_engine_share, fc.long_context_engines)
             slots = set(ok)
+        states = cache.setdefault("state", {})
+        lane_ok: list[str] = []
         for e in uncached:
+            if e in slots if longs[e] else not flights.get(e):
+                lane_ok.append(e)
+        opens: list[str] = []
+        for e in lane_ok:
             o = opened.get(e)
             if o is None:
-                ahead, drain = self._state(e, now)
-                o = opened[e] = engine_open(ahead, drain, queue_s)
-            if o and (not longs[e] or e in slots):
+                ahead, unfirst, _, drain = self._st(e, now, states)
+                o = opened[e] = engine_open(ahead, unfirst, drain, queue_s, strict)
+            if o:
+                opens.append(e)
+        predict = self._predict
+        closed = [e for e in lane_ok if e not in opens]
+        if predict is None or not opens or not closed:
+            return frozenset(opens)  # the strategy orders the open ones
+        # open now, or a moment's wait for a closed one: a slow engine under many decodes opens first, but is
+        # no option when waiting for a fast one is predicted shorter by more than engine_queue_ms
+        alt = min(open_in(a, u, d, queue_s, strict) + predict(e, 0.0, uncached[e], r)
+                  for e in closed for a, u, r, d in (self._st(e, now, states),))
+        go = []
+        for e in opens:
+            ahead, unfirst, running, _ = self._st(e, now, states)
+            if predict(e, max(ahead, unfirst), uncached[e], running) <= alt + queue_s:
                 go.append(e)
         return frozenset(go)
+
+    def _st(self, e: str, now: float, states: dict[str, Any]) -> tuple[float, float, float, Drain]:
+        st = states.get(e)
+        if st is None:
+            st = states[e] = self._state(e, now)
+        return st
 
     def predicted_wait(self, cls: str, flow: str, weight: float, uncached: dict[str, int], now: float
                        ) -> tuple[float, float]:
@@ -100,24 +155,38 @@ class FlowGate:
         cost = float(min(uncached.values())) if uncached else 0.0
         queue_s = self.cfg.engine_queue_ms / 1000.0
         longs = self.long_on(uncached)
+        flights = self._long_flights(now, self.limits)
         shorts = [e for e, lg in longs.items() if not lg]
         opens = []
+        strict = self.contended(now)
         for e in shorts or list(uncached):
-            ahead, drain = self._state(e, now)
-            opens.append(open_in(ahead, drain, queue_s))
+            ahead, unfirst, _, drain = self._state(e, now)
+            o = open_in(ahead, unfirst, drain, queue_s, strict)
+            if shorts and flights.get(e):  # a short prompt waits out the long prefill there
+                o = max(o, min(f.ends_at for f in flights[e]) - now)
+            opens.append(o)
         open_s = min(opens) if opens else 0.0
         if not shorts:  # long everywhere: also until a long-prefill slot frees
             fc = self.cfg
-            ok, free_at = long_slots(list(uncached), cost, self._long_flights(now, self.limits), self.limits,
-                                     fc.long_engine_share, fc.long_context_engines)
+            ok, free_at = long_slots(list(uncached), cost, flights, self.limits, fc.long_engine_share,
+                                     fc.long_context_engines)
             if not ok and free_at is not None:
                 open_s = max(open_s, free_at - now)
         ahead_tokens = self.queue.ahead(cls, flow, cost, weight)
         rate = self.rate.per_s(now)
         if rate <= 0.0:  # nothing handed out lately: what the engines can prefill (their learned rates)
             rate = sum(1.0 / max(1e-9, d.s_per_token + d.step_s / max(1, d.budget))
-                       for d in (self._state(e, now)[1] for e in uncached))
+                       for d in (self._state(e, now)[3] for e in uncached))
         return wait_estimate(ahead_tokens, rate, open_s), ahead_tokens
+
+    def queue_floor(self, cls: str, flow: str, weight: float) -> tuple[float, float]:
+        """(seconds, prompt tokens) of work the fair order already puts ahead of any new request of `flow` in
+        the short lane of `cls`, at the recent service rate; (0, 0) when nothing was handed out lately."""
+        ahead = self.queue.ahead(cls, flow, 0.0, weight)
+        rate = self.rate.per_s(self.clock())
+        if ahead <= 0.0 or rate <= 0.0:
+            return 0.0, ahead
+        return ahead / rate, ahead
 
     def first_in_line(self, cls: str, flow: str) -> bool:
         return self.releasing is None and self.queue.first_in_line(cls, flow)
@@ -215,10 +284,12 @@ class FlowGate:
     def started(self, flow: str, weight: float, cost: float, w: Waiter | None, waited_s: float, cls: str) -> None:
         """A request of `flow` was dispatched (from the queue when `w`): its prompt is charged to the flow."""
         now = self.clock()
-        self.queue.charge(flow, prefill_tokens=cost, weight=weight)
+        self.last_served[flow] = now
+        if len(self.last_served) > 4096:
+            self.last_served = {f: t for f, t in self.last_served.items() if now - t <= CONTENTION_S}
+        self.queue.serve(flow, cls, cost, weight)
         self.rate.add(now, cost)
         if w is not None:
-            self.queue.dispatched(w)
             ws = self.waited.setdefault(cls, [0.0, 0.0])
             ws[0] += waited_s
             ws[1] += 1
@@ -242,12 +313,13 @@ class FlowGate:
         q = self.queue
         flows = sorted(set(q.counter) | set(q.served_prefill) | {f for f, _ in self.refused})
         return {"enabled": self.cfg.enabled, "waiting": len(q), "stats": dict(self.stats),
+                "contended": self.contended(self.clock()),
                 "releasing": self.releasing is not None,
                 "rate_tokens_per_s": round(self.rate.per_s(self.clock()), 1),
                 "mean_wait_ms": {c: round(1000 * s / n, 3) if n else 0.0 for c, (s, n) in self.waited.items()},
                 "flows": {f: {"share": q.weight.get(f, 1.0), "counter": round(q.counter.get(f, 0.0), 1),
                               "served_prompt_tokens": q.served_prefill.get(f, 0.0),
                               "served_completion_tokens": q.served_decode.get(f, 0.0),
-                              "waiting": {c: len(q.queues[c].get(f, ())) for c in CLASSES if q.queues[c].get(f)},
+                              "waiting": {c: len(q.queues[c].get(f, ())) for c in LANES if q.queues[c].get(f)},
                               "refused": {r: n for (g, r), n in self.refused.items() if g == f}}
                           for f in flows[:200]}}

@@ -36,7 +36,7 @@ from gateway.routing.engines import EngineModel
 from gateway.routing.evidence import kv_view_evidence, route_evidence
 from gateway.routing.feedback import engine_part, feed_back
 from gateway.routing.flow import CLASSES as FLOW_CLASSES
-from gateway.routing.flow import LongFlight, LongLimits, Waiter
+from gateway.routing.flow import LongFlight, LongLimits, Waiter, lane_class
 from gateway.routing.flowkey import flow_id, flow_weight
 from gateway.routing.gate import FlowGate, FlowQueueFull, QueueTimeout
 from gateway.routing.inflight import Flight, InFlight
@@ -48,6 +48,7 @@ from gateway.routing.predictor import Features, Predictor, PredictorParams
 from gateway.routing.prompt import (APPROX_BLOCK_CHARS, CHARS_PER_TOKEN, PromptFacts, lora_name, prompt_facts,
                                     prompt_text)
 from gateway.routing.registry import build_strategy, strategy_label
+from gateway.routing.scorers.target_fit import target_fit_score
 from gateway.routing.salts import _SALT_DEFAULT_SECRET, engine_cache_salt, tenant_cache_salt
 
 # the names other modules import from here (kept when the stage was split into its concerns)
@@ -57,6 +58,9 @@ __all__ = ["APPROX_BLOCK_CHARS", "CHARS_PER_TOKEN", "PredictiveRouteStage", "Rou
            "split_partners", "tenant_cache_salt"]
 
 _Flight = Flight  # older name
+# a long prompt goes to the engine whose upper prediction meets this share of its target with the least slack:
+# its loose target is met on a slower engine, and the fast engines' prefill stays with the short prompts
+LONG_FIT = 0.8
 
 
 @dataclass(slots=True)
@@ -65,7 +69,8 @@ class _FlowState:
 
     flow: str = ""  # its flow (flowkey.flow_id); empty: flow control does not apply
     weight: float = 1.0
-    cls: str = "standard"
+    cls: str = "standard"  # its priority class
+    qcls: str = "standard"  # the queue it waits in: its class and lane (flow.lane_class)
     long: bool = False
     uncached: dict[str, int] = field(default_factory=dict)
     go: frozenset[str] = frozenset()  # the engines that may start it now
@@ -141,7 +146,7 @@ class PredictiveRouteStage:
         self._learning: set[asyncio.Task] = set()  # background /tokenize of message prefixes (early.learn_prefix)
         self._strategies: dict[Any, Strategy] = {}
         self.flow = FlowGate(lambda: self._config().raw.routing.flow_control, self.clock, self._engine_state,
-                             self._long_flights, lambda name: self.chunk_budget(name)[0])
+                             self._long_flights, self.chunk_budget, self._gate_predict)
 
     @property
     def telemetry(self) -> Any:
@@ -183,10 +188,16 @@ class PredictiveRouteStage:
         """The engine's view now (engines.EngineModel.view; also read by the batch lane's pacer)."""
         return self.engines.view(name, now, has_tel)
 
-    def _engine_state(self, name: str, now: float) -> tuple[float, Any]:
-        """(prefill tokens queued ahead on the engine now, how fast it drains them): the flow gate's view."""
+    def _engine_state(self, name: str, now: float) -> tuple[float, float, float, Any]:
+        """The flow gate's view of an engine: (prefill tokens ahead on it now as the drain model has it, own
+        prompt tokens without a first token yet, running decodes, how fast it drains). The second is observed,
+        not modelled: when the learned rate is off (a slow engine behind a long queue), the first says idle."""
         v = self._view(name, now, self.engines.has_telemetry_name(name))
-        return v.ahead_tokens, self.predictor.drain(name, self.chunk_budget(name)[0])
+        return (v.ahead_tokens, float(v.prefilling_tokens), v.running,
+                self.predictor.drain(name, self.chunk_budget(name)[0]))
+
+    def _gate_predict(self, name: str, ahead: float, uncached: float, running: float) -> float:
+        return self.predictor.predict(name, Features(ahead_tokens=ahead, uncached_tokens=uncached, running=running))[0]
 
     def _long_flights(self, now: float, limits: Callable[[str], LongLimits]) -> dict[str, list[LongFlight]]:
         """Per engine, this gateway's long prompts on it still prefilling, with their predicted prefill end."""
@@ -275,6 +286,8 @@ class PredictiveRouteStage:
         if rc.admission and target is not None and not partners and priority != "batch" and \
                 not (flow_on and self._maybe_long(ctx, own)):
             self._refuse_early(ctx, own, target, t_start, salt)  # before tokenizing: raises when surely late
+        if flow_on and rc.admission and target is not None and not partners and not self._maybe_long(ctx, own):
+            self._refuse_queued(ctx, fs, own, target, t_start, salt)  # before tokenizing: its flow's queue alone
         n_tokens, cached, source, blocks, unstored = await self._prompt(ctx, own + partners, salt)
         deadline = time.monotonic() + rc.batch_queue_timeout_s
         while True:
@@ -353,7 +366,7 @@ class PredictiveRouteStage:
         self._dispatched(ctx, pick, final, n_tokens, elapsed, feats, blocks, unstored)
         if fs.flow and pick.backend.name in own_names:
             self.flow.started(fs.flow, fs.weight, float(n_tokens - (pick.cached_tokens or 0)), fs.waiter,
-                              fs.waited_s, fs.cls)
+                              fs.waited_s, fs.qcls)
             self._by_rid[ctx.request_id].flow = fs.flow
         elif fs.waiter is not None:
             self.flow.done(fs.waiter)
@@ -367,6 +380,34 @@ class PredictiveRouteStage:
         est = ctx.prompt_tokens_est or 0
         return any(est * 2 >= self.flow.limits(c.backend.name).long_prompt_tokens for c in own)
 
+    def _refuse_queued(self, ctx: RequestContext, fs: "_FlowState", own: list[Candidate], target: float,
+                       t_start: float, salt: str | None) -> None:
+        """Refuse before tokenizing when the work its flow's fair queue already puts ahead of it, at the rate
+        the gateway has been handing work out, passes the target: the full prediction (which adds the time an
+        engine needs to open and the engine's own part) could only be later. A flooding flow's excess is
+        refused here, for the price of a dict lookup, not a /tokenize."""
+        wait_s, ahead = self.flow.queue_floor(fs.cls, fs.flow, fs.weight)
+        elapsed = max(0.0, time.perf_counter() - ctx.received_at)
+        if (elapsed + wait_s) * 1000.0 <= target:
+            return
+        fs.predicted_wait_s, fs.ahead_tokens = wait_s, ahead
+        self.stats["rejected"] += 1
+        self.stats["rejected_before_tokenize"] += 1
+        self.flow.refuse(fs.flow, "predicted_wait")
+        self._evidence(ctx, [], target, "reject", "none (refused on its flow's queue, before tokenizing)", t_start,
+                       salt)
+        ctx.evidence["candidates"] = [c.to_evidence() for c in own]
+        self._flow_evidence(ctx, fs, "refused")
+        best_ms = (elapsed + wait_s) * 1000.0
+        raise GatewayError(
+            429, f"No allowed engine is predicted to meet the TTFT target of {target:g} ms: the gateway's fair "
+                 f"queue holds {ahead:.0f} prompt tokens ahead of this request for its flow {fs.flow!r} "
+                 f"(about {wait_s * 1000:.0f} ms), before any engine time.",
+            code="ttft_slo_unattainable",
+            headers={**retry_headers(max(0.05, min(30.0, (best_ms - target) / 1000.0))),
+                     "x-predicted-ttft-ms": f"{best_ms:.0f}", "x-ttft-slo-ms": f"{target:g}"},
+            extra={"predicted_ttft_ms": round(best_ms, 3), "ttft_slo_ms": target})
+
     def _flow_plan(self, ctx: RequestContext, fs: "_FlowState", fc: Any, own_ord: list[Candidate],
                    feats: dict[str, Features], n_tokens: int, target: float | None, hdr: str | None,
                    elapsed: float) -> tuple[bool, list[Candidate], float | None]:
@@ -378,14 +419,18 @@ class PredictiveRouteStage:
         fs.uncached = unc
         longs = self.flow.long_on(unc)
         fs.long = all(longs.values())
+        fs.qcls = lane_class(fs.cls, fs.long)
         goal = self._long_target(ctx, fc, own_ord, feats, target, hdr) if fs.long else target
         go = self.flow.may_start(unc, now)
-        if go and (fs.released or self.flow.first_in_line(fs.cls, fs.flow)):
+        if go and (fs.released or self.flow.first_in_line(fs.qcls, fs.flow)):
             fs.go = go
-            return False, [c for c in own_ord if c.backend.name in go] + \
-                [c for c in own_ord if c.backend.name not in go], goal
+            first = [c for c in own_ord if c.backend.name in go]
+            if fs.long and goal is not None:  # best fit: the slowest engine that meets its (loose) target
+                first.sort(key=lambda c: target_fit_score(c.predicted_ttft_ms, c.predicted_ttft_upper_ms, goal,
+                                                          LONG_FIT))
+            return False, first + [c for c in own_ord if c.backend.name not in go], goal
         fs.go = frozenset()
-        wait_s, ahead = self.flow.predicted_wait(fs.cls, fs.flow, fs.weight, unc, now)
+        wait_s, ahead = self.flow.predicted_wait(fs.qcls, fs.flow, fs.weight, unc, now)
         fs.predicted_wait_s, fs.ahead_tokens = wait_s, ahead
         queue_s = fc.engine_queue_ms / 1000.0
         for c in own_ord:  # from arrival: elapsed + the wait + the engine's part once it is open again
@@ -431,7 +476,7 @@ class PredictiveRouteStage:
         if fs.waiter is None:
             best = min((c.predicted_ttft_upper_ms or 0.0) for c in own_ord) / 1000.0
             slack = fc.max_wait_s if goal is None else (goal / 1000.0) - (best - fs.predicted_wait_s)
-            fs.waiter = Waiter(fs.flow, fs.cls, float(min(fs.uncached.values())), fs.long,
+            fs.waiter = Waiter(fs.flow, fs.qcls, float(min(fs.uncached.values())), fs.long,
                                frozenset(fs.uncached), now, now + max(0.0, min(fc.max_wait_s, slack)),
                                uncached=fs.uncached)
             fs.enqueued = now

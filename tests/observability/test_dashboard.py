@@ -46,7 +46,8 @@ class DomTable(HTMLParser):
         if tag == "body":
             self.attrs["body"] = a
         if tag == "tr":
-            self._row = a.get("data-engine") or a.get("data-request-id") or a.get("data-budget")
+            self._row = (a.get("data-engine") or a.get("data-request-id") or a.get("data-budget")
+                         or (f"flow:{a['data-flow']}" if "data-flow" in a else None))
         elif tag == "td" and self._row and "data-field" in a:
             self._field, self._text = a["data-field"], []
         elif tag == "circle":
@@ -171,6 +172,13 @@ def test_dashboard_in_headless_chromium(tmp_path: Path) -> None:
         [tight] = [b for b in data["budgets"] if b["scope"] == "team" and b["window"] == "minute"]
         assert tight["tenant"] == "smallco" and tight["refused"] and tight["limit"]["tokens"] == 60
         assert page.cells[(f"team:{tight['id']}:minute", "limit")] == "tokens 60"
+        # flow control: the tenants' served tokens as the gate counted them (docs/flow_control.md)
+        flows = data["flow"]["flows"]
+        assert data["flow"]["enabled"] and {"acme", "smallco"} <= set(flows), flows
+        for name, f in flows.items():
+            assert page.cells[(f"flow:{name}", "served_prompt_tokens")] == fmt(f["served_prompt_tokens"], 0)
+            assert page.cells[(f"flow:{name}", "served_completion_tokens")] == fmt(f["served_completion_tokens"], 0)
+        assert flows["acme"]["served_prompt_tokens"] > 0 and flows["acme"]["served_completion_tokens"] > 0
         chart = page.attrs["ttft-chart"]
         assert int(chart["data-points"]) == len(data["ttft_series"]) >= len(rids)
         actual = {c["data-request-id"]: float(c["data-value"]) for c in page.circles if c.get("class") == "actual"}

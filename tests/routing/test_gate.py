@@ -24,8 +24,8 @@ class Fleet:
         self.longs: dict[str, list[LongFlight]] = {}
         self.t = 0.0
 
-    def state(self, name: str, now: float) -> tuple[float, Drain]:
-        return self.ahead[name], DRAIN
+    def state(self, name: str, now: float) -> tuple[float, float, float, Drain]:
+        return self.ahead[name], self.ahead[name], 0.0, DRAIN
 
     def long_flights(self, now: float, limits) -> dict[str, list[LongFlight]]:
         return {e: [f for f in fl if f.ends_at > now] for e, fl in self.longs.items()}
@@ -33,7 +33,7 @@ class Fleet:
 
 def gate(fleet: Fleet, **kw) -> FlowGate:
     cfg = FlowControlConfig(**{"tick_ms": 1.0, **kw})
-    return FlowGate(lambda: cfg, lambda: fleet.t, fleet.state, fleet.long_flights, lambda name: 2048)
+    return FlowGate(lambda: cfg, lambda: fleet.t, fleet.state, fleet.long_flights, lambda name: (2048, "learned"))
 
 
 def w(flow: str, engines=("e1",), cost: int = 300, deadline: float = 10.0) -> Waiter:
@@ -123,7 +123,9 @@ async def test_a_long_prompt_waits_for_a_guard_slot_and_the_estimate_says_how_lo
     assert g.may_start(unc, fleet.t) == frozenset()  # half of two engines already prefill a long prompt
     wait_s, _ = g.predicted_wait("standard", "a", 1.0, unc, fleet.t)
     assert wait_s == pytest.approx(3.0)
-    assert g.may_start({"e1": 300, "e2": 300}, fleet.t) == frozenset({"e1", "e2"})  # short prompts still go
+    # short prompts still go, to the engine without a long prefill in progress
+    assert g.may_start({"e1": 300, "e2": 300}, fleet.t) == frozenset({"e2"})
+    assert g.predicted_wait("standard", "a", 1.0, {"e1": 300}, fleet.t)[0] == pytest.approx(3.0)
     fleet.t = 103.5
     assert g.may_start(unc, fleet.t) == frozenset({"e1", "e2"})
 
@@ -136,3 +138,40 @@ def test_per_engine_limits_override_the_defaults():
                                                                                  max_long_prefills=2)})
     assert g.long_on({"e1": 12_000, "e2": 12_000}) == {"e1": True, "e2": False}
     assert g.limits("e2").max_long_prefills == 2 and g.limits("e1").max_long_prefills == 1
+
+
+def test_the_gate_is_strict_only_while_more_than_one_flow_is_served():
+    fleet = Fleet(["e1"])
+    g = gate(fleet)
+    assert not g.contended(fleet.t)
+    g.started("a", 1.0, 300.0, None, 0.0, "standard")
+    assert not g.contended(fleet.t)  # one flow alone: its prompts may fill a step
+    g.started("b", 1.0, 300.0, None, 0.0, "standard")
+    assert g.contended(fleet.t)
+    fleet.t += 5.0
+    assert not g.contended(fleet.t)  # both idle for longer than CONTENTION_S
+
+
+def test_an_open_engine_much_slower_than_the_best_is_not_taken():
+    """e_slow is open (nothing queued) but under many decodes; e_fast is closed behind 900 queued tokens.
+    Waiting the moment until e_fast opens is the shorter way, so e_slow is no option; with both open (or both
+    idle) the strategy orders them."""
+    fleet = Fleet(["e_fast", "e_slow"])
+    running = {"e_fast": 2.0, "e_slow": 40.0}
+    fleet.state = lambda name, now: (fleet.ahead[name], fleet.ahead[name], running[name], DRAIN)
+
+    def predict(name: str, ahead: float, uncached: float, run: float) -> float:
+        speed = 2.0 if name == "e_fast" else 0.5
+        return (0.02 + (ahead + uncached) / 6000 + 0.005 * run) / speed
+
+    cfg = FlowControlConfig(tick_ms=1.0)
+    g = FlowGate(lambda: cfg, lambda: fleet.t, fleet.state, fleet.long_flights, lambda name: (2048, "learned"),
+                 predict)
+    unc = {"e_fast": 300, "e_slow": 300}
+    fleet.ahead["e_fast"] = 300.0
+    assert g.may_start(unc, fleet.t) == frozenset({"e_fast", "e_slow"})  # both open: the strategy orders them
+    fleet.ahead["e_fast"] = 900.0  # now closed
+    assert g.may_start(unc, fleet.t) == frozenset()  # and e_slow (predicted 0.74 s vs 0.11 s) is no option
+    running["e_slow"] = 0.0  # idle, e_slow is predicted 0.14 s against e_fast's 0.04 s: within 100 ms
+    fleet.ahead["e_fast"] = 0.0
+    assert g.may_start(unc, fleet.t) == frozenset({"e_fast", "e_slow"})
