@@ -145,6 +145,7 @@ class PredictiveRouteStage:
                       "rejected_on_cached_prefix": 0, "spilled": 0, "queued": 0, "shed": 0}
         self._learning: set[asyncio.Task] = set()  # background /tokenize of message prefixes (early.learn_prefix)
         self._strategies: dict[Any, Strategy] = {}
+        self._longs: dict[str, dict[str, Flight]] = {}  # engine -> request id -> a long prompt's flight
         self.flow = FlowGate(lambda: self._config().raw.routing.flow_control, self.clock, self._engine_state,
                              self._long_flights, self.chunk_budget, self._gate_predict)
 
@@ -200,14 +201,12 @@ class PredictiveRouteStage:
         return self.predictor.predict(name, Features(ahead_tokens=ahead, uncached_tokens=uncached, running=running))[0]
 
     def _long_flights(self, now: float, limits: Callable[[str], LongLimits]) -> dict[str, list[LongFlight]]:
-        """Per engine, this gateway's long prompts on it still prefilling, with their predicted prefill end."""
+        """Per engine, this gateway's long prompts on it still prefilling, with their predicted prefill end
+        (from the index of long flights `_dispatched` keeps: O(long prompts in flight), not O(all flights))."""
         out: dict[str, list[LongFlight]] = {}
-        for name, fls in self.inflight.by_engine.items():
-            thr = None
+        for name, fls in self._longs.items():
             for fl in fls.values():
-                if thr is None:
-                    thr = limits(name).long_prompt_tokens
-                if fl.uncached >= thr and fl.prefilling(now):
+                if fl.prefilling(now):
                     out.setdefault(name, []).append(LongFlight(fl.uncached, max(now, fl.started + fl.predicted_s)))
         return out
 
@@ -535,6 +534,8 @@ class PredictiveRouteStage:
             self.pending.add(ctx.request_id, name, keys[held:], tail, fl.started + fl.predicted_s,
                              max(0, (n_tokens - budget) // bs) if bs else 0)
         self.inflight.add(fl)
+        if fl.uncached >= self.flow.limits(name).long_prompt_tokens:  # the prefill guard's index
+            self._longs.setdefault(name, {})[ctx.request_id] = fl
         if fl.telemetry:
             self.telemetry.begin(name, fl.uncached)
 
@@ -572,6 +573,9 @@ class PredictiveRouteStage:
         fl = self.inflight.pop(ctx.request_id)
         if fl is None:
             return
+        longs = self._longs.get(fl.engine)
+        if longs is not None and longs.pop(ctx.request_id, None) is not None and not longs:
+            del self._longs[fl.engine]
         self.pending.remove(ctx.request_id)
         self.batch.wake(2)
         if fl.flow:
