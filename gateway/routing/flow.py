@@ -35,7 +35,7 @@ import asyncio
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from gateway.routing.view import Drain
 
@@ -203,10 +203,6 @@ class FairQueue:
         self.vtime = max(self.vtime, self.counter.get(flow, 0.0))
         self.charge(flow, prefill_tokens=prefill_tokens, weight=weight)
 
-    def dispatched(self, w: Waiter) -> None:
-        """`w` left the queue for an engine: the system's virtual time follows the flow it served."""
-        self.vtime = max(self.vtime, self.counter.get(w.flow, 0.0))
-
     def prune(self, keep: int = 4096) -> None:
         """Forget counters of idle flows at or below the virtual time (a lift would restore them anyway)."""
         if len(self.counter) <= keep:
@@ -358,11 +354,3 @@ def wait_estimate(ahead_tokens: float, rate_tokens_per_s: float, open_in_s: floa
     if ahead_tokens <= 0:
         return open_in_s
     return open_in_s + ahead_tokens / max(1e-6, rate_tokens_per_s)
-
-
-def queue_evidence(w: Waiter, waited_s: float, predicted_s: float, weight: float, outcome: str,
-                   position: int | None = None) -> dict[str, Any]:
-    """The audit record's `route.queue`: which queue, how long, what was predicted, how it ended."""
-    return {"class": w.cls, "flow": w.flow, "share": weight, "lane": "long" if w.long else "short",
-            "waited_ms": round(waited_s * 1000, 3), "predicted_wait_ms": round(predicted_s * 1000, 3),
-            "position_tokens": position, "outcome": outcome}

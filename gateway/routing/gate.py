@@ -48,7 +48,6 @@ class FlowGate:
         self.releasing: Waiter | None = None
         self._released_at = 0.0
         self._timer: asyncio.TimerHandle | None = None
-        self._waiters: dict[int, Waiter] = {}
         self.refused: dict[tuple[str, str], int] = {}  # (flow, reason) -> requests refused by flow control
         self.waited: dict[str, list[float]] = {c: [0.0, 0.0] for c in LANES}  # queue -> [sum of waits, count]
         self.last_served: dict[str, float] = {}  # flow -> when it was last dispatched (contention)
@@ -210,7 +209,6 @@ class FlowGate:
                 raise
             self.stats["queued"] += 1
         w.fut = asyncio.get_running_loop().create_future()
-        self._waiters[id(w)] = w
         self.pump()
         try:
             left = w.deadline - self.clock()
@@ -223,7 +221,6 @@ class FlowGate:
             self.stats["timeouts"] += 1
             raise QueueTimeout() from None
         finally:
-            self._waiters.pop(id(w), None)
             if self.queue.remove(w):  # timed out or cancelled while queued
                 self._schedule()
             elif self.releasing is w and not (w.fut.done() and not w.fut.cancelled()):

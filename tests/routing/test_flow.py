@@ -25,8 +25,7 @@ def serve(q: FairQueue, rng: random.Random, n: int, refill: dict[str, float], de
         assert w is not None
         q.remove(w)
         out = rng.randint(0, 400) if decode else 0
-        q.charge(w.flow, prefill_tokens=w.cost)
-        q.dispatched(w)
+        q.serve(w.flow, w.cls, w.cost)
         q.charge(w.flow, decode_tokens=out)
         served[w.flow] = served.get(w.flow, 0.0) + w.cost + out
         if w.flow in refill:
@@ -74,8 +73,7 @@ def test_no_flow_starves_even_with_a_tiny_share_and_huge_prompts():
         w = q.pick(lambda w: True)
         assert w is not None
         q.remove(w)
-        q.charge(w.flow, prefill_tokens=w.cost)
-        q.dispatched(w)
+        q.serve(w.flow, w.cls, w.cost)
         for f in weights:
             worst[f] = max(worst[f], i - last[f])
         last[w.flow] = i
