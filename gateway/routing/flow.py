@@ -118,10 +118,11 @@ class FairQueue:
         self.served_decode: dict[str, float] = {}  # flow -> completion tokens served
         self.vtime = 0.0  # the counter of the last flow served from the queue (a newly backlogged flow's floor)
         self._seq = 0
+        self.n = 0  # requests waiting, all classes
 
     # ------------------------------------------------------------------------------------------ state
     def __len__(self) -> int:
-        return sum(len(q) for qs in self.queues.values() for q in qs.values())
+        return self.n
 
     def depth(self) -> dict[tuple[str, str], int]:
         """(class, flow) -> requests waiting."""
@@ -155,6 +156,7 @@ class FairQueue:
         self._seq += 1
         w.seq = self._seq
         q.append(w)
+        self.n += 1
         qc = self.queued_cost[w.cls]
         qc[w.flow] = qc.get(w.flow, 0.0) + w.cost
 
@@ -162,6 +164,7 @@ class FairQueue:
         """Put a released request back at the head of its flow (it found no engine open after all)."""
         q = self.queues[w.cls].setdefault(w.flow, deque())
         q.appendleft(w)
+        self.n += 1
         qc = self.queued_cost[w.cls]
         qc[w.flow] = qc.get(w.flow, 0.0) + w.cost
 
@@ -174,6 +177,7 @@ class FairQueue:
             q.remove(w)
         except ValueError:
             return False
+        self.n -= 1
         qc = self.queued_cost[w.cls]
         qc[w.flow] = max(0.0, qc.get(w.flow, 0.0) - w.cost)
         if not q:
@@ -260,6 +264,8 @@ class FairQueue:
     def first_in_line(self, cls: str, flow: str) -> bool:
         """Whether a new request of `flow` would go before everything waiting in its class and above (a flow
         lifted to the lowest backlogged counter ties with it, and goes first: it has nothing queued)."""
+        if not self.n:
+            return True
         for c in self.classes:
             if c == cls:
                 break

@@ -51,6 +51,7 @@ class FlowGate:
         self.refused: dict[tuple[str, str], int] = {}  # (flow, reason) -> requests refused by flow control
         self.waited: dict[str, list[float]] = {c: [0.0, 0.0] for c in LANES}  # queue -> [sum of waits, count]
         self.last_served: dict[str, float] = {}  # flow -> when it was last dispatched (contention)
+        self._limits: dict[str, tuple[float, LongLimits, FlowControlConfig]] = {}  # engine -> (at, limits, config)
         self.stats = {"direct": 0, "queued": 0, "released": 0, "requeued": 0, "timeouts": 0, "full": 0}
 
     @property
@@ -59,6 +60,19 @@ class FlowGate:
 
     # ------------------------------------------------------------------------------------------ facts
     def limits(self, engine: str) -> LongLimits:
+        """The engine's guard limits, memoised for a second (the learned chunk budget moves rarely; this is
+        read several times per request)."""
+        now = self.clock()
+        hit = self._limits.get(engine)
+        if hit is not None and now - hit[0] < 1.0 and hit[2] is self._config():
+            return hit[1]
+        lim = self._limits_now(engine)
+        if len(self._limits) > 4096:
+            self._limits.clear()
+        self._limits[engine] = (now, lim, self._config())
+        return lim
+
+    def _limits_now(self, engine: str) -> LongLimits:
         fc = self.cfg
         own = fc.engines.get(engine)
         thr = own.long_prompt_tokens if own is not None and own.long_prompt_tokens is not None else \
@@ -77,8 +91,10 @@ class FlowGate:
 
     def contended(self, now: float) -> bool:
         """More than one flow was served within the last `CONTENTION_S` or is waiting: the gate is strict."""
-        waiting = {f for qs in self.queue.queues.values() for f, q in qs.items() if q}
-        return len(waiting | {f for f, t in self.last_served.items() if now - t <= CONTENTION_S}) > 1
+        active = {f for f, t in self.last_served.items() if now - t <= CONTENTION_S}
+        if len(active) > 1 or not self.queue.n:
+            return len(active) > 1
+        return len(active | {f for qs in self.queue.queues.values() for f, q in qs.items() if q}) > 1
 
     def long_on(self, uncached: dict[str, int]) -> dict[str, bool]:
         """Per engine: whether the prompt (its uncached tokens there) is long on it."""
@@ -90,22 +106,23 @@ class FlowGate:
             flights = cache["flights"] = self._long_flights(now, self.limits)
         return flights
 
-    def may_start(self, uncached: dict[str, int], now: float, _cache: dict[str, Any] | None = None
-                  ) -> frozenset[str]:
+    def may_start(self, uncached: dict[str, int], now: float, _cache: dict[str, Any] | None = None,
+                  longs: dict[str, bool] | None = None) -> frozenset[str]:
         """The engines that may start this request now: for a short prompt, those without a long prefill in
         progress (the drain model's estimate of a long prefill's end is not trusted with a short prompt's TTFT);
-        for a long prompt, those with a long-prefill slot for it. Of those, the open ones (`engine_open`) whose
-        predicted TTFT for it is within `engine_queue_ms` of the best it could have on any of them with
-        nothing queued: a slow engine under many decodes opens first, but waiting a moment for a fast one is
-        the shorter way."""
+        for a long prompt, those with a long-prefill slot for it. Of those, the open ones (`engine_open`); while
+        some are closed, only the open ones whose predicted TTFT for it is within `engine_queue_ms` of waiting
+        for the best closed one (until it opens, then its prediction with nothing queued): a slow engine under
+        many decodes opens first, but waiting a moment for a fast one is the shorter way. `_cache` may hold
+        the engines' states already taken ({"state": {engine: state}}) and is filled for reuse."""
         queue_s = self.cfg.engine_queue_ms / 1000.0
         cache = _cache if _cache is not None else {}
         opened = cache.setdefault("open", {})
         strict = cache.get("strict")
         if strict is None:
             strict = cache["strict"] = self.contended(now)
-        go: list[str] = []
-        longs = self.long_on(uncached)
+        if longs is None:
+            longs = self.long_on(uncached)
         flights = self._flights(now, cache)
         long_names = [e for e, lg in longs.items() if lg]
         slots: set[str] = set()

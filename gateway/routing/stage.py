@@ -303,7 +303,7 @@ class PredictiveRouteStage:
             must_wait = False
             if flow_on and own_ord:
                 must_wait, own_ord, goal = self._flow_plan(ctx, fs, fc, own_ord, feats, n_tokens, target, hdr,
-                                                           elapsed)
+                                                           elapsed, items)
             if rc.admission and goal is not None and own_ord:
                 adm = decide(goal, [c.predicted_ttft_upper_ms for c in own_ord],  # type: ignore[misc]
                              [c.predicted_ttft_ms for c in own_ord], priority=priority,  # type: ignore[misc]
@@ -409,7 +409,7 @@ class PredictiveRouteStage:
 
     def _flow_plan(self, ctx: RequestContext, fs: "_FlowState", fc: Any, own_ord: list[Candidate],
                    feats: dict[str, Features], n_tokens: int, target: float | None, hdr: str | None,
-                   elapsed: float) -> tuple[bool, list[Candidate], float | None]:
+                   elapsed: float, items: list[Scored]) -> tuple[bool, list[Candidate], float | None]:
         """(must wait in the gateway, own candidates in order, the target admission holds it to). The engines
         that may start it now go first; with none (or others ahead of it in fair order) it waits, and its
         predictions are made to include the wait."""
@@ -420,7 +420,14 @@ class PredictiveRouteStage:
         fs.long = all(longs.values())
         fs.qcls = lane_class(fs.cls, fs.long)
         goal = self._long_target(ctx, fc, own_ord, feats, target, hdr) if fs.long else target
-        go = self.flow.may_start(unc, now)
+        states = {}  # the views the prediction just took, not taken again
+        for it in items:
+            name = it.cand.backend.name
+            if name in unc:
+                v = it.view
+                states[name] = (v.ahead_tokens, float(v.prefilling_tokens), v.running,
+                                self.predictor.drain(name, self.chunk_budget(name)[0]))
+        go = self.flow.may_start(unc, now, {"state": states}, longs)
         if go and (fs.released or self.flow.first_in_line(fs.qcls, fs.flow)):
             fs.go = go
             first = [c for c in own_ord if c.backend.name in go]
