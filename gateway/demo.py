@@ -66,6 +66,16 @@ def run_demo(args: argparse.Namespace) -> int:
     env.setdefault("GATEWAY_DEMO_KEY", "gw-demo-" + secrets.token_urlsafe(12))
     env.setdefault("GATEWAY_DEMO_EEA_KEY", "gw-demo-eea-" + secrets.token_urlsafe(12))
     env.setdefault("GATEWAY_ADMIN_KEY", "gw-admin-" + secrets.token_urlsafe(12))
+    # handlers first: a Ctrl-C or SIGTERM while the fleet or the gateway is starting must still stop both (with
+    # the default handlers a SIGTERM then killed this process and orphaned its children, which run in their own
+    # sessions)
+    stop = {"now": False}
+
+    def on_signal(*_: object) -> None:
+        stop["now"] = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
     sim = subprocess.Popen([sys.executable, "-m", "backends.sim", "--engines", str(n), "--profile", profiles,
                             "--locations", locs, "--base-port", str(args.sim_base_port), "--manifest",
                             str(manifest_path)], cwd=work, start_new_session=True)
@@ -73,6 +83,8 @@ def run_demo(args: argparse.Namespace) -> int:
     try:
         deadline = time.monotonic() + 30
         while not manifest_path.exists():
+            if stop["now"]:
+                return 0
             if sim.poll() is not None or time.monotonic() > deadline:
                 print("error: the simulated fleet did not start", file=sys.stderr)
                 return 1
@@ -92,6 +104,8 @@ def run_demo(args: argparse.Namespace) -> int:
         base = f"http://127.0.0.1:{args.port}"
         deadline = time.monotonic() + 30
         while True:
+            if stop["now"]:
+                return 0
             if gw.poll() is not None or time.monotonic() > deadline:
                 print("error: the gateway did not start", file=sys.stderr)
                 return 1
@@ -116,13 +130,6 @@ Gateway ready at {base}/v1   (config: {cfg_path})
   Fleet view:             curl {base}/admin/fleet -H 'authorization: Bearer {env['GATEWAY_ADMIN_KEY']}'
 Ctrl-C stops everything.
 """, flush=True)
-        stop = {"now": False}
-
-        def on_signal(*_: object) -> None:
-            stop["now"] = True
-
-        signal.signal(signal.SIGINT, on_signal)
-        signal.signal(signal.SIGTERM, on_signal)
         while not stop["now"] and gw.poll() is None and sim.poll() is None:
             time.sleep(0.2)
         return 0
