@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from backends.sim.fleet import FleetProcess
-from tests.support.procs import free_port, start_gateway
+from tests.support.procs import audit_record, free_port, start_gateway
 
 KEY = "route-e2e-key-0123456789"
 ADMIN = "route-e2e-admin-0123456789"
@@ -69,12 +69,7 @@ def _stream(base: str, body: dict, headers: dict) -> tuple[int, dict, dict | Non
 
 
 def _decision(base: str, rid: str) -> dict:
-    for _ in range(50):
-        r = httpx.get(f"{base}/admin/decisions/{rid}", headers={"authorization": f"Bearer {ADMIN}"})
-        if r.status_code == 200:
-            return r.json()
-        time.sleep(0.1)
-    raise AssertionError(f"no audit record for {rid}: {r.status_code} {r.text}")
+    return audit_record(base, rid, ADMIN, tries=50)
 
 
 def test_repeated_long_prompt_goes_to_the_engine_that_holds_it(stack):

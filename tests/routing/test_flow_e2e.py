@@ -21,7 +21,7 @@ import pytest
 
 from backends.sim.fleet import FleetProcess
 from bench.routing import text
-from tests.support.procs import free_port, start_gateway
+from tests.support.procs import audit_record, free_port, start_gateway
 
 KEY_A = "flow-e2e-key-a-0123456789"
 KEY_B = "flow-e2e-key-b-0123456789"
@@ -81,13 +81,7 @@ async def send(client: httpx.AsyncClient, base: str, key: str, content: str, slo
 
 
 def decision(base: str, client_rid: str) -> dict:
-    """The audit record of a request, found by the client's x-request-id."""
-    for _ in range(60):
-        r = httpx.get(f"{base}/admin/decisions/{client_rid}", headers={"authorization": f"Bearer {ADMIN}"})
-        if r.status_code == 200:
-            return r.json()
-        time.sleep(0.1)
-    raise AssertionError(f"no audit record for {client_rid}: {r.status_code} {r.text}")
+    return audit_record(base, client_rid, ADMIN)
 
 
 def test_long_prompts_take_one_engines_prefill_at_a_time_and_short_ones_keep_flowing(stack):

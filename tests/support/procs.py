@@ -96,3 +96,15 @@ def start_gateway(config_path: Path, env: dict[str, str] | None = None, ready_pa
              config_path.parent / f"gateway-{port}.log", env=env)
     wait_http(f"http://127.0.0.1:{port}{ready_path}", timeout=timeout, proc=p.p)
     return p, port
+
+
+def audit_record(base: str, request_id: str, admin_key: str, tries: int = 60) -> dict:
+    """The audit record of a request (by the gateway's or the client's x-request-id) from
+    /admin/decisions/{id}, polled while the recorder writes it."""
+    r = None
+    for _ in range(tries):
+        r = httpx.get(f"{base}/admin/decisions/{request_id}", headers={"authorization": f"Bearer {admin_key}"})
+        if r.status_code == 200:
+            return r.json()
+        time.sleep(0.1)
+    raise AssertionError(f"no audit record for {request_id}: {r.status_code if r else '-'} {r.text if r else ''}")
