@@ -246,7 +246,26 @@ def _wire_routing(gw: Gateway) -> Any:
     stage = PredictiveRouteStage(lambda: gw.config, gw.health, lambda: gw.telemetry)
     gw.router = stage
     gw.extra_routes.append(routing_admin_route(gw, stage))
+    _wire_peers(gw, stage)
     return stage
+
+
+def _wire_peers(gw: Gateway, stage: Any) -> None:
+    """The peer bus (gateway/routing/peers.py) when `routing.peers` resolves to a transport: Redis (the store
+    the budgets already use, or routing.peers.redis_url) or the workers' Unix-datagram directory; else nothing."""
+    from gateway.routing.peers import PeerBus, PeerState, replica_id, resolve_transport
+
+    transport = resolve_transport(gw.config)
+    if transport is None:
+        return
+    pc = gw.config.raw.routing.peers
+    state = PeerState(stage.inflight, stage.clock, peer_timeout_s=pc.peer_timeout_s, flight_ttl_s=pc.flight_ttl_s,
+                      predictor=stage.predictor if pc.share_learning else None,
+                      affinity=stage.affinity if pc.share_affinity else None)
+    bus = PeerBus(transport, state, replica_id(), flush_ms=pc.flush_ms, heartbeat_s=pc.heartbeat_s,
+                  share_learning=pc.share_learning, share_affinity=pc.share_affinity)
+    stage.peers = bus
+    gw.services.append(bus)
 
 
 def _wire_batch(gw: Gateway) -> None:

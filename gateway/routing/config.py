@@ -48,6 +48,26 @@ class FlowControlConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     engines: dict[str, LongPrefillLimits] = msgspec.field(default_factory=dict)  # per backend, wins over the above
 
 
+class PeersConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`routing.peers`: replicas route as one. Each publishes its dispatches, first tokens, finishes, TTFT
+    learner samples and session affinity; the others count that work in their views of the engines
+    (docs/scale_out.md#replicas). Read at start: a change takes a restart."""
+
+    # auto: Redis when redis_url is set or budgets.store is redis, else the local bus of `gateway serve
+    # --workers N` (GATEWAY_PEER_DIR), else off (each replica sees others only in the engines' metrics)
+    mode: str = "auto"  # auto | redis | local | off
+    redis_url: str | None = None  # null: budgets.redis_url (when budgets.store is redis, or mode is redis)
+    # the Redis pub/sub channel; replicas that route one fleet share it. null: "<budgets.key_prefix>:peers", so
+    # two deployments that keep their budgets apart on one Redis keep their routing apart too
+    channel: str | None = None
+    flush_ms: float = 2.0  # events are sent in batches at most this long after the first of them
+    heartbeat_s: float = 0.5  # an idle replica still says it is alive this often
+    peer_timeout_s: float = 3.0  # a replica not heard this long is gone: its flights stop counting
+    flight_ttl_s: float = 600.0  # a remote flight without its finish stops counting after this long
+    share_learning: bool = True  # the TTFT learner learns from the other replicas' samples too
+    share_affinity: bool = True  # a session's engine is remembered across replicas
+
+
 class RoutingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # strategy presets: predicted_ttft | least_loaded | round_robin | prefix_hash | target_fit (docs/routing.md)
     strategy: str | list[PluginSpec] = "predicted_ttft"  # a preset or a list of {type, weight, params}
@@ -74,12 +94,17 @@ class RoutingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # predicted_ttft only: best-fit placement by TTFT target (plugins.TargetFitScorer); off by default
     target_fit: bool = False  # send a request with a target to the engine meeting 0.6 x it with least slack
     flow_control: FlowControlConfig = msgspec.field(default_factory=FlowControlConfig)
+    peers: PeersConfig = msgspec.field(default_factory=PeersConfig)  # replicas route as one (docs/scale_out.md)
 
     def strategy_error(self) -> tuple[str, str] | None:
         """(key under `routing.`, why) when the strategy cannot be built (gateway.config names file:line)."""
         from gateway.routing.registry import strategy_error
 
         bad = strategy_error(self.strategy)
+        if bad is None and self.peers.mode not in ("auto", "redis", "local", "off"):
+            return "peers.mode", f"must be auto, redis, local or off, not {self.peers.mode!r}"
+        if bad is None and not (self.peers.heartbeat_s > 0 and self.peers.peer_timeout_s > self.peers.heartbeat_s):
+            return "peers.peer_timeout_s", "must be longer than peers.heartbeat_s (> 0)"
         if bad is None and self.target_fit and not isinstance(self.strategy, str):
             return "target_fit", "applies to the predicted_ttft preset only: list a target_fit scorer instead"
         return bad

@@ -1,5 +1,7 @@
 """In-flight accounting: the requests this gateway dispatched, per engine, until they finish. A request counts
-as prefill work ahead on its engine until its first token (the view drains it at the learned rate)."""
+as prefill work ahead on its engine until its first token (the view drains it at the learned rate). The other
+replicas' requests (told by the peer bus, gateway/routing/peers.py) are kept apart as remote flights: the view
+counts them, flow control and the learner's feedback (which read `by_engine` / `by_rid`) never see them."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -33,12 +35,36 @@ class Flight:
         return now - self.started < self.predicted_s  # non-streamed: the prediction says when prefill ends
 
 
+@dataclass(slots=True)
+class RemoteFlight:
+    """Another replica's request, as its dispatch event told it; `started` is on this process's clock."""
+
+    key: str  # replica/flight id
+    replica: str
+    engine: str
+    uncached: int
+    started: float
+    predicted_s: float
+    stream: bool
+    expires: float  # a lost finish still lets it go (peers.PeerState.expire)
+    first_token: bool = False
+
+    def prefilling(self, now: float) -> bool:
+        if self.first_token:
+            return False
+        if self.stream:
+            return True
+        return now - self.started < self.predicted_s
+
+
 class InFlight:
     """Flights by engine (`by_engine`, read by the view and the batch lane's pacer) and by request id."""
 
     def __init__(self) -> None:
         self.by_engine: dict[str, dict[str, Flight]] = {}
         self.by_rid: dict[str, Flight] = {}
+        self.remote: dict[str, dict[str, RemoteFlight]] = {}  # engine -> key -> the other replicas' flights
+        self.remote_by_key: dict[str, RemoteFlight] = {}
 
     def add(self, fl: Flight) -> None:
         rid = fl.ctx.request_id
@@ -52,8 +78,34 @@ class InFlight:
             self.by_engine.get(fl.engine, {}).pop(request_id, None)
         return fl
 
-    def on(self, engine: str) -> list[Flight]:
-        return list(self.by_engine.get(engine, {}).values())
+    def add_remote(self, rf: RemoteFlight) -> None:
+        self.pop_remote(rf.key)
+        self.remote.setdefault(rf.engine, {})[rf.key] = rf
+        self.remote_by_key[rf.key] = rf
+
+    def pop_remote(self, key: str) -> RemoteFlight | None:
+        rf = self.remote_by_key.pop(key, None)
+        if rf is not None:
+            fls = self.remote.get(rf.engine)
+            if fls is not None:
+                fls.pop(key, None)
+                if not fls:
+                    del self.remote[rf.engine]
+        return rf
+
+    def on(self, engine: str) -> list[Flight | RemoteFlight]:
+        """Own and remote flights on the engine in dispatch order (what the view drains)."""
+        own: list[Flight | RemoteFlight] = list(self.by_engine.get(engine, {}).values())
+        rem = self.remote.get(engine)
+        if not rem:
+            return own
+        own.extend(rem.values())
+        own.sort(key=_started)
+        return own
 
     def counts(self) -> dict[str, int]:
         return {k: len(v) for k, v in self.by_engine.items()}
+
+
+def _started(f: Flight | RemoteFlight) -> float:
+    return f.started

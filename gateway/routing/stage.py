@@ -140,6 +140,7 @@ class PredictiveRouteStage:
         self.engines = EngineModel(config, lambda: self.telemetry, self.predictor, self.inflight, self.pending,
                                    self.avg_uncached)
         self.affinity = Affinity()  # session/trace header value -> engine last used
+        self.peers: Any = None  # the peer bus (peers.PeerBus) when replicas route as one; wired by gateway.wiring
         self.batch = BatchQueue(rc.batch_queue_size)
         self.stats = {"admitted": 0, "rejected": 0, "rejected_before_tokenize": 0,
                       "rejected_on_cached_prefix": 0, "spilled": 0, "queued": 0, "shed": 0}
@@ -370,6 +371,8 @@ class PredictiveRouteStage:
         elif fs.waiter is not None:
             self.flow.done(fs.waiter)
         if aff_key:
+            if self.peers is not None and prev_engine != pick.backend.name:
+                self.peers.remembered(aff_key, pick.backend.name)
             self.affinity.remember(aff_key, pick.backend.name)
 
     # ---------------------------------------------------------------- flow control (gate.py, flow.py)
@@ -541,6 +544,8 @@ class PredictiveRouteStage:
             self.pending.add(ctx.request_id, name, keys[held:], tail, fl.started + fl.predicted_s,
                              max(0, (n_tokens - budget) // bs) if bs else 0)
         self.inflight.add(fl)
+        if self.peers is not None:
+            self.peers.dispatched(fl)
         if fl.uncached >= self.flow.limits(name).long_prompt_tokens:  # the prefill guard's index
             self._longs.setdefault(name, {})[ctx.request_id] = fl
         if fl.telemetry:
@@ -592,6 +597,13 @@ class PredictiveRouteStage:
             self.telemetry.end(fl.engine, fl.uncached)
         feed_back(ctx, fl, predictor=self.predictor, approx=self.approx, avg_uncached=self.avg_uncached,
                   telemetry=self.telemetry, has_telemetry_name=self._telemetry_for_name)
+        if self.peers is not None:  # the learner's sample (feed_back observed it: it wrote the error) to the peers
+            served = ctx.backend or fl.engine
+            f = fl.features.get(served)
+            sample = ((served, f, engine_part(ctx.ttft_s, fl.elapsed_s))
+                      if f is not None and ctx.ttft_s is not None and "ttft_prediction_error" in ctx.evidence
+                      else None)
+            self.peers.finished(ctx.request_id, sample)
 
     def snapshot(self) -> dict[str, Any]:
         """For /admin/routing: per engine the learned parameters, the guard's state, prediction quality out of
@@ -599,10 +611,18 @@ class PredictiveRouteStage:
         admission counters, queue depth."""
         cfg = self._config()
         engines = self.predictor.snapshot()
+        now = self.clock()
         for b in cfg.backends:
             if b.kind in ("vllm", "sim") or b.name in engines:
-                engines.setdefault(b.name, {})["facts"] = self.facts(b.name)
-        return {"strategy": strategy_label(cfg.raw.routing.strategy), "engines": engines,
-                "admission": dict(self.stats), "batch_queue": len(self.batch),
-                "inflight": self.inflight.counts(), "flow": self.flow.snapshot()}
+                e = engines.setdefault(b.name, {})
+                e["facts"] = self.facts(b.name)
+                v = self._view(b.name, now, self.engines.has_telemetry_name(b.name))  # own + the peers' flights
+                e["view"] = {"inflight": v.inflight, "ahead_tokens": round(v.ahead_tokens, 1),
+                             "prefilling_tokens": v.prefilling_tokens, "running": v.running}
+        out = {"strategy": strategy_label(cfg.raw.routing.strategy), "engines": engines,
+               "admission": dict(self.stats), "batch_queue": len(self.batch),
+               "inflight": self.inflight.counts(), "flow": self.flow.snapshot()}
+        if self.peers is not None:
+            out["peers"] = self.peers.snapshot()
+        return out
 
