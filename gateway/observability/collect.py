@@ -30,6 +30,7 @@ class GatewayStateCollector(Collector):
             yield from self._telemetry()
             yield from self._router()
             yield from self._flow()
+            yield from self._peers()
         except Exception:  # a broken source must not break /metrics
             log.exception("collecting gateway state metrics failed")
 
@@ -166,3 +167,25 @@ class GatewayStateCollector(Collector):
         for cls, ms in snap["mean_wait_ms"].items():
             wait.add_metric([cls], ms / 1000)
         yield from (served, depth, refused, wait)
+
+    def _peers(self) -> Iterator[Metric]:
+        """The peer bus (gateway/routing/peers.py): replicas heard, the other replicas' flights per engine, events
+        in/out/dropped. Labels: engine names and a fixed direction only (never replica ids)."""
+        bus = getattr(getattr(self.gw, "router", None), "peers", None)
+        if bus is None or not hasattr(bus, "snapshot"):
+            return
+        snap = bus.snapshot()
+        peers = GaugeMetricFamily("gateway_peers_heard", "Other gateway replicas heard within peer_timeout_s")
+        peers.add_metric([], float(len(snap["peers"])))
+        remote = GaugeMetricFamily("gateway_peers_remote_flights", "Other replicas' requests in flight per engine",
+                                   labels=["engine"])
+        tokens = GaugeMetricFamily("gateway_peers_remote_prefilling_tokens", "Other replicas' uncached prompt "
+                                   "tokens still prefilling per engine", labels=["engine"])
+        for name, e in snap["remote_flights"].items():
+            remote.add_metric([name], float(e["flights"]))
+            tokens.add_metric([name], float(e["prefilling_tokens"]))
+        events = CounterMetricFamily("gateway_peers_events", "Peer bus events by direction (in, out, dropped: "
+                                     "not delivered to some peer, bad: undecodable)", labels=["direction"])
+        for d, k in (("in", "events_in"), ("out", "events_out"), ("dropped", "dropped_out"), ("bad", "bad_in")):
+            events.add_metric([d], float(snap.get(k, 0)))
+        yield from (peers, remote, tokens, events)

@@ -254,3 +254,17 @@ def test_the_stage_publishes_what_it_dispatches_and_counts_the_peers(tmp_path):
     assert isinstance(st.peers._out[0], Dispatch) and st.peers._out[0].uncached == 1500
     asyncio.run(st.finish(ctx))
     assert isinstance(st.peers._out[-1], Finish)
+
+
+def test_the_metrics_collector_shows_the_bus():
+    from gateway.observability.collect import GatewayStateCollector
+
+    clock = Clock()
+    st, _ = state(clock)
+    st.apply(Batch("B", clock.t, [Dispatch(1, "e1", 700, 700, clock.t, 0.2, True)]))
+    bus = PeerBus(FakeTransport(), st, "A")
+    gw = SimpleNamespace(router=SimpleNamespace(peers=bus))
+    got = {(m.name, tuple(s.labels.values())): s.value for m in GatewayStateCollector(gw)._peers() for s in m.samples}
+    assert got[("gateway_peers_heard", ())] == 1.0
+    assert got[("gateway_peers_remote_prefilling_tokens", ("e1",))] == 700.0
+    assert got[("gateway_peers_events", ("in",))] == 1.0
