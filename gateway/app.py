@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import re
 import time
 from pathlib import Path
@@ -249,8 +250,11 @@ class Gateway:
 
 
 def build_app(gw: Gateway) -> GatewayApp:
+    worker = os.environ.get("GATEWAY_WORKER_ID")  # one of `gateway serve --workers N` (gateway/workers.py)
+    health_body = {"status": "ok"} if worker is None else {"status": "ok", "worker": int(worker), "pid": os.getpid()}
+
     async def healthz(request: Request) -> Response:
-        return JSONResponse({"status": "ok"})
+        return JSONResponse(health_body)
 
     async def openapi(request: Request) -> Response:
         from gateway.api.openapi import openapi_spec

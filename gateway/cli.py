@@ -5,6 +5,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import socket
 import sys
 
 from gateway.config import ConfigError, load_config
@@ -29,8 +30,12 @@ def tune_gc(threshold: tuple[int, int, int] | None) -> None:
         gc.set_threshold(*threshold)
 
 
+ACCEPT_SETTLE_S = 0.25  # see _Server.shutdown
+
+
 async def serve_async(config_path: str, host: str | None = None, port: int | None = None,
-                      ready: asyncio.Event | None = None) -> None:
+                      ready: asyncio.Event | None = None, sock: socket.socket | None = None) -> None:
+    """One gateway process; `sock`: a worker of `gateway serve --workers N` accepting on the supervisor's socket."""
     import uvicorn
 
     from gateway.app import Gateway, build_app
@@ -55,6 +60,19 @@ async def serve_async(config_path: str, host: str | None = None, port: int | Non
         async def startup(self, sockets=None) -> None:  # type: ignore[no-untyped-def]
             await super().startup(sockets)
             tune_gc(cfg.server.gc_threshold)
+            if sock is not None and self.started:
+                from gateway.workers import notify_ready
+
+                notify_ready()
+
+        async def shutdown(self, sockets=None) -> None:  # type: ignore[no-untyped-def]
+            # Stop accepting, then let connections accepted a moment ago deliver their first request before
+            # uvicorn closes every connection without one as idle: else a client that connected just before the
+            # drain (a rolling restart, a load balancer's last pick) gets "disconnected without a response"
+            for s in self.servers:
+                s.close()
+            await asyncio.sleep(ACCEPT_SETTLE_S)
+            await super().shutdown(sockets)
 
     server = _Server(uvicorn.Config(
         app, host=host or cfg.server.host, port=port if port is not None else cfg.server.port,
@@ -75,10 +93,35 @@ async def serve_async(config_path: str, host: str | None = None, port: int | Non
         loop.create_task(go())
 
     loop.add_signal_handler(signal.SIGHUP, on_hup)
-    await server.serve()
+    await server.serve(sockets=[sock] if sock is not None else None)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    sock = None
+    if args.worker_fd is not None:  # a worker started by the supervisor below
+        from gateway.workers import worker_socket
+
+        sock = worker_socket(args.worker_fd)
+    else:
+        try:
+            cfg = load_config(args.config)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        n = args.workers if args.workers is not None else cfg.server.workers
+        if n < 1:
+            print("error: --workers: must be at least 1", file=sys.stderr)
+            return 2
+        if n > 1:
+            from gateway.workers import supervise, workers_problems
+
+            problems = workers_problems(cfg, n)
+            for why in problems:
+                print(f"error: {n} workers: {why}", file=sys.stderr)
+            if problems:
+                return 2
+            return supervise(args.config, n, args.host or cfg.server.host,
+                             args.port if args.port is not None else cfg.server.port, cfg.server.graceful_shutdown_s)
     try:
         import uvloop
 
@@ -86,7 +129,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError:
         pass
     try:
-        asyncio.run(serve_async(args.config, args.host, args.port))
+        asyncio.run(serve_async(args.config, args.host, args.port, sock=sock))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -164,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", "-c", required=True)
     s.add_argument("--host")
     s.add_argument("--port", type=int)
+    s.add_argument("--workers", type=int, metavar="N",
+                   help="worker processes sharing the port (default: server.workers); N > 1 needs shared stores")
+    s.add_argument("--worker-fd", type=int, help=argparse.SUPPRESS)  # set by the supervisor for its workers
     s.set_defaults(func=cmd_serve)
 
     c = sub.add_parser("config", help="config tools")

@@ -12,6 +12,9 @@ tenants.
 """
 from __future__ import annotations
 
+import os
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 # GenAI semconv bucket advice
@@ -24,6 +27,10 @@ TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4
 class Metrics:
     def __init__(self) -> None:
         self._children: dict[tuple[str, ...], object] = {}
+        self._state: list[Any] = []  # collectors of this process's state (register_state)
+        # set by the supervisor of `gateway serve --workers N` (gateway/workers.py): every worker's counters and
+        # histograms live in files there, and /metrics on any worker renders them merged
+        self.multiproc_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("gateway_requests_total", "Requests by outcome", ["endpoint", "model", "backend",
                                 "status", "tenant_class"], registry=r)
@@ -38,7 +45,10 @@ class Metrics:
                                   buckets=DURATION_BUCKETS, registry=r)
         self.tokens = Histogram("gen_ai_client_token_usage", "Tokens per request", [*genai, "gen_ai_token_type"],
                                 buckets=TOKEN_BUCKETS, registry=r)
-        self.in_flight = Gauge("gateway_in_flight_requests", "Requests being served", ["backend"], registry=r)
+        # gauges under `gateway serve --workers N` (prometheus-client's multiprocess files): live workers' sum,
+        # or the lowest any live worker reports (a circuit open in one worker shows)
+        self.in_flight = Gauge("gateway_in_flight_requests", "Requests being served", ["backend"], registry=r,
+                               multiprocess_mode="livesum")
         self.rejections = Counter("gateway_rejections_total", "Refused requests by stage and code",
                                   ["stage", "code"], registry=r)
         self.admission_rejections = Counter("gateway_admission_rejections_total", "TTFT admission rejections",
@@ -47,13 +57,13 @@ class Metrics:
                                                "|predicted-actual|/actual TTFT per request", ["backend"],
                                                buckets=(0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0), registry=r)
         self.backend_up = Gauge("gateway_backend_circuit_closed", "1 when the backend's circuit is closed",
-                                ["backend"], registry=r)
+                                ["backend"], registry=r, multiprocess_mode="livemin")
         self.stage_seconds = Histogram("gateway_stage_duration_seconds", "Time spent per pipeline stage",
                                        ["stage"], buckets=(1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1),
                                        registry=r)
         self.reloads = Counter("gateway_config_reloads_total", "Config reloads", ["result"], registry=r)
         self.event_loop_tasks = Gauge("gateway_event_loop_tasks", "asyncio tasks alive (leak check, bench/soak.py)",
-                                      registry=r)
+                                      registry=r, multiprocess_mode="livesum")
         # fed by gateway.observability.hooks (a finish hook) when observability is wired
         self.budget_rejections = Counter("gateway_budget_rejections_total", "Requests refused by a budget",
                                          ["code", "scope", "window"], registry=r)
@@ -93,5 +103,18 @@ class Metrics:
             c = self._children[key] = metric.labels(*labels)
         return c
 
+    def register_state(self, collector: Any) -> None:
+        """A collector computed at scrape time from this process's state (routing view, flow, engine costs)."""
+        self._state.append(collector)
+        self.registry.register(collector)
+
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if self.multiproc_dir is None:
+            return generate_latest(self.registry)
+        from prometheus_client import multiprocess
+
+        merged = CollectorRegistry()
+        multiprocess.MultiProcessCollector(merged, self.multiproc_dir)  # the request metrics of every worker
+        for c in self._state:  # state gauges: the answering worker's view
+            merged.register(c)
+        return generate_latest(merged)

@@ -10,6 +10,7 @@ text: content keys are stripped everywhere and any remaining string that quotes 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import os
 from collections import OrderedDict, deque
@@ -215,6 +216,7 @@ class EvidenceRecorder:
         self.max_bytes = max_bytes  # rotate the file before a write would pass this size; 0 = never
         self.backups = max(1, backups)
         self.rotations = 0
+        self._lock_fd: int | None = None  # .<name>.lock, held while a batch is appended (see _append)
         self.capture_content = capture_content
         self.sink = sink  # e.g. PostgresSink: async start(), write_many(records), get(request_id), close()
         self.backend_lookup = backend_lookup
@@ -340,24 +342,32 @@ class EvidenceRecorder:
                 backlog.popleft()
 
     def _append(self, data: bytes) -> None:
-        """Append one batch (in a worker thread; the writer task runs one at a time, so rotation needs no lock).
-        With max_bytes, a file that would pass it is rotated first: the batch starts the new file whole."""
+        """Append one batch (in a worker thread, one at a time per process). With max_bytes, a file that would
+        pass it is rotated first: the batch starts the new file whole. Under an exclusive lock on `.<name>.lock` beside it:
+        the workers of `gateway serve --workers N` write one file, so the size check, the rotation and the
+        write must not interleave with another process's (a batch is never split, a file never rotated twice)."""
         if self.stdout:
             _write_all(1, data)
             return
         assert self.path is not None
-        if self.max_bytes:
-            try:
-                size = self.path.stat().st_size
-            except FileNotFoundError:
-                size = 0
-            if size and size + len(data) > self.max_bytes:
-                self._rotate()
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
+        if self._lock_fd is None:
+            self._lock_fd = os.open(self.path.with_name(f".{self.path.name}.lock"), os.O_RDWR | os.O_CREAT, 0o640)
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
         try:
-            _write_all(fd, data)
+            if self.max_bytes:
+                try:
+                    size = self.path.stat().st_size
+                except FileNotFoundError:
+                    size = 0
+                if size and size + len(data) > self.max_bytes:
+                    self._rotate()
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
+            try:
+                _write_all(fd, data)
+            finally:
+                os.close(fd)
         finally:
-            os.close(fd)
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
 
     def _rotated(self, i: int) -> Path:
         assert self.path is not None
@@ -381,6 +391,9 @@ class EvidenceRecorder:
             await self._queue.put(None)
             await self._task
             self._task = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
         if self.sink is not None:
             if self._sink_backlog:
                 await self._write_sink([])

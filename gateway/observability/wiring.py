@@ -16,7 +16,7 @@ def wire_observability(gw: Any) -> None:
     """Everything but tracing is always on (cheap); tracing only with `observability.otlp_endpoint`."""
     from gateway.admin_guard import gateway_guard
 
-    gw.metrics.registry.register(GatewayStateCollector(gw))
+    gw.metrics.register_state(GatewayStateCollector(gw))
     observer = RequestObserver(gw.metrics, lambda: gw.config.server.access_log)
     gw.observer = observer
     gw.finish_hooks.append(observer)

@@ -51,7 +51,8 @@ async def test_rotation_keeps_at_most_audit_backups_files(tmp_path):
     for i in range(5):
         assert rec.record(await finished_ctx(f"k-{i}", None))
     await rec.close()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["audit.jsonl", "audit.jsonl.1", "audit.jsonl.2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".audit.jsonl.lock", "audit.jsonl", "audit.jsonl.1",
+                                                          "audit.jsonl.2"]  # the lock: see test_workers_share_...
     assert [r["request_id"] for p in (path.with_name("audit.jsonl.2"), path.with_name("audit.jsonl.1"), path)
             for r in lines(p)] == ["k-2", "k-3", "k-4"]
 
@@ -81,3 +82,30 @@ def test_config_wires_stdout_and_rotation_and_refuses_rotation_without_backups(t
         parse_config(base + "policy: {audit_max_bytes: 1000, audit_backups: 0}\n")
     with pytest.raises(ConfigError, match="policy.audit_max_bytes"):
         parse_config(base + "policy: {audit_max_bytes: -1}\n")
+
+
+def _hammer(path: str, tag: str, n: int, max_bytes: int) -> None:
+    rec = EvidenceRecorder(path, max_bytes=max_bytes, backups=10_000)
+    for i in range(n):
+        rec._append(orjson.dumps({"request_id": f"{tag}-{i:04d}", "pad": "x" * 200}) + b"\n")
+
+
+def test_workers_share_one_file_and_its_rotation_without_losing_a_record(tmp_path):
+    """`gateway serve --workers N`: N processes append to one audit path with rotation by size; every record
+    lands exactly once, whole, and no file passes the limit (two processes rotating at once used to rename the
+    other's fresh file away or fail on a path that had just been renamed, losing that batch)."""
+    import multiprocessing as mp
+
+    path = tmp_path / "audit.jsonl"
+    limit = 2_000  # ~8 records a file: rotations all the time
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_hammer, args=(str(path), f"w{w}", 400, limit)) for w in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    files = [path, *tmp_path.glob("audit.jsonl.*")]
+    got = [r["request_id"] for p in files for r in lines(p)]
+    assert sorted(got) == sorted(f"w{w}-{i:04d}" for w in range(3) for i in range(400))
+    assert all(p.stat().st_size <= limit for p in files)

@@ -1,0 +1,266 @@
+"""`gateway serve` with `server.workers: 2` end to end: the real supervisor and two real worker processes on one
+port, in front of the test upstream, budgets on the real Redis.
+
+Pins: connections reach both workers; a `requests` budget is exact across them (Redis); SIGHUP reloads every
+worker; a worker killed with SIGKILL is restarted while a stream on the other one runs to [DONE]; a rolling
+restart (SIGUSR2) replaces every worker without one failed request; SIGTERM drains the streams in flight and
+exits 0 with the port closed.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+
+import httpx
+import orjson
+import pytest
+import redis
+import yaml
+
+from tests.conftest import require_service
+from tests.support.procs import free_port, start_gateway, start_upstream
+
+pytestmark = pytest.mark.e2e
+KEY = "workers-e2e-key-0123456789"
+CAPPED = "workers-capped-key-0123456789"
+CAP = 12
+
+
+def write_config(tmp, port, up_port, prefix, models=("up-model",)) -> None:
+    cfg = {"server": {"host": "127.0.0.1", "port": port, "workers": 2, "graceful_shutdown_s": 10},
+           "backends": [{"name": "up", "kind": "openai", "url": f"http://127.0.0.1:{up_port}/v1",
+                         "models": list(models), "location": {"country": "DE"}, "retention": "zero"}],
+           "keys": [{"key": KEY, "tenant": "acme", "name": "k"}, {"key": CAPPED, "tenant": "capped", "name": "c"}],
+           "policy": {"files": [str(tmp / "policy.yaml")], "audit_path": str(tmp / "audit.jsonl")},
+           "identity": {"sqlite_path": str(tmp / "id.db")},
+           "budgets": {"store": "redis", "key_prefix": prefix, "sqlite_path": str(tmp / "ledger.db"),
+                       "spool_path": str(tmp / "spool.jsonl"), "ledger_flush_s": 0.05},
+           "observability": {"log_level": "warning"}}
+    (tmp / "gw.yaml").write_text(yaml.safe_dump(cfg))
+
+
+@pytest.fixture()
+def stack(tmp_path):
+    try:
+        redis.Redis(host="127.0.0.1", port=6379, socket_timeout=1).ping()
+        ok = True
+    except redis.RedisError:
+        ok = False
+    require_service(ok, "Redis on 127.0.0.1:6379")
+    prefix = f"gwb-workers-{uuid.uuid4().hex[:10]}"
+    (tmp_path / "policy.yaml").write_text(yaml.safe_dump({"version": 1, "rules": [
+        {"id": "capped-requests", "match": {"tenant": "capped"}, "budgets": [{"window": "day", "requests": CAP}]}]}))
+    up, up_port = start_upstream(tmp_path)
+    port = free_port()
+    write_config(tmp_path, port, up_port, prefix)
+    gw, _ = start_gateway(tmp_path / "gw.yaml", timeout=60)
+    base = f"http://127.0.0.1:{port}"
+    wait_workers(base, 2)
+    try:
+        yield {"tmp": tmp_path, "gw": gw, "base": base, "port": port, "up_port": up_port, "prefix": prefix}
+    finally:
+        gw.stop(30)
+        up.stop()
+        r = redis.Redis(host="127.0.0.1", port=6379)
+        for k in r.scan_iter(f"{prefix}:*"):
+            r.delete(k)
+        r.close()
+
+
+def fresh(base: str, path: str, **kw) -> httpx.Response:
+    """One request on a new connection (so the kernel picks a worker afresh)."""
+    with httpx.Client(timeout=30) as c:
+        return c.request(kw.pop("method", "GET"), base + path, **kw)
+
+
+def pids(base: str, tries: int = 60) -> set[int]:
+    return {fresh(base, "/healthz").json()["pid"] for _ in range(tries)}
+
+
+def wait_workers(base: str, n: int, exclude: set[int] = frozenset(), timeout: float = 60.0) -> set[int]:
+    """Poll /healthz on fresh connections until `n` distinct worker pids (none in `exclude`) answered."""
+    deadline, seen = time.monotonic() + timeout, set()
+    while time.monotonic() < deadline:
+        try:
+            seen |= {fresh(base, "/healthz").json()["pid"]} - exclude
+        except httpx.HTTPError:
+            pass
+        if len(seen) >= n:
+            return seen
+        time.sleep(0.02)
+    raise AssertionError(f"only {seen} answered within {timeout}s")
+
+
+def chat(stream: bool = False, fault: str | None = None, max_tokens: int = 4) -> dict:
+    b = {"model": "up-model", "max_tokens": max_tokens, "messages": [{"role": "user", "content": "hi"}]}
+    if stream:
+        b["stream"] = True
+    if fault:
+        b["x_test_fault"] = fault
+    return b
+
+
+class RawStream:
+    """A streamed request on a raw socket: we know its local port, so we can tell which worker accepted it."""
+
+    def __init__(self, port: int, body: dict) -> None:
+        data = orjson.dumps(body)
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.local_port = self.sock.getsockname()[1]
+        self.sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                          + f"authorization: Bearer {KEY}\r\ncontent-length: {len(data)}\r\n\r\n".encode() + data)
+        self.buf = bytearray()
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        self.sock.settimeout(30)
+        try:
+            while not self.buf.endswith(b"0\r\n\r\n"):
+                chunk = self.sock.recv(65536)
+                if not chunk:
+                    break
+                self.buf += chunk
+        except OSError:
+            pass
+
+    def result(self, timeout: float = 30.0) -> bytes:
+        self.thread.join(timeout)
+        self.sock.close()
+        return bytes(self.buf)
+
+
+def accepting_pid(gw_port: int, client_port: int, candidates: set[int]) -> int:
+    """The worker holding the gateway side of the client's connection (/proc/net/tcp inode -> /proc/<pid>/fd)."""
+    inode = None
+    for line in open("/proc/net/tcp").read().splitlines()[1:]:
+        f = line.split()
+        local, remote = f[1], f[2]
+        if int(local.split(":")[1], 16) == gw_port and int(remote.split(":")[1], 16) == client_port:
+            inode = f[9]
+    assert inode is not None, "the gateway side of the connection is not in /proc/net/tcp"
+    for pid in candidates:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == f"socket:[{inode}]":
+                    return pid
+            except OSError:
+                continue
+    raise AssertionError(f"no worker of {candidates} holds socket {inode}")
+
+
+def test_connections_reach_both_workers(stack):
+    assert len(pids(stack["base"])) == 2
+
+
+def test_a_requests_budget_is_exact_across_workers(stack):
+    """40 concurrent requests on fresh connections, both workers, a budget of 12: exactly 12 are served."""
+    async def go():
+        async def one():
+            async with httpx.AsyncClient(timeout=30) as c:
+                r = await c.post(stack["base"] + "/v1/chat/completions", json=chat(),
+                                 headers={"authorization": f"Bearer {CAPPED}"})
+                return r.status_code, r.json()
+        return await asyncio.gather(*(one() for _ in range(40)))
+
+    out = asyncio.run(go())
+    codes = sorted(c for c, _ in out)
+    assert codes.count(200) == CAP and codes.count(429) == 40 - CAP, codes
+    refused = [b for c, b in out if c == 429]
+    assert all(b["error"]["code"] == "rate_limit_exceeded" and "requests limit of 12" in b["error"]["message"]
+               for b in refused)
+
+
+def test_sighup_reloads_every_worker(stack):
+    """After SIGHUP, 30 requests in a row on fresh connections (both workers) all list the new model."""
+    write_config(stack["tmp"], stack["port"], stack["up_port"], stack["prefix"], models=("up-model", "up-model-2"))
+    stack["gw"].signal(signal.SIGHUP)
+    deadline, streak = time.monotonic() + 30, 0
+    while streak < 30:
+        assert time.monotonic() < deadline, "not every worker reloaded within 30 s"
+        r = fresh(stack["base"], "/v1/models", headers={"authorization": f"Bearer {KEY}"})
+        streak = streak + 1 if "up-model-2" in {m["id"] for m in r.json()["data"]} else 0
+        if not streak:
+            time.sleep(0.05)
+    assert len(pids(stack["base"])) == 2  # reloaded in place, not restarted
+
+
+def test_a_killed_worker_is_restarted_and_the_other_ones_stream_finishes(stack):
+    before = pids(stack["base"])
+    s = RawStream(stack["port"], chat(stream=True, fault="slow_chunks:0.15", max_tokens=12))
+    time.sleep(0.3)
+    serving = accepting_pid(stack["port"], s.local_port, before)
+    victim = (before - {serving}).pop()
+    os.kill(victim, signal.SIGKILL)
+    out = s.result()
+    assert out.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in out, out[-300:]
+    assert out.count(b'"content"') >= 12
+    after = wait_workers(stack["base"], 1, exclude=before)  # the replacement answers
+    assert victim not in after
+    assert len(pids(stack["base"])) == 2 and stack["gw"].alive()
+    assert "worker" in stack["gw"].log() and "restarting" in stack["gw"].log()
+
+
+def test_rolling_restart_replaces_every_worker_without_a_failed_request(stack):
+    before = pids(stack["base"])
+    errors: list[str] = []
+    served = [0]
+    stop = threading.Event()
+
+    def load():
+        while not stop.is_set():
+            try:
+                r = fresh(stack["base"], "/v1/chat/completions", method="POST", json=chat(),
+                          headers={"authorization": f"Bearer {KEY}"})
+                if r.status_code != 200:
+                    errors.append(f"{r.status_code} {r.text[:200]}")
+                served[0] += 1
+            except httpx.HTTPError as e:
+                errors.append(repr(e))
+
+    t = threading.Thread(target=load)
+    t.start()
+    try:
+        stack["gw"].signal(signal.SIGUSR2)
+        new = wait_workers(stack["base"], 2, exclude=before, timeout=90)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and pids(stack["base"], 20) & before:
+            time.sleep(0.2)  # the old workers drain and exit
+        time.sleep(0.5)
+    finally:
+        stop.set()
+        t.join(30)
+    assert pids(stack["base"]) == new
+    assert errors == [] and served[0] > 20, (errors[:5], served[0])
+
+
+def test_sigterm_drains_streams_on_every_worker_and_exits_0(stack):
+    streams = [RawStream(stack["port"], chat(stream=True, fault="slow_chunks:0.1", max_tokens=15)) for _ in range(4)]
+    time.sleep(0.4)
+    stack["gw"].signal(signal.SIGTERM)
+    for s in streams:
+        out = s.result()
+        assert out.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in out, out[-300:]
+    assert stack["gw"].p.wait(30) == 0
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", stack["port"]), timeout=1).close()
+
+
+def test_metrics_on_any_worker_count_every_workers_requests(stack):
+    """30 requests spread over both workers: each scrape, whichever worker answers, counts all 30."""
+    for _ in range(30):
+        r = fresh(stack["base"], "/v1/chat/completions", method="POST", json=chat(),
+                  headers={"authorization": f"Bearer {KEY}"})
+        assert r.status_code == 200
+    assert len(pids(stack["base"])) == 2
+    for _ in range(8):
+        text = fresh(stack["base"], "/metrics").text
+        total = sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+                    if ln.startswith("gateway_requests_total{") and 'model="up-model"' in ln)
+        assert total == 30, [ln for ln in text.splitlines() if ln.startswith("gateway_requests_total")]
+        assert "gen_ai_server_time_to_first_token_seconds" in text or "gen_ai_client_operation_duration" in text
