@@ -1,5 +1,10 @@
 """A deliberately minimal, fast OpenAI-compatible upstream (asyncio protocol, keep-alive) for overhead benchmarks,
-so the upstream is never the bottleneck when measuring what the gateway adds."""
+so the upstream is never the bottleneck when measuring what the gateway adds.
+
+A streamed request gets `max_tokens` content events (16 when absent; at most 100,000), then a usage-only
+event and `data: [DONE]`, all in one write (bench/streaming.py asks for 20/200/1000-event streams); with
+`"x_bench_gap_ms": G` in the body, as a chunked response with one write (and one HTTP chunk) per event, G ms
+apart, the way an engine sends tokens as it generates them."""
 from __future__ import annotations
 
 import asyncio
@@ -12,7 +17,12 @@ JSON_BODY = orjson.dumps({"id": "x", "object": "chat.completion", "created": 0, 
     "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}})
 CHUNK = b'data: {"id":"x","object":"chat.completion.chunk","model":"m","choices":[{"index":0,"delta":{"content":"tok "},"finish_reason":null}]}\n\n'
 USAGE = b'data: {"id":"x","object":"chat.completion.chunk","model":"m","choices":[],"usage":{"prompt_tokens":5,"completion_tokens":16,"total_tokens":21}}\n\n'
-SSE_BODY = CHUNK * 16 + USAGE + b"data: [DONE]\n\n"
+
+
+def sse_body(n: int) -> bytes:
+    usage = USAGE.replace(b'"completion_tokens":16,"total_tokens":21', f'"completion_tokens":{n},"total_tokens":{n + 5}'
+                          .encode())
+    return CHUNK * n + usage + b"data: [DONE]\n\n"
 
 
 def _resp(body: bytes, ctype: bytes) -> bytes:
@@ -21,14 +31,52 @@ def _resp(body: bytes, ctype: bytes) -> bytes:
 
 
 JSON_RESP = _resp(JSON_BODY, b"application/json")
-SSE_RESP = _resp(SSE_BODY, b"text/event-stream")
+_SSE: dict[int, bytes] = {}
+
+
+def stream_params(body: bytes) -> tuple[int, float]:
+    """(content events, ms between events: 0 = all in one write) of a streamed request."""
+    try:
+        obj = orjson.loads(body)
+        n = int(obj.get("max_tokens") or 16)
+        gap = float(obj.get("x_bench_gap_ms") or 0.0)
+    except (orjson.JSONDecodeError, TypeError, ValueError, AttributeError):
+        n, gap = 16, 0.0
+    return max(1, min(n, 100_000)), max(0.0, gap)
+
+
+def sse_resp(n: int) -> bytes:
+    """The canned stream of n content events in one response (cached per event count)."""
+    r = _SSE.get(n)
+    if r is None:
+        r = _SSE[n] = _resp(sse_body(n), b"text/event-stream")
+    return r
+
+
 HEALTH_RESP = _resp(b"", b"text/plain")
+
+
+def _chunk(b: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(b), b)
+
+
+async def paced(t: asyncio.Transport, n: int, gap_s: float) -> None:
+    """One HTTP chunk per event, gap_s apart."""
+    t.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+    events = sse_body(n).split(b"\n\n")[:-1]
+    for ev in events:
+        await asyncio.sleep(gap_s)
+        if t.is_closing():
+            return
+        t.write(_chunk(ev + b"\n\n"))
+    t.write(b"0\r\n\r\n")
 
 
 class Proto(asyncio.Protocol):
     def connection_made(self, transport):
         self.t = transport
         self.buf = b""
+        self.task: asyncio.Task | None = None
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
@@ -46,7 +94,11 @@ class Proto(asyncio.Protocol):
             if head.startswith(b"get"):
                 self.t.write(HEALTH_RESP)
             elif b'"stream":true' in body:
-                self.t.write(SSE_RESP)
+                n, gap = stream_params(body)
+                if gap > 0:
+                    self.task = asyncio.ensure_future(paced(self.t, n, gap / 1000))
+                else:
+                    self.t.write(sse_resp(n))
             else:
                 self.t.write(JSON_RESP)
 
