@@ -39,7 +39,7 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_headers: int = 256  # header count; past it: 431
     header_timeout_s: float = 10.0  # request line + headers must arrive within this (slow-loris): else 408
     body_timeout_s: float = 60.0  # the whole request body must arrive within this: else 408
-    workers: int = 1
+    workers: int = 1  # worker processes on the one port (`gateway serve --workers N` wins); > 1 needs budgets.store: redis (docs/scale_out.md)
     graceful_shutdown_s: float = 20.0
     access_log: bool = False
     # uvicorn's proxy_headers/forwarded_allow_ips, read at start (the auth-failure limiter keys on the client)

@@ -264,3 +264,55 @@ def test_metrics_on_any_worker_count_every_workers_requests(stack):
                     if ln.startswith("gateway_requests_total{") and 'model="up-model"' in ln)
         assert total == 30, [ln for ln in text.splitlines() if ln.startswith("gateway_requests_total")]
         assert "gen_ai_server_time_to_first_token_seconds" in text or "gen_ai_client_operation_duration" in text
+
+
+def test_every_worker_subscribes_to_the_engines_kv_events(tmp_path):
+    """vLLM publishes KV events on a PUB socket: each worker subscribes itself, so every worker's index holds
+    the blocks of requests the other worker dispatched."""
+    from backends.sim.fleet import FleetProcess
+
+    try:
+        redis.Redis(host="127.0.0.1", port=6379, socket_timeout=1).ping()
+        ok = True
+    except redis.RedisError:
+        ok = False
+    require_service(ok, "Redis on 127.0.0.1:6379")
+    fleet = FleetProcess(["--engines", "1", "--profile", "vllm-default", "--base-port", "0"], tmp_path / "fleet.json")
+    man = fleet.start()
+    port, admin = free_port(), "workers-e2e-admin-0123456789"
+    e = man["engines"][0]
+    (tmp_path / "gw.yaml").write_text(yaml.safe_dump({
+        "server": {"host": "127.0.0.1", "port": port, "workers": 2},
+        "backends": [{"name": e["name"], "kind": "sim", "url": e["url"], "models": ["sim-model"],
+                      "kv_events": e["kv_events"], "replay": e["replay"], "metrics": e["metrics"],
+                      "location": {"country": "DE"}}],
+        "keys": [{"key": KEY, "tenant": "acme"}], "admin": {"key": admin},
+        "identity": {"sqlite_path": str(tmp_path / "id.db")}, "policy": {"audit_path": str(tmp_path / "a.jsonl")},
+        "budgets": {"store": "redis", "key_prefix": f"gwb-workers-{uuid.uuid4().hex[:8]}",
+                    "sqlite_path": str(tmp_path / "l.db"), "spool_path": str(tmp_path / "s.jsonl")},
+        "observability": {"log_level": "warning"}}))
+    gw, _ = start_gateway(tmp_path / "gw.yaml", timeout=60)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_workers(base, 2)
+        for i in range(6):
+            r = fresh(base, "/v1/chat/completions", method="POST", headers={"authorization": f"Bearer {KEY}"},
+                      json={"model": "sim-model", "max_tokens": 2,
+                            "messages": [{"role": "user", "content": f"request {i} " + "word " * 300}]})
+            assert r.status_code == 200, r.text
+        def engine() -> dict:
+            snap = fresh(base, "/admin/fleet", headers={"authorization": f"Bearer {admin}"}).json()
+            return snap["engines"]["engines"][e["name"]]
+
+        deadline = time.monotonic() + 20
+        while not engine()["cached_blocks"]:
+            assert time.monotonic() < deadline, "no worker indexed the engine's blocks"
+            time.sleep(0.1)
+        time.sleep(0.5)
+        # 30 fresh scrapes in a row, whichever worker answers: each has the blocks
+        for _ in range(30):
+            eng = engine()
+            assert eng["cached_blocks"] and eng["kv_events"]["last_seq"] is not None, eng
+    finally:
+        gw.stop(30)
+        fleet.stop()

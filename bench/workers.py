@@ -1,0 +1,138 @@
+"""Requests per host: `gateway serve --workers 1` vs `--workers 2` at saturation, in one run, side by side.
+
+The load generator (bench/loadgen.py, raw asyncio, in this process) and the fast upstream
+(bench/fast_upstream.py) run on the same machine as the gateway, as the issue asks, so on a 2-core host they
+take their share of the cores the workers would use: the table shows what each process used, so the ratio can
+be read against what was left for the gateway. Both configurations use the same full pipeline (key auth,
+policy, Redis budgets, routing, evidence): budgets.store memory cannot run with 2 workers. Rounds alternate
+between the configurations so drift on a shared VM hits both alike.
+
+Run: .venv/bin/python bench/workers.py [--rounds 3] [--seconds 8] [--connections 64] [--workers 1,2] [--stream]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.loadgen import build_request, drive  # noqa: E402
+from bench.overhead import KEY, cpu_seconds  # noqa: E402
+from tests.support.procs import free_port, wait_http  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def config(tmp: Path, port: int, up_port: int, workers: int, prefix: str) -> Path:
+    cfg = tmp / f"gw-{port}.yaml"
+    cfg.write_text(f"""
+server: {{host: 127.0.0.1, port: {port}, workers: {workers}}}
+backends:
+  - {{name: up, url: "http://127.0.0.1:{up_port}/v1", models: [m], location: {{country: DE}}, retention: zero,
+      health: {{enabled: false}}}}
+keys: [{{key_env: BENCH_KEY, tenant: bench}}]
+policy: {{audit_path: {tmp}/audit-{port}.jsonl}}
+identity: {{sqlite_path: {tmp}/id-{port}.db}}
+budgets: {{store: redis, key_prefix: {prefix}, sqlite_path: {tmp}/budgets-{port}.db, spool_path: {tmp}/spool-{port}.jsonl}}
+observability: {{log_level: warning}}
+""")
+    return cfg
+
+
+def tree_pids(pid: int) -> list[int]:
+    """`pid` and its children (the supervisor's workers)."""
+    out = [pid]
+    try:
+        for t in os.listdir(f"/proc/{pid}/task"):
+            kids = open(f"/proc/{pid}/task/{t}/children").read().split()
+            out += [int(k) for k in kids]
+    except OSError:
+        pass
+    return out
+
+
+def cpu_of(pids: list[int]) -> float:
+    total = 0.0
+    for p in pids:
+        try:
+            total += cpu_seconds(p)
+        except OSError:
+            pass
+    return total
+
+
+def self_cpu() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--seconds", type=float, default=8.0)
+    ap.add_argument("--connections", type=int, default=64)
+    ap.add_argument("--workers", default="1,2")
+    ap.add_argument("--stream", action="store_true", help="streaming chat (16 SSE events) instead of JSON")
+    a = ap.parse_args()
+    counts = [int(x) for x in a.workers.split(",")]
+    tmp = Path(tempfile.mkdtemp(prefix="bench-workers-"))
+    up_port = free_port()
+    up = subprocess.Popen([sys.executable, str(ROOT / "bench/fast_upstream.py"), str(up_port)],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 16,
+                         **({"stream": True} if a.stream else {})})
+    req = build_request("/v1/chat/completions", body, {"authorization": f"Bearer {KEY}"})
+    rows: dict[int, list[tuple[float, float, float, float]]] = {n: [] for n in counts}
+    prefix = f"bench-workers-{uuid.uuid4().hex[:8]}"
+    try:
+        wait_http(f"http://127.0.0.1:{up_port}/health", proc=up)
+        for _ in range(a.rounds):
+            for n in counts:
+                port = free_port()
+                p = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config",
+                                      str(config(tmp, port, up_port, n, prefix))], cwd=ROOT,
+                                     env={**os.environ, "BENCH_KEY": KEY}, stdout=subprocess.DEVNULL,
+                                     stderr=open(tmp / f"{port}.log", "wb"))
+                try:
+                    wait_http(f"http://127.0.0.1:{port}/readyz", proc=p, timeout=60)
+                    time.sleep(0.5)
+                    asyncio.run(drive("127.0.0.1", port, req, 8, 1.5))  # warm every worker's pools
+                    pids = tree_pids(p.pid)
+                    g0, u0, s0 = cpu_of(pids), cpu_seconds(up.pid), self_cpu()
+                    ok, err, _ = asyncio.run(drive("127.0.0.1", port, req, a.connections, a.seconds))
+                    g, u, s = cpu_of(pids) - g0, cpu_seconds(up.pid) - u0, self_cpu() - s0
+                    if err:
+                        sys.exit(f"{n} workers: {err} failed requests (log: {tmp}/{port}.log)")
+                    rows[n].append((ok / a.seconds, g / a.seconds, u / a.seconds, s / a.seconds))
+                finally:
+                    p.terminate()
+                    p.wait(30)
+    finally:
+        up.terminate()
+        up.wait(5)
+    base = statistics.median(r[0] for r in rows[counts[0]])
+    print(f"{os.cpu_count()} CPUs; load generator, upstream and gateway on the same machine; {a.connections} "
+          f"keep-alive connections, {a.seconds:g} s per round, {'streaming' if a.stream else 'non-streaming'} chat, "
+          f"full pipeline (Redis budgets)\n")
+    print(f"| workers | req/s, each round | median req/s | vs {counts[0]} worker(s) | gateway cores used | "
+          "load generator cores | upstream cores | gateway req/s per core used |")
+    print("|---|---|---|---|---|---|---|---|")
+    for n, rs in rows.items():
+        m = statistics.median(r[0] for r in rs)
+        g = statistics.median(r[1] for r in rs)
+        print(f"| {n} | {', '.join(f'{r[0]:.0f}' for r in rs)} | {m:.0f} | {m / base:.2f} | {g:.2f} | "
+              f"{statistics.median(r[3] for r in rs):.2f} | {statistics.median(r[2] for r in rs):.2f} | "
+              f"{m / g if g else 0:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
