@@ -30,6 +30,7 @@ from gateway.routing.inflight import Flight, InFlight, RemoteFlight
 from gateway.routing.predictor import Features, Predictor
 
 log = logging.getLogger("gateway.routing.peers")
+MAX_QUEUED = 10_000  # events waiting for the sender (a stuck transport): past it new ones are dropped, counted
 MAX_EVENTS_PER_BATCH = 64  # keeps a datagram far below the Unix socket's limit (~200 KB) with long session ids
 RECV_BYTES = 1 << 17
 
@@ -180,19 +181,21 @@ class RedisTransport:
     def __init__(self, url: str, channel: str) -> None:
         self.url = url
         self.channel = channel
-        self._client: Any = None
+        self._client: Any = None  # publishes, with a timeout: a dead Redis costs the sender a second, not forever
+        self._sub: Any = None  # subscribes, without one: an idle channel is no error
         self._task: asyncio.Task | None = None
         self.connected = False
 
     async def start(self, on_data: Callable[[bytes], None]) -> None:
         import redis.asyncio as aioredis
 
-        self._client = aioredis.from_url(self.url, socket_timeout=None, socket_connect_timeout=2.0)
+        self._client = aioredis.from_url(self.url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        self._sub = aioredis.from_url(self.url, socket_timeout=None, socket_connect_timeout=2.0)
         self._task = asyncio.create_task(self._listen(on_data))
 
     async def _listen(self, on_data: Callable[[bytes], None]) -> None:
         while True:
-            ps = self._client.pubsub(ignore_subscribe_messages=True)
+            ps = self._sub.pubsub(ignore_subscribe_messages=True)
             try:
                 await ps.subscribe(self.channel)
                 self.connected = True
@@ -221,9 +224,10 @@ class RedisTransport:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
-        if self._client is not None:
-            with contextlib.suppress(Exception):
-                await self._client.aclose()
+        for c in (self._client, self._sub):
+            if c is not None:
+                with contextlib.suppress(Exception):
+                    await c.aclose()
 
 
 class UnixTransport:
@@ -325,6 +329,9 @@ class PeerBus:
 
     # ---- the request path: append, never await
     def _push(self, ev: Event) -> None:
+        if len(self._out) >= MAX_QUEUED:
+            self.counts["dropped_out"] += 1
+            return
         self._out.append(ev)
         if not self._wake.is_set():
             self._wake.set()

@@ -268,3 +268,34 @@ def test_the_metrics_collector_shows_the_bus():
     assert got[("gateway_peers_heard", ())] == 1.0
     assert got[("gateway_peers_remote_prefilling_tokens", ("e1",))] == 700.0
     assert got[("gateway_peers_events", ("in",))] == 1.0
+
+
+def test_a_stuck_transport_bounds_what_waits_for_it(monkeypatch):
+    import gateway.routing.peers as peers
+
+    monkeypatch.setattr(peers, "MAX_QUEUED", 5)
+    clock = Clock()
+    st, _ = state(clock)
+    bus = PeerBus(FakeTransport(), st, "A")
+    for i in range(8):
+        bus.remembered(f"s{i}", "e1")
+    assert len(bus._out) == 5 and bus.counts["dropped_out"] == 3
+
+
+def test_redis_away_costs_the_bus_its_events_not_the_gateway():
+    from tests.support.procs import free_port
+
+    async def run() -> dict:
+        clock = Clock()
+        st, _ = state(clock)
+        bus = PeerBus(RedisTransport(f"redis://127.0.0.1:{free_port()}/0", "c"), st, "A", flush_ms=1,
+                      heartbeat_s=0.05)
+        await bus.start()  # no Redis: starts anyway, the subscription retries in the background
+        bus.dispatched(Flight(mk("r1"), "e1", 100, clock.t, 0.1))
+        await asyncio.sleep(0.3)
+        snap = bus.snapshot()
+        await bus.close()
+        return snap
+
+    snap = asyncio.run(run())
+    assert snap["dropped_out"] >= 1 and snap["connected"] is False
