@@ -263,7 +263,8 @@ def _wire_peers(gw: Gateway, stage: Any) -> None:
                       predictor=stage.predictor if pc.share_learning else None,
                       affinity=stage.affinity if pc.share_affinity else None)
     bus = PeerBus(transport, state, replica_id(), flush_ms=pc.flush_ms, heartbeat_s=pc.heartbeat_s,
-                  share_learning=pc.share_learning, share_affinity=pc.share_affinity)
+                  share_learning=pc.share_learning, share_affinity=pc.share_affinity,
+                  first_token_poll_ms=pc.first_token_poll_ms)
     stage.peers = bus
     gw.services.append(bus)
 

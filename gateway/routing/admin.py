@@ -1,4 +1,5 @@
-"""GET /admin/routing: the router's learned per-engine parameters, prediction error and admission counters."""
+"""GET /admin/routing: the router's learned per-engine parameters, each engine's view (own and the other replicas'
+flights), prediction error, admission counters and, with the peer bus on, its `peers` section (peers.py)."""
 from __future__ import annotations
 
 from typing import Any

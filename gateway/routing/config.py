@@ -61,6 +61,8 @@ class PeersConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # two deployments that keep their budgets apart on one Redis keep their routing apart too
     channel: str | None = None
     flush_ms: float = 2.0  # events are sent in batches at most this long after the first of them
+    # how often the streams this replica published are checked for their first token (then told to the peers)
+    first_token_poll_ms: float = 10.0
     heartbeat_s: float = 0.5  # an idle replica still says it is alive this often
     peer_timeout_s: float = 3.0  # a replica not heard this long is gone: its flights stop counting
     flight_ttl_s: float = 600.0  # a remote flight without its finish stops counting after this long

@@ -310,19 +310,21 @@ class PeerBus:
     """A gateway service: publishes this replica's events and applies the others' (PeerState)."""
 
     def __init__(self, transport: Any, state: PeerState, replica: str, *, flush_ms: float = 2.0,
-                 heartbeat_s: float = 0.5, share_learning: bool = True, share_affinity: bool = True) -> None:
+                 heartbeat_s: float = 0.5, share_learning: bool = True, share_affinity: bool = True,
+                 first_token_poll_ms: float = 10.0) -> None:
         self.transport = transport
         self.state = state
         self.replica = replica
         self.flush_s = max(0.0005, flush_ms / 1000.0)
         self.heartbeat_s = heartbeat_s
+        self.poll_s = max(self.flush_s, first_token_poll_ms / 1000.0)
         self.share_learning = share_learning
         self.share_affinity = share_affinity
         self._out: list[Event] = []
         self._ids: dict[str, int] = {}  # own request id -> flight key it was published under
         self._watch: dict[int, Flight] = {}  # own streamed flights waiting for their first token
         self._next = 0
-        self._wake = asyncio.Event()
+        self._waiter: asyncio.Future | None = None  # the sender's sleep; the first event ends it
         self._task: asyncio.Task | None = None
         self._sweep: asyncio.Task | None = None
         self.counts = {"events_out": 0, "batches_out": 0, "dropped_out": 0}
@@ -333,8 +335,9 @@ class PeerBus:
             self.counts["dropped_out"] += 1
             return
         self._out.append(ev)
-        if not self._wake.is_set():
-            self._wake.set()
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
 
     def dispatched(self, fl: Flight) -> None:
         key = self._next
@@ -380,13 +383,18 @@ class PeerBus:
 
     async def _send_loop(self) -> None:
         last = 0.0
+        loop = asyncio.get_running_loop()
         while True:
-            timeout = self.flush_s if self._watch else self.heartbeat_s
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
+            if not self._out:  # sleep until the next event, the next first-token check or the heartbeat
+                fut = self._waiter = loop.create_future()  # a future and a timer: cheaper than wait_for's task
+                h = loop.call_later(self.poll_s if self._watch else self.heartbeat_s, _wake, fut)
+                try:
+                    await fut
+                finally:
+                    h.cancel()
+                    self._waiter = None
             if self._out:
                 await asyncio.sleep(self.flush_s)  # gather what the next requests add: one send for all
-            self._wake.clear()
             self._first_tokens()
             now = time.monotonic()
             if not self._out and now - last < self.heartbeat_s:
@@ -423,6 +431,11 @@ class PeerBus:
         return {"transport": self.transport.name, "replica": self.replica, **s, **self.counts,
                 **({"send_failures": dropped} if dropped is not None else {}),
                 **({"connected": self.transport.connected} if hasattr(self.transport, "connected") else {})}
+
+
+def _wake(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 def replica_id() -> str:
