@@ -74,6 +74,7 @@ class StreamStart:
     done: bool = False
     health: Health | None = None  # a break or stall after the first token counts against the backend too
     translator: StreamTranslator | None = None  # upstream events -> the client's API (None: the same API)
+    rest: bytes = b""  # complete events of the first reads after the first token, not yet split (no translator)
 
 
 @dataclass(slots=True)
@@ -259,6 +260,7 @@ class Dispatcher:
                 tr = ex.stream()
                 it = resp.aiter_raw()
                 first: list[bytes] = []
+                rest = b""
                 while True:  # read until the first generated token (or the end) arrives
                     try:
                         chunk = await it.__anext__()
@@ -266,16 +268,32 @@ class Dispatcher:
                         if tr is not None:
                             first.extend(tr.end())
                         break
-                    events = splitter.feed(chunk)
+                    region = splitter.feed_region(chunk)
                     if tr is not None:
-                        events = [out for e in events for out in tr.feed(e)]
-                    first.extend(events)
-                    if any(wire.is_first_token(e) for e in events):
+                        events = [out for e in sse.split_events(region) for out in tr.feed(e)]
+                        first.extend(events)
+                        if any(wire.is_first_token(e) for e in events):
+                            break
+                        continue
+                    # events up to the first token are looked at one by one; what follows it in the same read
+                    # stays one region for stream_body (relayed whole when it needs no look of its own)
+                    pos, found = 0, False
+                    while (j := region.find(b"\n\n", pos)) >= 0:
+                        ev = region[pos:j]
+                        pos = j + 2
+                        if ev.strip():
+                            first.append(ev)
+                            if wire.is_first_token(ev):
+                                found = True
+                                break
+                    if found:
+                        rest = region[pos:]
                         break
                 if not first:
                     raise UpstreamBroken("upstream closed the stream before any event")
                 self.health.success(b.name)
-                return StreamStart(resp, cand, first, splitter, it, t0, health=self.health, translator=tr)
+                return StreamStart(resp, cand, first, splitter, it, t0, health=self.health, translator=tr,
+                                   rest=rest)
         except TimeoutError:
             if resp is not None:
                 await resp.aclose()
@@ -345,11 +363,18 @@ async def stream_body(ctx: RequestContext, start: StreamStart,
     tr = start.translator
     st = StreamState()
     deadline = start.started_at + b.timeouts.total_s
+    idle_s = b.timeouts.idle_s
     it = start.iterator
+    splitter = start.splitter
+    # the native client times reads with one timer per stream (h1client `read_within`); the others per read
+    read_within = getattr(start.response, "read_within", None)
+    loop_deadline = asyncio.get_running_loop().time() + (deadline - time.perf_counter())
     try:
         observe_first_events(ctx, start)
         # Events that arrived in one upstream read leave in one write: same timing, far fewer sends.
         out = _process_all(ctx, st, start.first)
+        if start.rest and not ctx.cut_by_budget:
+            out += _process_region(ctx, st, start.rest)
         if out:
             yield out
         if ctx.cut_by_budget:
@@ -358,19 +383,27 @@ async def stream_body(ctx: RequestContext, start: StreamStart,
             remaining = deadline - time.perf_counter()
             if remaining <= 0:
                 raise TimeoutError("total")
-            try:
-                async with asyncio.timeout(min(b.timeouts.idle_s, remaining)):
-                    chunk = await it.__anext__()
-            except StopAsyncIteration:
+            if read_within is not None:
+                chunk = await read_within(idle_s, loop_deadline)
+            else:
+                try:
+                    async with asyncio.timeout(min(idle_s, remaining)):
+                        chunk = await it.__anext__()
+                except StopAsyncIteration:
+                    chunk = None
+            if chunk is None:
                 if tr is not None:
                     out = _process_all(ctx, st, tr.end())
                     if out:
                         yield out
                 break
-            events = start.splitter.feed(chunk)
+            region = splitter.feed_region(chunk)
+            if not region:
+                continue
             if tr is not None:
-                events = [e for ev in events for e in tr.feed(ev)]
-            out = _process_all(ctx, st, events)
+                out = _process_all(ctx, st, [e for ev in sse.split_events(region) for e in tr.feed(ev)])
+            else:
+                out = _process_region(ctx, st, region)
             if out:
                 yield out
             if ctx.cut_by_budget:
@@ -407,6 +440,16 @@ def _mid_stream_failure(start: StreamStart, reason: str) -> None:
     before its first token (the client cannot be retried, but the next requests should avoid it)."""
     if start.health is not None:
         start.health.failure(start.candidate.backend.name, reason)
+
+
+def _process_region(ctx: RequestContext, st: StreamState, region: bytes) -> bytes:
+    """A region of complete events (no translator): its leading events that need no look of their own leave as
+    they came (the wire's `relay`, one pass over the bytes), the rest event by event."""
+    k = ctx.ep.wire.relay(ctx, st, region)
+    if k == len(region):
+        return region
+    out = _process_all(ctx, st, sse.split_events(region[k:] if k else region))
+    return region[:k] + out if k else out
 
 
 def _process_all(ctx: RequestContext, st: StreamState, events: list[bytes]) -> bytes:

@@ -31,6 +31,7 @@ from gateway.config import BackendConfig
 from gateway.proxy.transport import UpstreamBroken, UpstreamConnectError
 
 _HIGH_WATER = 1 << 20  # unread response bytes past which reading from the upstream pauses
+_JOIN_UP_TO = 1 << 16  # buffered pieces handed over as one, up to this many bytes
 
 
 class _Endpoint:
@@ -68,7 +69,8 @@ def _head(method: str, target: str, host: str, headers: dict[str, str], length: 
 class _Response:
     """One response being received on a connection; the body is handed over as the parser produces it."""
 
-    __slots__ = ("status", "headers", "_conn", "_chunks", "_buffered", "_done", "_error", "_wake", "_closed")
+    __slots__ = ("status", "headers", "_conn", "_chunks", "_buffered", "_done", "_error", "_wake", "_closed",
+                 "_wait_limit", "_timer")
 
     def __init__(self, conn: "_Conn") -> None:
         self.status = 0
@@ -80,6 +82,8 @@ class _Response:
         self._error: str | None = None  # the connection broke before the body's end
         self._wake: asyncio.Future[None] | None = None
         self._closed = False
+        self._wait_limit: float | None = None  # loop time by which the current read_within wait must get bytes
+        self._timer: asyncio.TimerHandle | None = None  # the one lazily re-armed timer behind read_within
 
     # -- called by the connection
     def _feed(self, data: bytes) -> None:
@@ -114,11 +118,55 @@ class _Response:
                 await self._wake
             finally:
                 self._wake = None
-        data = self._chunks.popleft()
+        chunks = self._chunks
+        data = chunks.popleft()
+        if chunks and len(data) < _JOIN_UP_TO:
+            # several reads (or HTTP chunks: one per event from an engine) arrived since the last call: they go
+            # on as one piece, so the caller parses, times and writes them downstream once
+            parts = [data]
+            n = len(data)
+            while chunks and n < _JOIN_UP_TO:
+                d = chunks.popleft()
+                parts.append(d)
+                n += len(d)
+            data = b"".join(parts)
         self._buffered -= len(data)
         if self._buffered <= _HIGH_WATER // 2:
             self._conn.resume()
         return data
+
+    async def read_within(self, idle_s: float, deadline: float) -> bytes | None:
+        """`_next` that raises TimeoutError when no byte arrives within `idle_s` of the call or by `deadline`
+        (loop time): the stream's idle and total timeouts without a timer per read. One timer per response,
+        armed at the first wait; when it fires during a later wait whose limit is further away it re-arms
+        itself there, and when it fires between waits it lapses (the next wait arms it again)."""
+        if self._chunks or self._done or self._error is not None:
+            return await self._next()  # bytes are here (or the end): no wait, no timer
+        loop = self._conn.loop
+        limit = min(loop.time() + idle_s, deadline)
+        self._wait_limit = limit
+        t = self._timer
+        if t is None or t.when() > limit:
+            if t is not None:
+                t.cancel()
+            self._timer = loop.call_at(limit, self._check_wait)
+        try:
+            return await self._next()
+        finally:
+            self._wait_limit = None
+
+    def _check_wait(self) -> None:
+        self._timer = None
+        limit = self._wait_limit
+        if limit is None:  # fired between waits
+            return
+        loop = self._conn.loop
+        if loop.time() >= limit - 0.001:  # call_at may run a little early (the loop's clock resolution)
+            w = self._wake
+            if w is not None and not w.done():
+                w.set_exception(TimeoutError())
+        else:
+            self._timer = loop.call_at(limit, self._check_wait)
 
     # -- the transport interface (gateway/proxy/transport.py UpstreamResponse)
     async def aread(self) -> bytes:
@@ -135,6 +183,9 @@ class _Response:
         if self._closed:
             return
         self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         self._conn.done_with(self, reusable=self._done and not self._chunks)
 
 

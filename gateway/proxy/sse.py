@@ -28,10 +28,31 @@ class EventSplitter:
         self._buf = events.pop()
         return [e for e in events if e.strip()]
 
+    def feed_region(self, chunk: bytes) -> bytes:
+        """The complete events in the bytes so far as one region (CRLF normalised, ending with the blank line
+        after its last event; empty when no event is complete yet), for a caller that relays a region whole
+        and splits it (`split_events`) only when it must look at each event."""
+        buf = self._buf + chunk if self._buf else chunk
+        if b"\r" in buf:
+            buf = buf.replace(b"\r\n", b"\n")
+        i = buf.rfind(b"\n\n")
+        if i < 0:
+            self._buf = buf
+            return b""
+        self._buf = buf[i + 2:]
+        return buf if i + 2 == len(buf) else buf[:i + 2]
+
     def rest(self) -> bytes:
         """Whatever was left without a terminating blank line (a torn stream)."""
         out, self._buf = self._buf, b""
         return out
+
+
+def split_events(region: bytes) -> list[bytes]:
+    """The events of a `feed_region` region (without their blank lines; empty ones dropped)."""
+    events = region.split(b"\n\n")
+    events.pop()
+    return [e for e in events if e.strip()]
 
 
 def event_data(event: bytes) -> bytes | None:

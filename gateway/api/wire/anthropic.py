@@ -95,6 +95,10 @@ def delta_text_len(obj: dict[str, Any]) -> int:
     return n
 
 
+_DELTA = b'event: content_block_delta\ndata: {"type":"content_block_delta",'
+_LOOK = (b"event: m", b"event: content_block_s", b"event: e", b"event: p")  # message_*, block start/stop, ...
+
+
 class AnthropicWire(ClientWire):
     name = "anthropic"
 
@@ -112,6 +116,29 @@ class AnthropicWire(ClientWire):
         if t == "content_block_delta":
             return obj is not None and delta_text_len(obj) > 0
         return t in ("message_delta", "message_stop", "error")
+
+    def relay(self, ctx: Any, st: StreamState, region: bytes) -> int:
+        """The leading run of content_block_delta events of a region relays as it came, each counting one
+        delivered token (as in `process`) when no budget allowance needs their text: every event exactly the
+        two lines `event: content_block_delta` and `data: {"type":"content_block_delta",...`. The region is
+        cut before the first other event the wire looks at (message_*, content_block_start/stop, ping, error);
+        a prefix that is not such a run after all is left whole."""
+        if ctx.completion_token_allowance is not None:
+            return 0
+        end = len(region)
+        for marker in _LOOK:
+            i = region.find(marker, 0, end)
+            if i >= 0:
+                end = i
+        if end < len(region):
+            region = region[:end]
+        n = region.count(b"\n\n")
+        if (not n or not region.startswith(_DELTA) or region.count(b"\n") != 3 * n
+                or region.count(b"\n\n" + _DELTA) != n - 1):
+            return 0
+        st.delivered_tokens += n
+        ctx.delivered_completion_tokens = st.delivered_tokens
+        return end
 
     def process(self, ctx: Any, st: StreamState, ev: bytes) -> bytes | None:
         data = sse.event_data(ev)

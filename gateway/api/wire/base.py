@@ -7,6 +7,8 @@ A wire is stateless; per-stream state lives in `StreamState`. The dispatcher and
 - `is_first_token(event)`: does this SSE event carry the first generated output (TTFT is measured there);
 - `process(ctx, st, event)`: one upstream event on its way to the client: capture usage, count delivered
   tokens, strip what the client did not ask for, cut at the budget allowance; returns the bytes to send;
+- `relay(ctx, st, region)`: the same for the leading run of a region's events that carry only generated output,
+  in one pass over their bytes (returns how many bytes; the rest needs `process` per event);
 - `error_body(err)` / `error_event(err)`: a refusal as a response body / as the last events of a stream.
 """
 from __future__ import annotations
@@ -43,6 +45,13 @@ class ClientWire:
 
     def process(self, ctx: Any, st: StreamState, event: bytes) -> bytes | None:
         raise NotImplementedError
+
+    def relay(self, ctx: Any, st: StreamState, region: bytes) -> int:
+        """How many leading bytes of a region of complete upstream events (gateway/proxy/sse.py `feed_region`)
+        can be sent as they came because none of those events needs a look of its own (no usage, finish
+        reason, end, budget to count): their accounting done in one pass over the bytes. The rest of the
+        region goes through `process` event by event; 0: all of it."""
+        return 0
 
     def error_body(self, err: GatewayError) -> bytes:
         return err.to_bytes()

@@ -58,6 +58,34 @@ class OpenAIWire(ClientWire):
             return False
         return data == sse.DONE or sse.has_usage(data) or sse.has_token(data)
 
+    def relay(self, ctx: Any, st: StreamState, region: bytes) -> int:
+        """The leading plain content chunks of a region relay as they came: each event one `data:` line, none
+        the end, none with a usage object or a finish reason (present ones null), the response id already
+        known and no budget allowance to count against; each counts one delivered token, as in `process`.
+        The region is cut before the first event that may need a look (`"usage":{`, `"finish_reason":"`,
+        `[DONE]`); a prefix that is not plain after all (spaces after a colon, other fields) is left whole."""
+        if ctx.completion_token_allowance is not None or ctx.response_id is None:
+            return 0
+        end = len(region)
+        for marker in (b'"usage":{', b'"finish_reason":"', sse.DONE):
+            i = region.find(marker, 0, end)
+            if i >= 0:
+                end = i
+        if end < len(region):
+            end = region.rfind(b"\n\n", 0, end) + 2
+            if end < 2:
+                return 0
+            region = region[:end]
+        n = region.count(b"\n\n")
+        if (not region.startswith(b"data:") or region.count(b"\n") != 2 * n
+                or region.count(b"\n\ndata:") != n - 1
+                or region.count(b'"usage"') != region.count(b'"usage":null')
+                or region.count(b'"finish_reason"') != region.count(b'"finish_reason":null')):
+            return 0
+        st.delivered_tokens += n
+        ctx.delivered_completion_tokens = st.delivered_tokens
+        return end
+
     def process(self, ctx: Any, st: StreamState, ev: bytes) -> bytes | None:
         data = sse.event_data(ev)
         if data is None:
