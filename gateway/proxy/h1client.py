@@ -131,7 +131,7 @@ class _Response:
                 n += len(d)
             data = b"".join(parts)
         self._buffered -= len(data)
-        if self._buffered <= _HIGH_WATER // 2:
+        if self._conn.paused and self._buffered <= _HIGH_WATER // 2:
             self._conn.resume()
         return data
 
@@ -265,8 +265,9 @@ class _Conn(asyncio.Protocol):
             fut.set_result(None)
 
     def on_body(self, body: bytes) -> None:
-        if self.resp is not None and self.headers_ready is None and not self.resp._done:
-            self.resp._feed(body)
+        resp = self.resp
+        if resp is not None and self.headers_ready is None and not resp._done:
+            resp._feed(body)
 
     def on_message_complete(self) -> None:
         if self.resp is not None and self.headers_ready is None:
