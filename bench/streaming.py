@@ -7,8 +7,10 @@ request, counted two ways:
   noisy box; the method and its caveats are bench/instructions.py's: instrumentation on only while
   bench/loadgen.py drives the server, cyclic GC off while counting);
 - CPU microseconds per request from /proc (utime + stime of the server process, pinned to one core, while
-  bench/loadgen.py drives it from the other core at saturation; noisy, the second measure).
-The per-event slope is (cost of the 1000-event stream - cost of the 20-event stream) / 980.
+  bench/loadgen.py drives it from the other core; kernel time included; noisy, the second measure).
+Each server's background cost (timers, flushes: its rate with no load, measured first) is subtracted from each
+window for the time it ran. The per-event slope is (cost of the longest stream - cost of the shortest) / the
+difference in events, per stream mode.
 
 Two servers: the gateway (full default pipeline: key auth, policy, budgets, routing, evidence; the config of
 bench/overhead.py) and a bare streaming relay on the same stack (uvicorn + uvloop + httptools, a raw ASGI
@@ -18,11 +20,11 @@ body message: no parsing, no accounting), the floor for the same bytes.
 Two stream modes: all events in one upstream write (the gateway reads them in a few large reads and can
 coalesce them into a few downstream writes) and paced (`--paced`: one upstream write and HTTP chunk per
 event, `--gap-ms` apart, as an engine sends them; each event is its own read, parse and downstream write).
-Paced streams run for n x gap of wall time each, so they need more connections to load the server; under
-callgrind the server is ~40x slower and a gap shorter than its per-event time would coalesce events again.
+Paced streams run for n x gap of wall time each; under callgrind the server is ~40x slower, so the defaults
+(8 connections, 20 ms apart: ~400 events/s) keep it well below saturation, where events would coalesce again.
 
-Run: .venv/bin/python bench/streaming.py [--events 20,200,1000] [--paced 20,200] [--gap-ms 2] [--seconds 10]
-     [--connections 4]
+Run: .venv/bin/python bench/streaming.py [--events 20,200,1000] [--paced 20,200] [--gap-ms 20] [--seconds 10]
+     [--connections 4] [--paced-connections 8]
      [--no-callgrind] [--no-cpu] [--servers gateway,bare] [--tree DIR]
 """
 from __future__ import annotations
@@ -256,8 +258,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--events", default="20,200,1000", help="stream lengths, all events in one upstream write")
     ap.add_argument("--paced", default="20,200", help="stream lengths, one upstream write per event")
-    ap.add_argument("--gap-ms", type=float, default=2.0, help="ms between the events of a paced stream")
-    ap.add_argument("--paced-connections", type=int, default=16)
+    ap.add_argument("--gap-ms", type=float, default=20.0, help="ms between the events of a paced stream")
+    ap.add_argument("--paced-connections", type=int, default=8)
     ap.add_argument("--seconds", type=float, default=10.0, help="measured seconds per workload and server")
     ap.add_argument("--connections", type=int, default=4)
     ap.add_argument("--servers", default="gateway,bare")
