@@ -5,6 +5,7 @@ counts them, flow control and the learner's feedback (which read `by_engine` / `
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from gateway.pipeline import RequestContext
 from gateway.routing.predictor import Features
@@ -65,6 +66,10 @@ class InFlight:
         self.by_rid: dict[str, Flight] = {}
         self.remote: dict[str, dict[str, RemoteFlight]] = {}  # engine -> key -> the other replicas' flights
         self.remote_by_key: dict[str, RemoteFlight] = {}
+        # the remote flights that are long prompts on their engine (the prefill guard counts them): indexed when
+        # they arrive, by the threshold the stage sets (flow.limits(engine).long_prompt_tokens)
+        self.long_threshold: Callable[[str], int] | None = None
+        self.remote_long: dict[str, dict[str, RemoteFlight]] = {}
 
     def add(self, fl: Flight) -> None:
         rid = fl.ctx.request_id
@@ -82,6 +87,8 @@ class InFlight:
         self.pop_remote(rf.key)
         self.remote.setdefault(rf.engine, {})[rf.key] = rf
         self.remote_by_key[rf.key] = rf
+        if self.long_threshold is not None and rf.uncached >= self.long_threshold(rf.engine):
+            self.remote_long.setdefault(rf.engine, {})[rf.key] = rf
 
     def pop_remote(self, key: str) -> RemoteFlight | None:
         rf = self.remote_by_key.pop(key, None)
@@ -91,6 +98,9 @@ class InFlight:
                 fls.pop(key, None)
                 if not fls:
                     del self.remote[rf.engine]
+            longs = self.remote_long.get(rf.engine)
+            if longs is not None and longs.pop(key, None) is not None and not longs:
+                del self.remote_long[rf.engine]
         return rf
 
     def on(self, engine: str) -> list[Flight | RemoteFlight]:

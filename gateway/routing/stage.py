@@ -149,6 +149,7 @@ class PredictiveRouteStage:
         self._longs: dict[str, dict[str, Flight]] = {}  # engine -> request id -> a long prompt's flight
         self.flow = FlowGate(lambda: self._config().raw.routing.flow_control, self.clock, self._engine_state,
                              self._long_flights, self.chunk_budget, self._gate_predict)
+        self.inflight.long_threshold = lambda name: self.flow.limits(name).long_prompt_tokens  # the peers' longs
 
     @property
     def telemetry(self) -> Any:
@@ -202,13 +203,18 @@ class PredictiveRouteStage:
         return self.predictor.predict(name, Features(ahead_tokens=ahead, uncached_tokens=uncached, running=running))[0]
 
     def _long_flights(self, now: float, limits: Callable[[str], LongLimits]) -> dict[str, list[LongFlight]]:
-        """Per engine, this gateway's long prompts on it still prefilling, with their predicted prefill end
-        (from the index of long flights `_dispatched` keeps: O(long prompts in flight), not O(all flights))."""
+        """Per engine, the long prompts on it still prefilling, this gateway's and (with the peer bus) the other
+        replicas', with their predicted prefill end (from the indexes of long flights `_dispatched` and
+        `InFlight.add_remote` keep: O(long prompts in flight), not O(all flights))."""
         out: dict[str, list[LongFlight]] = {}
         for name, fls in self._longs.items():
             for fl in fls.values():
                 if fl.prefilling(now):
                     out.setdefault(name, []).append(LongFlight(fl.uncached, max(now, fl.started + fl.predicted_s)))
+        for name, rfs in self.inflight.remote_long.items():  # the other replicas' (peers.py): one guard for all
+            for rf in rfs.values():
+                if rf.prefilling(now):
+                    out.setdefault(name, []).append(LongFlight(rf.uncached, max(now, rf.started + rf.predicted_s)))
         return out
 
     def chunk_budget(self, name: str) -> tuple[int, str]:

@@ -3,6 +3,7 @@ sharing, transport choice; and the Unix-datagram transport between two buses in 
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 import msgspec
@@ -299,3 +300,20 @@ def test_redis_away_costs_the_bus_its_events_not_the_gateway():
 
     snap = asyncio.run(run())
     assert snap["dropped_out"] >= 1 and snap["connected"] is False
+
+
+def test_the_prefill_guard_counts_the_peers_long_prompts(tmp_path):
+    from gateway.routing.stage import PredictiveRouteStage
+
+    c = cfg(tmp_path, {"flow_control": {"long_prompt_tokens": 4000}})
+    st = PredictiveRouteStage(lambda: c, SimpleNamespace())
+    ps = PeerState(st.inflight, st.clock)
+    now = st.clock()
+    ps.apply(Batch("B", time.time(), [Dispatch(1, "e1", 6000, 6000, time.time(), 1.0, True),
+                                                    Dispatch(2, "e1", 500, 500, time.time(), 0.1, True)]))
+    longs = st._long_flights(now, st.flow.limits)
+    assert [lf.uncached for lf in longs["e1"]] == [6000]  # the short one is no long prompt
+    ps.apply(Batch("B", 0.0, [FirstToken(1, 0.5)]))
+    assert st._long_flights(st.clock(), st.flow.limits) == {}  # prefilled: no longer held against the engine
+    ps.apply(Batch("B", 0.0, [Finish(1), Finish(2)]))
+    assert st.inflight.remote_long == {} and st.inflight.remote == {}
