@@ -53,12 +53,13 @@ class PeersConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     learner samples and session affinity; the others count that work in their views of the engines
     (docs/scale_out.md#replicas). Read at start: a change takes a restart."""
 
-    # auto: Redis when redis_url is set or budgets.store is redis, else the local bus of `gateway serve
-    # --workers N` (GATEWAY_PEER_DIR), else off (each replica sees others only in the engines' metrics)
-    mode: str = "auto"  # auto | redis | local | off
+    # auto: Redis when redis_url is set or budgets.store is redis, else Postgres LISTEN/NOTIFY when
+    # identity.store is postgres, else the local bus of `gateway serve --workers N` (GATEWAY_PEER_DIR), else off
+    # (each replica sees the others only in the engines' metrics)
+    mode: str = "auto"  # auto | redis | postgres | local | off
     redis_url: str | None = None  # null: budgets.redis_url (when budgets.store is redis, or mode is redis)
-    # the Redis pub/sub channel; replicas that route one fleet share it. null: "<budgets.key_prefix>:peers", so
-    # two deployments that keep their budgets apart on one Redis keep their routing apart too
+    # the Redis (or Postgres) channel; replicas that route one fleet share it. null: "<budgets.key_prefix>:peers"
+    # (Postgres: "<budgets.key_prefix>_peers"), so deployments kept apart on one store stay apart here too
     channel: str | None = None
     flush_ms: float = 2.0  # events are sent in batches at most this long after the first of them
     # how often the streams this replica published are checked for their first token (then told to the peers)
@@ -103,8 +104,8 @@ class RoutingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         from gateway.routing.registry import strategy_error
 
         bad = strategy_error(self.strategy)
-        if bad is None and self.peers.mode not in ("auto", "redis", "local", "off"):
-            return "peers.mode", f"must be auto, redis, local or off, not {self.peers.mode!r}"
+        if bad is None and self.peers.mode not in ("auto", "redis", "postgres", "local", "off"):
+            return "peers.mode", f"must be auto, redis, postgres, local or off, not {self.peers.mode!r}"
         if bad is None and not (self.peers.heartbeat_s > 0 and self.peers.peer_timeout_s > self.peers.heartbeat_s):
             return "peers.peer_timeout_s", "must be longer than peers.heartbeat_s (> 0)"
         if bad is None and self.target_fit and not isinstance(self.strategy, str):

@@ -14,6 +14,7 @@ the workers of one host (`GATEWAY_PEER_DIR`, set by `gateway serve --workers N`)
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import errno
 import logging
@@ -230,6 +231,70 @@ class RedisTransport:
                     await c.aclose()
 
 
+class PostgresTransport:
+    """Postgres LISTEN/NOTIFY on one channel, for replicas whose shared store is Postgres (identity.store) and
+    no Redis. A payload is text under 8000 bytes: batches are base64 and at most `max_events` events."""
+
+    name = "postgres"
+    max_events = 12  # 12 events of the longest kind (a 256-char session id) stay under NOTIFY's 8000 bytes
+
+    def __init__(self, dsn: str, channel: str) -> None:
+        self.dsn = dsn
+        self.channel = channel[:63]  # Postgres truncates identifiers at 63 bytes; say so by doing it here
+        self._conn: Any = None
+        self._task: asyncio.Task | None = None
+        self.connected = False
+
+    async def start(self, on_data: Callable[[bytes], None]) -> None:
+        self._task = asyncio.create_task(self._run(on_data))
+
+    async def _run(self, on_data: Callable[[bytes], None]) -> None:
+        import asyncpg
+
+        def heard(_conn: Any, _pid: int, _channel: str, payload: str) -> None:
+            try:
+                on_data(base64.b64decode(payload))
+            except ValueError:
+                on_data(b"")  # counted as bad by the bus
+
+        while True:
+            conn = None
+            try:
+                conn = await asyncpg.connect(self.dsn, timeout=2.0)
+                closed = asyncio.Event()
+                conn.add_termination_listener(lambda _c: closed.set())
+                await conn.add_listener(self.channel, heard)
+                self._conn, self.connected = conn, True
+                await closed.wait()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # Postgres away: retry; until then this replica routes on its own view
+                log.warning("peer bus: Postgres LISTEN lost (%s); retrying", e)
+            finally:
+                self._conn, self.connected = None, False
+                if conn is not None:
+                    with contextlib.suppress(Exception):
+                        await conn.close(timeout=1.0)
+            await asyncio.sleep(1.0)
+
+    async def send(self, data: bytes) -> bool:
+        conn = self._conn
+        if conn is None:
+            return False
+        try:
+            await conn.execute("SELECT pg_notify($1, $2)", self.channel, base64.b64encode(data).decode("ascii"),
+                               timeout=1.0)
+            return True
+        except Exception:
+            return False
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+
+
 class UnixTransport:
     """Unix datagram sockets in one directory (the workers of one host): this worker binds `w<id>.sock` and
     sends each batch to every other `w*.sock` there. A peer that is restarting (no socket, refused, full) just
@@ -401,7 +466,8 @@ class PeerBus:
                 continue
             out, self._out = self._out, []
             last = now
-            chunks = [out[i:i + MAX_EVENTS_PER_BATCH] for i in range(0, len(out), MAX_EVENTS_PER_BATCH)] or [[]]
+            k = getattr(self.transport, "max_events", MAX_EVENTS_PER_BATCH)
+            chunks = [out[i:i + k] for i in range(0, len(out), k)] or [[]]
             for evs in chunks:
                 ok = await self.transport.send(encode(Batch(self.replica, time.time(), evs)))
                 self.counts["batches_out"] += 1
@@ -449,7 +515,8 @@ def replica_id() -> str:
 def resolve_transport(cfg: Any, env: dict[str, str] | None = None) -> Any:
     """The transport `routing.peers` asks for, or None (no shared store and no worker directory: each replica
     routes on its own view, as before). auto: Redis when a URL is configured or the budgets already use Redis,
-    else the local Unix-datagram bus when a supervisor gave the workers a directory (GATEWAY_PEER_DIR)."""
+    else Postgres LISTEN/NOTIFY when the identity store is Postgres, else the local Unix-datagram bus when a
+    supervisor gave the workers a directory (GATEWAY_PEER_DIR)."""
     env = os.environ if env is None else env  # type: ignore[assignment]
     pc = cfg.raw.routing.peers
     if pc.mode == "off":
@@ -460,6 +527,11 @@ def resolve_transport(cfg: Any, env: dict[str, str] | None = None) -> Any:
         url = b.redis_url
     if url is not None and pc.mode in ("auto", "redis"):
         return RedisTransport(url, pc.channel or f"{b.key_prefix}:peers")
+    ic = cfg.raw.identity
+    dsn = (ic.postgres_dsn or (env.get(ic.postgres_dsn_env) if ic.postgres_dsn_env else None)  # type: ignore[union-attr]
+           ) if ic.store == "postgres" else None
+    if dsn and pc.mode in ("auto", "postgres"):
+        return PostgresTransport(dsn, pc.channel or f"{b.key_prefix}_peers")
     peer_dir = env.get("GATEWAY_PEER_DIR")  # type: ignore[union-attr]
     if peer_dir and pc.mode in ("auto", "local"):
         return UnixTransport(peer_dir, env.get("GATEWAY_WORKER_ID", str(os.getpid())))  # type: ignore[union-attr]

@@ -317,3 +317,64 @@ def test_the_prefill_guard_counts_the_peers_long_prompts(tmp_path):
     assert st._long_flights(st.clock(), st.flow.limits) == {}  # prefilled: no longer held against the engine
     ps.apply(Batch("B", 0.0, [Finish(1), Finish(2)]))
     assert st.inflight.remote_long == {} and st.inflight.remote == {}
+
+
+def test_postgres_is_the_bus_when_identity_is_on_postgres_and_there_is_no_redis(tmp_path):
+    from gateway.routing.peers import PostgresTransport
+
+    ident = {"store": "postgres", "postgres_dsn_env": "PG_FOR_TEST"}
+    import yaml
+
+    c = parse_config(yaml.safe_dump({"identity": ident, "data_dir": str(tmp_path)}), "t.yaml", base_dir=tmp_path)
+    t = resolve_transport(c, env={"PG_FOR_TEST": "postgresql://h/db"})
+    assert isinstance(t, PostgresTransport) and (t.dsn, t.channel) == ("postgresql://h/db", "gwb_peers")
+    assert resolve_transport(c, env={}) is None  # no DSN: no bus
+    c = parse_config(yaml.safe_dump({"identity": ident, "budgets": {"store": "redis"}, "data_dir": str(tmp_path)}),
+                     "t.yaml", base_dir=tmp_path)
+    assert isinstance(resolve_transport(c, env={"PG_FOR_TEST": "x"}), RedisTransport)  # Redis first
+
+
+def test_two_buses_on_postgres_listen_notify():
+    import os
+    import socket
+
+    from gateway.routing.peers import PostgresTransport
+    from tests.conftest import require_service
+
+    dsn = os.environ.get("GATEWAY_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/test")
+    try:
+        socket.create_connection(("127.0.0.1", 5432), timeout=1).close()
+        up = True
+    except OSError:
+        up = False
+    require_service(up, "PostgreSQL at 127.0.0.1:5432")
+    channel = f"peers_test_{os.getpid()}_{int(time.time() * 1000) % 100000}"
+
+    async def run() -> tuple[InFlight, dict]:
+        clock = Clock()
+        sa, _ = state(clock)
+        sb, inf_b = state(clock)
+        a = PeerBus(PostgresTransport(dsn, channel), sa, "A", flush_ms=1, heartbeat_s=0.05)
+        b = PeerBus(PostgresTransport(dsn, channel), sb, "B", flush_ms=1, heartbeat_s=0.05)
+        await a.start()
+        await b.start()
+        for _ in range(100):
+            if a.transport.connected and b.transport.connected:
+                break
+            await asyncio.sleep(0.05)
+        for i in range(30):  # more than one NOTIFY's worth, with long session keys
+            a.remembered("t|x-session-id|" + "s" * 250 + str(i), "e1")
+        a.dispatched(Flight(mk("r1"), "e1", 3000, clock.t, 0.2))
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if inf_b.on("e1"):
+                break
+        snap = b.snapshot()
+        await a.close()
+        await b.close()
+        return inf_b, snap
+
+    inf_b, snap = asyncio.run(run())
+    assert [f.uncached for f in inf_b.on("e1")] == [3000]
+    assert snap["transport"] == "postgres" and "A" in snap["peers"] and snap["bad_in"] == 0
+    assert snap["events_in"] == 31
