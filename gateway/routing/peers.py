@@ -186,6 +186,7 @@ class RedisTransport:
         self._sub: Any = None  # subscribes, without one: an idle channel is no error
         self._task: asyncio.Task | None = None
         self.connected = False
+        self._warned = False
 
     async def start(self, on_data: Callable[[bytes], None]) -> None:
         import redis.asyncio as aioredis
@@ -206,8 +207,10 @@ class RedisTransport:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # Redis away: retry; until then this replica routes on its own view
+                if self.connected or not self._warned:  # once per outage, not once a second
+                    log.warning("peer bus: Redis subscription lost (%s); retrying each second", e)
+                    self._warned = True
                 self.connected = False
-                log.warning("peer bus: Redis subscription lost (%s); retrying", e)
                 await asyncio.sleep(1.0)
             finally:
                 with contextlib.suppress(Exception):
@@ -244,6 +247,7 @@ class PostgresTransport:
         self._conn: Any = None
         self._task: asyncio.Task | None = None
         self.connected = False
+        self._warned = False
 
     async def start(self, on_data: Callable[[bytes], None]) -> None:
         self._task = asyncio.create_task(self._run(on_data))
@@ -269,7 +273,9 @@ class PostgresTransport:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # Postgres away: retry; until then this replica routes on its own view
-                log.warning("peer bus: Postgres LISTEN lost (%s); retrying", e)
+                if self.connected or not self._warned:  # once per outage
+                    log.warning("peer bus: Postgres LISTEN lost (%s); retrying each second", e)
+                    self._warned = True
             finally:
                 self._conn, self.connected = None, False
                 if conn is not None:
