@@ -268,7 +268,7 @@ def test_metrics_on_any_worker_count_every_workers_requests(stack):
 
 def test_every_worker_subscribes_to_the_engines_kv_events(tmp_path):
     """vLLM publishes KV events on a PUB socket: each worker subscribes itself, so every worker's index holds
-    the blocks of requests the other worker dispatched."""
+    the blocks of requests the other worker dispatched; and each worker hears the other on the peer bus."""
     from backends.sim.fleet import FleetProcess
 
     try:
@@ -313,6 +313,11 @@ def test_every_worker_subscribes_to_the_engines_kv_events(tmp_path):
         for _ in range(30):
             eng = engine()
             assert eng["cached_blocks"] and eng["kv_events"]["last_seq"] is not None, eng
+        # and the workers route as one: each hears the other on the peer bus (Redis, the budgets' store)
+        for _ in range(10):
+            peers = fresh(base, "/admin/routing", headers={"authorization": f"Bearer {admin}"}).json()["peers"]
+            assert peers["transport"] == "redis" and len(peers["peers"]) == 1, peers
+            assert all(p["last_heard_s"] < 3 for p in peers["peers"].values()), peers
     finally:
         gw.stop(30)
         fleet.stop()
