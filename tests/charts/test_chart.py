@@ -136,6 +136,15 @@ def test_replicas_with_shared_state_render(helm: str, args: list[str]) -> None:
     assert one(objs, "PodDisruptionBudget")["spec"]["minAvailable"] == 1
 
 
+def test_workers_need_redis_and_reach_server_workers(helm: str) -> None:
+    """gateway.workers is server.workers; more than one without Redis for budgets is refused like replicas."""
+    out = render(helm, "--set", "gateway.workers=2", check=False)
+    assert out.returncode != 0 and "gateway.workers > 1 needs Redis" in out.stderr
+    cfg = parse_rendered(docs(render(helm, "--set", "gateway.workers=4", "--set", "externalRedis.host=redis").stdout))
+    assert cfg.server.workers == 4 and cfg.raw.budgets.store == "redis"
+    assert parse_rendered(docs(render(helm).stdout)).server.workers == 1
+
+
 def test_single_replica_has_no_pdb_and_uses_embedded_state(helm: str) -> None:
     objs = docs(render(helm, "-f", str(CHART / "ci" / "default-values.yaml")).stdout)
     assert not [o for o in objs if o["kind"] == "PodDisruptionBudget"]

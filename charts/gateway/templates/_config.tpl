@@ -21,7 +21,7 @@ Every key here exists in gateway/config.py (forbid_unknown_fields); tests/charts
 {{- range $b := $v.gateway.backends -}}
 {{- $backends = append $backends $b -}}
 {{- end -}}
-{{- $cfg := dict "server" (dict "host" "0.0.0.0" "port" (int $v.gateway.port)) "backends" $backends "data_dir" $data -}}
+{{- $cfg := dict "server" (dict "host" "0.0.0.0" "port" (int $v.gateway.port) "workers" (int $v.gateway.workers)) "backends" $backends "data_dir" $data -}}
 {{- if $v.gateway.aliases -}}{{- $_ := set $cfg "aliases" $v.gateway.aliases -}}{{- end -}}
 {{- if $v.admin.existingSecret -}}{{- $_ := set $cfg "admin" (dict "key_env" "GATEWAY_ADMIN_KEY") -}}{{- end -}}
 {{- $identity := dict "sqlite_path" (printf "%s/gateway.db" $data) -}}
