@@ -321,3 +321,14 @@ def test_every_worker_subscribes_to_the_engines_kv_events(tmp_path):
     finally:
         gw.stop(30)
         fleet.stop()
+
+
+def test_workers_do_not_outlive_a_killed_supervisor(stack):
+    """kill -9 of the supervisor: its workers get SIGTERM (PR_SET_PDEATHSIG), drain and exit; none is orphaned."""
+    workers = pids(stack["base"])
+    stack["gw"].p.send_signal(signal.SIGKILL)  # the supervisor only: workers are in their own process group
+    stack["gw"].p.wait(10)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in workers):
+        time.sleep(0.1)
+    assert not [p for p in workers if os.path.exists(f"/proc/{p}")], "a worker outlived its supervisor"
