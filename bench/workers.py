@@ -32,7 +32,7 @@ from tests.support.procs import free_port, wait_http  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def config(tmp: Path, port: int, up_port: int, workers: int, prefix: str) -> Path:
+def config(tmp: Path, port: int, up_port: int, workers: int, prefix: str, extra: str = "") -> Path:
     cfg = tmp / f"gw-{port}.yaml"
     cfg.write_text(f"""
 server: {{host: 127.0.0.1, port: {port}, workers: {workers}}}
@@ -44,6 +44,7 @@ policy: {{audit_path: {tmp}/audit-{port}.jsonl}}
 identity: {{sqlite_path: {tmp}/id-{port}.db}}
 budgets: {{store: redis, key_prefix: {prefix}, sqlite_path: {tmp}/budgets-{port}.db, spool_path: {tmp}/spool-{port}.jsonl}}
 observability: {{log_level: warning}}
+{extra}
 """)
     return cfg
 
@@ -81,9 +82,14 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--connections", type=int, default=64)
     ap.add_argument("--workers", default="1,2")
+    ap.add_argument("--peers-off-row", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run the largest worker count with the peer bus off (what the bus costs)")
     ap.add_argument("--stream", action="store_true", help="streaming chat (16 SSE events) instead of JSON")
     a = ap.parse_args()
     counts = [int(x) for x in a.workers.split(",")]
+    specs = [(f"{n}", n, "") for n in counts]
+    if a.peers_off_row and max(counts) > 1:
+        specs.append((f"{max(counts)}, peer bus off", max(counts), "routing: {peers: {mode: \"off\"}}"))
     tmp = Path(tempfile.mkdtemp(prefix="bench-workers-"))
     up_port = free_port()
     up = subprocess.Popen([sys.executable, str(ROOT / "bench/fast_upstream.py"), str(up_port)],
@@ -91,15 +97,15 @@ def main() -> None:
     body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 16,
                          **({"stream": True} if a.stream else {})})
     req = build_request("/v1/chat/completions", body, {"authorization": f"Bearer {KEY}"})
-    rows: dict[int, list[tuple[float, float, float, float]]] = {n: [] for n in counts}
+    rows: dict[str, list[tuple[float, float, float, float]]] = {label: [] for label, _, _ in specs}
     prefix = f"bench-workers-{uuid.uuid4().hex[:8]}"
     try:
         wait_http(f"http://127.0.0.1:{up_port}/health", proc=up)
         for _ in range(a.rounds):
-            for n in counts:
+            for label, n, extra in specs:
                 port = free_port()
                 p = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config",
-                                      str(config(tmp, port, up_port, n, prefix))], cwd=ROOT,
+                                      str(config(tmp, port, up_port, n, prefix, extra))], cwd=ROOT,
                                      env={**os.environ, "BENCH_KEY": KEY}, stdout=subprocess.DEVNULL,
                                      stderr=open(tmp / f"{port}.log", "wb"))
                 try:
@@ -112,18 +118,18 @@ def main() -> None:
                     g, u, s = cpu_of(pids) - g0, cpu_seconds(up.pid) - u0, self_cpu() - s0
                     if err:
                         sys.exit(f"{n} workers: {err} failed requests (log: {tmp}/{port}.log)")
-                    rows[n].append((ok / a.seconds, g / a.seconds, u / a.seconds, s / a.seconds))
+                    rows[label].append((ok / a.seconds, g / a.seconds, u / a.seconds, s / a.seconds))
                 finally:
                     p.terminate()
                     p.wait(30)
     finally:
         up.terminate()
         up.wait(5)
-    base = statistics.median(r[0] for r in rows[counts[0]])
+    base = statistics.median(r[0] for r in rows[specs[0][0]])
     print(f"{os.cpu_count()} CPUs; load generator, upstream and gateway on the same machine; {a.connections} "
           f"keep-alive connections, {a.seconds:g} s per round, {'streaming' if a.stream else 'non-streaming'} chat, "
           f"full pipeline (Redis budgets)\n")
-    print(f"| workers | req/s, each round | median req/s | vs {counts[0]} worker(s) | gateway cores used | "
+    print(f"| workers | req/s, each round | median req/s | vs {specs[0][0]} worker(s) | gateway cores used | "
           "load generator cores | upstream cores | gateway req/s per core used |")
     print("|---|---|---|---|---|---|---|---|")
     for n, rs in rows.items():
