@@ -190,7 +190,8 @@ class Router:
         self.strategy = build_strategy(strategy)
         self.name = strategy
         self.admission = admission and strategy == "predicted_ttft"
-        self.predictor = Predictor(PredictorParams(), clock=lambda: 0.0)
+        self.now = 0.0  # virtual time of the event being handled: the learner's clock (its refit interval)
+        self.predictor = Predictor(PredictorParams(), clock=lambda: self.now)
         self.approx = ApproxPrefixIndex()
         self.kv = KVIndex()
         self.engines = engines
@@ -211,6 +212,7 @@ class Router:
     def route(self, job: Job) -> tuple[Flight | None, float]:
         """(flight or None when refused, wall-clock µs of the decision)."""
         t0 = time.perf_counter()
+        self.now = job.arrival
         n = len(job.tokens)
         rk = RequestKeys(job.tokens)
         found = self.kv.lookup([e.name for e in self.engines], rk)
@@ -252,6 +254,7 @@ class Router:
     def first_token(self, fl: Flight, ttft: float) -> None:
         """What finish() feeds the learner (the stage learns on finish with the features it predicted from)."""
         fl.prefilling = False
+        self.now = fl.job.arrival + ttft
         self.predictor.observe(fl.engine, fl.features, ttft)
 
     def finished(self, fl: Flight, actual_cached: int, step_s: float | None) -> None:

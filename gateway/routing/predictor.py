@@ -82,6 +82,9 @@ class PredictorParams:
     guard_log_error: float = math.log(3.0)  # median |ln(actual/predicted)| beyond this (3x off) resets the fit
     refit_window: int = 256  # observations kept for the batch refit (0: recursive fit only)
     refit_every: int = 4  # refit after this many new observations
+    # ... but at most once per this interval (unless refit_every x 16 new ones came): the refit's cost then
+    # follows time, not traffic, which matters once peers' samples arrive too (N replicas: N x the samples)
+    refit_min_interval_s: float = 0.02
     refit_min: int = 24  # the batch fit predicts once the window holds this many observations
     refit_iters: int = 3  # IRLS passes (Huber weights on relative residuals)
 
@@ -130,6 +133,8 @@ class EngineLearner:
     win_y: np.ndarray | None = None  # ... and their observed TTFTs
     win_len: int = 0  # rows filled
     batch_theta: list[float] | None = None
+    refit_at: float = 0.0  # clock and sample count of the last batch refit (refit_min_interval_s)
+    refit_samples: int = 0
     recent_log_err: deque[float] = field(default_factory=deque)  # ln(actual/predicted), out of sample (guard)
     resets: int = 0
     since_reset: int = 0  # observations since the last reset (or the start): the guard judges fits, not the prior
@@ -219,7 +224,11 @@ class EngineLearner:
             self.win_y[i] = ttft_s  # type: ignore[index]
             self.win_len = min(self.win_len + 1, p.refit_window)
             if self.win_len >= p.refit_min and self.samples % p.refit_every == 0:
-                self.batch_theta = self._refit()
+                now = self.last_update
+                if (self.batch_theta is None or now - self.refit_at >= p.refit_min_interval_s
+                        or self.samples - self.refit_samples >= 16 * p.refit_every):
+                    self.batch_theta = self._refit()
+                    self.refit_at, self.refit_samples = now, self.samples
         if self.exploded():
             self.reset()
         return ttft_s / pred - 1.0

@@ -103,6 +103,37 @@ def test_batch_refit_takes_over_once_the_window_holds_refit_min():
     assert abs(lr.predict(f) - y) / y < 0.05
 
 
+def test_batch_refit_cost_follows_time_not_traffic():
+    """Samples arriving faster than refit_min_interval_s (N replicas' samples through the peer bus) refit at
+    most once per interval, or every 16 x refit_every samples; spread out, every refit_every samples as before."""
+    par = (0.010, 1 / 16000, 0.0002)
+    now = [0.0]
+    fast = EngineLearner(clock=lambda: now[0])
+    refits = [0]
+    real = fast._refit
+
+    def counting():
+        refits[0] += 1
+        return real()
+
+    fast._refit = counting  # type: ignore[method-assign]
+    rng = random.Random(3)
+    for _ in range(1000):  # 1000 samples within 10 ms: the backstop every 64 only
+        now[0] += 1e-5
+        _feed(fast, rng, 1, par)
+    first = (1000 - fast.params.refit_min) // fast.params.refit_every
+    assert 1000 // 64 - 1 <= refits[0] <= 1000 // 64 + 2 < first
+    slow = EngineLearner(clock=lambda: now[0])
+    refits[0], real = 0, slow._refit
+    slow._refit = counting  # type: ignore[method-assign]
+    for _ in range(1000):  # one every 25 ms: the interval never binds
+        now[0] += 0.025
+        _feed(slow, rng, 1, par)
+    assert refits[0] == (1000 - slow.params.refit_min) // slow.params.refit_every + 1
+    f = Features(1000, 2000, 10)
+    assert abs(fast.predict(f) - true_ttft(f, *par)) / true_ttft(f, *par) < 0.05  # still a good fit
+
+
 def test_batch_refit_forgets_the_old_regime_once_it_left_the_window():
     rng = random.Random(6)
     lr = EngineLearner()
