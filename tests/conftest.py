@@ -18,3 +18,14 @@ def require_service(ok: bool, what: str) -> None:
     """Under CI=true a missing Redis/Postgres/engine is a failure; elsewhere the test is skipped with a reason."""
     if not ok:
         unavailable(f"{what} not reachable")
+
+
+def require_redis(host: str = "127.0.0.1", port: int = 6379) -> None:
+    """The machine's Redis answers PING (a failure under CI=true, else a skip)."""
+    import redis
+
+    try:
+        ok = bool(redis.Redis(host=host, port=port, socket_timeout=1).ping())
+    except redis.RedisError:
+        ok = False
+    require_service(ok, f"Redis at {host}:{port}")

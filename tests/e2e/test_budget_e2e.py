@@ -15,7 +15,7 @@ import pytest
 import redis
 import yaml
 
-from tests.conftest import require_service
+from tests.conftest import require_redis
 from tests.support.procs import free_port, start_gateway, start_upstream
 
 pytestmark = pytest.mark.e2e
@@ -31,12 +31,7 @@ CUT_BUDGET = 44
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    try:
-        redis.Redis(host="127.0.0.1", port=6379, socket_timeout=1).ping()
-        ok = True
-    except redis.RedisError:
-        ok = False
-    require_service(ok, "Redis on 127.0.0.1:6379")
+    require_redis()
     tmp = tmp_path_factory.mktemp("budget")
     prefix = f"gwb-e2e-{uuid.uuid4().hex[:10]}"
     up, up_port = start_upstream(tmp)

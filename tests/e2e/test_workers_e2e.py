@@ -22,7 +22,7 @@ import pytest
 import redis
 import yaml
 
-from tests.conftest import require_service
+from tests.conftest import require_redis
 from tests.support.procs import free_port, start_gateway, start_upstream
 
 pytestmark = pytest.mark.e2e
@@ -46,12 +46,7 @@ def write_config(tmp, port, up_port, prefix, models=("up-model",)) -> None:
 
 @pytest.fixture()
 def stack(tmp_path):
-    try:
-        redis.Redis(host="127.0.0.1", port=6379, socket_timeout=1).ping()
-        ok = True
-    except redis.RedisError:
-        ok = False
-    require_service(ok, "Redis on 127.0.0.1:6379")
+    require_redis()
     prefix = f"gwb-workers-{uuid.uuid4().hex[:10]}"
     (tmp_path / "policy.yaml").write_text(yaml.safe_dump({"version": 1, "rules": [
         {"id": "capped-requests", "match": {"tenant": "capped"}, "budgets": [{"window": "day", "requests": CAP}]}]}))
@@ -271,12 +266,7 @@ def test_every_worker_subscribes_to_the_engines_kv_events(tmp_path):
     the blocks of requests the other worker dispatched; and each worker hears the other on the peer bus."""
     from backends.sim.fleet import FleetProcess
 
-    try:
-        redis.Redis(host="127.0.0.1", port=6379, socket_timeout=1).ping()
-        ok = True
-    except redis.RedisError:
-        ok = False
-    require_service(ok, "Redis on 127.0.0.1:6379")
+    require_redis()
     fleet = FleetProcess(["--engines", "1", "--profile", "vllm-default", "--base-port", "0"], tmp_path / "fleet.json")
     man = fleet.start()
     port, admin = free_port(), "workers-e2e-admin-0123456789"
