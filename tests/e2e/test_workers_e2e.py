@@ -322,3 +322,16 @@ def test_workers_do_not_outlive_a_killed_supervisor(stack):
     while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in workers):
         time.sleep(0.1)
     assert not [p for p in workers if os.path.exists(f"/proc/{p}")], "a worker outlived its supervisor"
+
+
+def test_a_refused_reload_keeps_every_worker_serving_the_old_config(stack):
+    """SIGHUP with a config that does not load: each worker says why and keeps serving what it had."""
+    (stack["tmp"] / "gw.yaml").write_text("server: {port: [not, a, port]}\n")
+    stack["gw"].signal(signal.SIGHUP)
+    time.sleep(1.5)
+    for _ in range(20):
+        r = fresh(stack["base"], "/v1/chat/completions", method="POST", json=chat(),
+                  headers={"authorization": f"Bearer {KEY}"})
+        assert r.status_code == 200, r.text
+    assert len(pids(stack["base"])) == 2
+    assert stack["gw"].log().count("reload refused") == 2  # one line per worker
