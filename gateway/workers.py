@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 READY = b"R"  # what a worker writes to its ready pipe once it accepts
 MAX_BACKOFF_S = 30.0
@@ -65,7 +65,6 @@ class Worker:
     ready_r: int
     started: float
     ready: bool = False
-    retiring: bool = False  # being replaced (rolling restart) or drained: its exit is expected
 
 
 @dataclass
@@ -76,7 +75,7 @@ class Supervisor:
     peer_dir: str
     grace_s: float
     workers: dict[int, Worker] = field(default_factory=dict)
-    retired: list[Worker] = field(default_factory=list)
+    retired: list[Worker] = field(default_factory=list)  # replaced by a rolling restart, draining: their exit is expected
     backoff: dict[int, float] = field(default_factory=dict)
     restart_at: dict[int, float] = field(default_factory=dict)
     stopping: bool = False
@@ -153,17 +152,21 @@ class Supervisor:
 
     def _gone(self, w: Worker) -> None:
         os.close(w.ready_r)
-        _mark_dead(w.proc.pid)
+        _mark_dead(w.proc.pid, os.path.join(self.peer_dir, "metrics"))
 
-    def roll(self, ready_timeout_s: float) -> None:
-        """Replace each worker in turn: the new one accepts before the old one is asked to drain."""
+    def roll(self, ready_timeout_s: float, stop: Callable[[], bool] = lambda: False) -> None:
+        """Replace each worker in turn: the new one accepts before the old one is asked to drain. `stop()`
+        true (SIGTERM meanwhile) ends the roll; a new worker still starting is drained with the rest."""
         for wid in sorted(self.workers):
-            if self.stopping:
+            if stop():
                 return
             old = self.workers.get(wid)
             new = self.spawn(wid)
             deadline = time.monotonic() + ready_timeout_s
             while not self.poll_ready(new) and new.proc.poll() is None and time.monotonic() < deadline:
+                if stop():
+                    self.retired.append(new)
+                    return
                 time.sleep(0.05)
             if not new.ready:
                 print(f"gateway supervisor: rolling restart stopped, the new worker {wid} did not start",
@@ -174,7 +177,6 @@ class Supervisor:
                 return
             self.workers[wid] = new
             if old is not None and old.proc.poll() is None:
-                old.retiring = True
                 old.proc.send_signal(signal.SIGTERM)
                 self.retired.append(old)
 
@@ -192,14 +194,12 @@ class Supervisor:
                 w.proc.wait()
 
 
-def _mark_dead(pid: int) -> None:
+def _mark_dead(pid: int, metrics_dir: str) -> None:
     """Live gauges of a dead worker leave the merged /metrics (prometheus-client's multiprocess files)."""
-    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        return
     try:
         from prometheus_client import multiprocess
 
-        multiprocess.mark_process_dead(pid)
+        multiprocess.mark_process_dead(pid, metrics_dir)
     except Exception:  # noqa: BLE001 - a stale gauge file is not worth failing the supervisor for
         pass
 
@@ -249,7 +249,7 @@ def supervise(config_path: str, n: int, host: str, port: int, grace_s: float, st
                 sup.signal_all(signal.SIGHUP)
             if flags["roll"]:
                 flags["roll"] = False
-                sup.roll(start_timeout_s)
+                sup.roll(start_timeout_s, stop=lambda: flags["stop"])
             sup.reap(time.monotonic())
             time.sleep(0.1)
         sup.stop()

@@ -191,6 +191,9 @@ def test_a_killed_worker_is_restarted_and_the_other_ones_stream_finishes(stack):
     time.sleep(0.3)
     serving = accepting_pid(stack["port"], s.local_port, before)
     victim = (before - {serving}).pop()
+    env = dict(kv.split("=", 1) for kv in open(f"/proc/{victim}/environ").read().split("\0") if "=" in kv)
+    metrics_dir = env["PROMETHEUS_MULTIPROC_DIR"]
+    assert [f for f in os.listdir(metrics_dir) if f.startswith("gauge_live") and f.endswith(f"_{victim}.db")]
     os.kill(victim, signal.SIGKILL)
     out = s.result()
     assert out.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in out, out[-300:]
@@ -199,6 +202,8 @@ def test_a_killed_worker_is_restarted_and_the_other_ones_stream_finishes(stack):
     assert victim not in after
     assert len(pids(stack["base"])) == 2 and stack["gw"].alive()
     assert "worker" in stack["gw"].log() and "restarting" in stack["gw"].log()
+    # the dead worker's live gauges (in-flight requests) left the merged /metrics with it
+    assert not [f for f in os.listdir(metrics_dir) if f.startswith("gauge_live") and f.endswith(f"_{victim}.db")]
 
 
 def test_rolling_restart_replaces_every_worker_without_a_failed_request(stack):
