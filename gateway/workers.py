@@ -116,9 +116,11 @@ class Supervisor:
             time.sleep(0.05)
         return False
 
-    def signal_all(self, sig: int) -> None:
+    def signal_all(self, sig: int, ready_only: bool = False) -> None:
+        """`ready_only`: skip workers still starting (SIGHUP's default action would kill one mid-import; it
+        reads the config as it is now when it starts anyway)."""
         for w in [*self.workers.values(), *self.retired]:
-            if w.proc.poll() is None:
+            if w.proc.poll() is None and (w.ready or not ready_only):
                 try:
                     w.proc.send_signal(sig)
                 except ProcessLookupError:
@@ -246,7 +248,7 @@ def supervise(config_path: str, n: int, host: str, port: int, grace_s: float, st
         while not flags["stop"]:
             if flags["hup"]:
                 flags["hup"] = False
-                sup.signal_all(signal.SIGHUP)
+                sup.signal_all(signal.SIGHUP, ready_only=True)
             if flags["roll"]:
                 flags["roll"] = False
                 sup.roll(start_timeout_s, stop=lambda: flags["stop"])

@@ -59,3 +59,30 @@ def test_serve_refuses_zero_workers(tmp_path):
     r = subprocess.run([sys.executable, "-m", "gateway", "serve", "--config", str(c), "--workers", "0"],
                        capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert r.returncode == 2 and "at least 1" in r.stderr
+
+
+def test_sighup_skips_a_worker_still_starting():
+    """SIGHUP's default action would kill a worker mid-import; one still starting reads the new config anyway."""
+    import signal as sig
+    from dataclasses import dataclass
+
+    from gateway.workers import Supervisor, Worker
+
+    @dataclass
+    class P:
+        sent: list
+        pid: int = 1
+
+        def poll(self):
+            return None
+
+        def send_signal(self, s):
+            self.sent.append(s)
+
+    ready, starting = P([]), P([])
+    sup = Supervisor("c.yaml", 2, None, "/tmp", 1.0)  # type: ignore[arg-type]
+    sup.workers = {0: Worker(0, ready, 0, 0.0, ready=True), 1: Worker(1, starting, 0, 0.0)}  # type: ignore[arg-type]
+    sup.signal_all(sig.SIGHUP, ready_only=True)
+    assert ready.sent == [sig.SIGHUP] and starting.sent == []
+    sup.signal_all(sig.SIGTERM)
+    assert starting.sent == [sig.SIGTERM]  # a drain reaches every worker
