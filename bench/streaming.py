@@ -45,16 +45,11 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.loadgen import build_request, drive  # noqa: E402
+from bench.instructions import SITE  # noqa: E402  # the GC switch-off for the instrumented window
 from bench.overhead import KEY, cpu_seconds, gateway_config  # noqa: E402
 from tests.support.procs import free_port, wait_http  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-SITE = """import gc, signal
-def _quiet(sig, frame):
-    gc.collect()
-    gc.disable()
-signal.signal(signal.SIGUSR1, _quiet)
-"""
 
 
 def bare_app(upstream: str):

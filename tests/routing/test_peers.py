@@ -42,6 +42,18 @@ def view(inf: InFlight, engine: str, now: float, drain: Drain | None = None):
     return engine_view(((f.started, f.uncached, f.prefilling(now)) for f in inf.on(engine)), now, drain)
 
 
+async def arrived_and_closed(a: PeerBus, b: PeerBus, inf_b: InFlight) -> tuple[InFlight, dict]:
+    """Wait (2 s at most) for A's dispatch on engine e1 to reach B, then B's snapshot; both buses closed."""
+    for _ in range(200):
+        await asyncio.sleep(0.01)
+        if inf_b.on("e1"):
+            break
+    snap = b.snapshot()
+    await a.close()
+    await b.close()
+    return inf_b, snap
+
+
 def test_a_batch_round_trips_and_garbage_is_refused():
     b = Batch("host/w0/abc", 12.5, [Dispatch(1, "e1", 3000, 3500, 12.0, 0.25, True), FirstToken(1, 0.3),
                                     Finish(1), Sample("e1", 100.0, 3000.0, 2.0, 0.21), Remember("t|x|s", "e1")])
@@ -188,14 +200,7 @@ def test_two_buses_on_unix_datagram_sockets(tmp_path):
         await b.start()
         ctx = mk("r1")
         a.dispatched(Flight(ctx, "e1", 3000, clock.t, 0.2))
-        for _ in range(200):
-            await asyncio.sleep(0.01)
-            if inf_b.on("e1"):
-                break
-        snap = b.snapshot()
-        await a.close()
-        await b.close()
-        return inf_b, snap
+        return await arrived_and_closed(a, b, inf_b)
 
     inf_b, snap = asyncio.run(run())
     assert [f.uncached for f in inf_b.on("e1")] == [3000]
@@ -365,14 +370,7 @@ def test_two_buses_on_postgres_listen_notify():
         for i in range(30):  # more than one NOTIFY's worth, with long session keys
             a.remembered("t|x-session-id|" + "s" * 250 + str(i), "e1")
         a.dispatched(Flight(mk("r1"), "e1", 3000, clock.t, 0.2))
-        for _ in range(200):
-            await asyncio.sleep(0.01)
-            if inf_b.on("e1"):
-                break
-        snap = b.snapshot()
-        await a.close()
-        await b.close()
-        return inf_b, snap
+        return await arrived_and_closed(a, b, inf_b)
 
     inf_b, snap = asyncio.run(run())
     assert [f.uncached for f in inf_b.on("e1")] == [3000]
