@@ -5,7 +5,8 @@ The supervisor binds the listening socket once and starts N worker processes (`p
 one shared socket, so the kernel spreads connections over them. It is small and keeps no request state:
 
 * SIGTERM / SIGINT: every worker drains (`server.graceful_shutdown_s`), then the supervisor exits 0;
-* SIGHUP: every worker reloads its config (each validates it; a refused reload keeps the old one serving);
+* SIGHUP: every worker that is up reloads its config (each validates it; a refused reload keeps the old one
+  serving; one still starting reads the config as it is then);
 * SIGUSR2: a rolling restart, one worker at a time (the new one is accepting before the old one drains), to
   pick up new code or a config change that needs a restart without refusing a connection;
 * a worker that dies is started again (with a backoff when it keeps dying); the others' requests go on.
