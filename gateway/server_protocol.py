@@ -19,7 +19,13 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import (
+    HEADER_RE,
+    HEADER_VALUE_RE,
+    STATUS_LINE,
+    HttpToolsProtocol,
+    RequestResponseCycle,
+)
 
 from gateway.errors import GatewayError
 
@@ -52,19 +58,70 @@ def transfer_coding_refusal(values: list[bytes]) -> tuple[int, str, str] | None:
 
 class _LingerOnClose:
     """The transport as the request's response cycle sees it: `close()` after the response lingers (see
-    LINGER_BYTES) while the request body is unread, instead of resetting the connection."""
+    LINGER_BYTES) while the request body is unread, instead of resetting the connection. What the cycle calls
+    on every response (`write`, `is_closing`) is the transport's own bound method, not a `__getattr__` hop."""
 
-    __slots__ = ("_transport", "_protocol")
+    __slots__ = ("_transport", "_protocol", "write", "is_closing")
 
     def __init__(self, transport: asyncio.Transport, protocol: "GatewayHttpProtocol") -> None:
         self._transport = transport
         self._protocol = protocol
+        self.write = transport.write
+        self.is_closing = transport.is_closing
 
     def close(self) -> None:
         self._protocol._close_lingering()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
+
+
+def write_response(send: Any, status: int, content_type: bytes, headers: dict[str, str], body: bytes) -> bool:
+    """Write a whole response (status line, headers, body) with one transport write, when `send` is the send of
+    a uvicorn httptools response cycle that has not started a response. What uvicorn's own `send` would do for
+    the two ASGI messages `http.response.start` and a final `http.response.body`, with the same header checks
+    (one regex pass over all names and one over all values instead of two per header), the same keep-alive
+    and `connection: close` rules and the same completion callbacks, minus one syscall and the per-message
+    dispatch. False (nothing written) when the response must take the ASGI path: another server, a response
+    already started, a disconnected client, paused writing, uvicorn's access log on, or a HEAD request."""
+    cycle = getattr(send, "__self__", None)
+    if type(cycle) is not RequestResponseCycle or cycle.response_started or cycle.disconnected \
+            or cycle.flow.write_paused or cycle.access_log or cycle.scope["method"] == "HEAD":
+        return False
+    names = "".join(headers).encode("latin-1")
+    values = "\t".join(headers.values()).encode("latin-1")  # a tab is a valid value byte: it joins, never hides
+    if HEADER_RE.search(names) or HEADER_VALUE_RE.search(values):
+        return False  # uvicorn's send raises on it: let it
+    parts = [STATUS_LINE[status]]
+    for dname, dvalue in cycle.default_headers:
+        parts += (dname, b": ", dvalue, b"\r\n")
+    parts += (b"content-type: ", content_type, b"\r\ncontent-length: ", b"%d" % len(body), b"\r\n")
+    close = False
+    for k, v in headers.items():
+        name = k.lower()
+        if name == "connection" and "close" in [t.strip() for t in v.lower().split(",")]:
+            close = True
+            cycle.keep_alive = False
+        parts += (name.encode("latin-1"), b": ", v.encode("latin-1"), b"\r\n")
+    if not cycle.keep_alive and not close:
+        parts.append(b"connection: close\r\n")
+    parts += (b"\r\n", body)
+    cycle.response_started = True
+    cycle.waiting_for_100_continue = False
+    cycle.transport.write(b"".join(parts))
+    cycle.response_complete = True
+    cycle.message_event.set()
+    if not cycle.keep_alive:
+        cycle.transport.close()
+    cycle.on_response()
+    return True
+
+
+def response_started(send: Any) -> bool | None:
+    """Whether the uvicorn httptools response cycle behind `send` has started its response (None: `send` is not
+    one, the caller must track the messages itself)."""
+    cycle = getattr(send, "__self__", None)
+    return cycle.response_started if type(cycle) is RequestResponseCycle else None
 
 
 class _Refused(Exception):

@@ -25,6 +25,7 @@ from gateway.api.wire.openai import OPENAI
 from gateway.errors import GatewayError, retry_headers
 from gateway.pipeline import Lifecycle, RequestContext, RequestHeaders
 from gateway.proxy.forward import JsonResult, stream_body
+from gateway.server_protocol import response_started, write_response
 
 log = logging.getLogger("gateway")
 
@@ -49,6 +50,8 @@ def request_id(headers: Any) -> str:
 
 
 async def send_bytes(send, status: int, body: bytes, headers: dict[str, str], content_type: bytes = b"application/json") -> None:
+    if write_response(send, status, content_type, headers, body):  # under the gateway's server: one write
+        return
     raw = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
     raw += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
     await send({"type": "http.response.start", "status": status, "headers": raw})
@@ -358,7 +361,15 @@ class GatewayApp(Starlette):
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http":
             ep = self._data_plane.get(scope["path"])
-            if ep is not None:
+            if ep is not None and response_started(send) is False:  # uvicorn's cycle knows if a response began
+                try:
+                    await ep(scope, receive, send)
+                except Exception:
+                    log.exception("unhandled error on %s", scope["path"])
+                    if not response_started(send):
+                        await self._internal_error(send, scope, ep)
+                return
+            if ep is not None:  # another ASGI server: track the messages to know
                 started = False
 
                 async def tracked(msg) -> None:
@@ -372,9 +383,13 @@ class GatewayApp(Starlette):
                 except Exception:
                     log.exception("unhandled error on %s", scope["path"])
                     if not started:
-                        err = GatewayError(500, "Internal gateway error.", code="internal_error")
-                        await send_error(send, err, request_id(Headers(scope=scope)), None, ep.wire)
+                        await self._internal_error(send, scope, ep)
                 return
         await super().__call__(scope, receive, send)
+
+    @staticmethod
+    async def _internal_error(send, scope, ep: Any) -> None:
+        err = GatewayError(500, "Internal gateway error.", code="internal_error")
+        await send_error(send, err, request_id(Headers(scope=scope)), None, ep.wire)
 
 

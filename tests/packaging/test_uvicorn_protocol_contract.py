@@ -18,15 +18,16 @@ import pytest
 import uvicorn
 from uvicorn.server import ServerState
 
-from gateway.server_protocol import GatewayHttpProtocol, _LingerOnClose, protocol_class
+from gateway.server_protocol import GatewayHttpProtocol, _LingerOnClose, protocol_class, response_started, write_response
 
 
 class FakeTransport(asyncio.Transport):
-    """Records what the protocol writes and how it ends the connection."""
+    """Records what the protocol writes (and in how many writes) and how it ends the connection."""
 
     def __init__(self) -> None:
         super().__init__()
         self.out = bytearray()
+        self.writes = 0
         self.closed = False
         self.eof_written = False
         self.reading = True
@@ -34,6 +35,7 @@ class FakeTransport(asyncio.Transport):
     def write(self, data: bytes | bytearray | memoryview) -> None:
         assert not self.closed, "write after close"
         self.out += data
+        self.writes += 1
 
     def close(self) -> None:
         self.closed = True
@@ -191,3 +193,96 @@ async def test_on_lost_fires_when_the_client_leaves_mid_request_only():
     proto.on_lost = lambda: lost.append(False)
     proto.connection_lost(None)  # the response was complete: nothing to tell
     assert lost == [True]
+
+
+class OneWriteApp:
+    """Answers with write_response (the data plane's JSON path) and records whether it took the one write, then
+    falls back to the two ASGI messages as gateway/api/ingress.py send_bytes does."""
+
+    def __init__(self, headers: dict[str, str]) -> None:
+        self.headers = headers
+        self.took: list[bool] = []
+        self.started_before: list[bool | None] = []
+
+    async def __call__(self, scope, receive, send) -> None:
+        more = True
+        while more:
+            more = (await receive()).get("more_body", False)
+        body = b'{"ok":true}'
+        self.started_before.append(response_started(send))
+        took = write_response(send, 200, b"application/json", self.headers, body)
+        self.took.append(took)
+        if not took:
+            raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+            raw += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()]
+            await send({"type": "http.response.start", "status": 200, "headers": raw})
+            await send({"type": "http.response.body", "body": body})
+
+
+async def _answer(app: Any, request: bytes = POST % 2 + b"{}") -> FakeTransport:
+    proto, t = connect(app)
+    proto.server_state.default_headers = [(b"server", b"uvicorn")]  # what uvicorn sets when it starts (no date:
+    # it changes every second and would make the two runs differ)
+    proto.data_received(request)
+    await settle()
+    return t
+
+
+@pytest.mark.parametrize("headers", [
+    {"x-request-id": "req_1", "Server-Timing": "gw;dur=0.100, upstream;dur=1.000"},
+    {"x-request-id": "req_2", "connection": "close"},
+    {},
+])
+async def test_write_response_sends_what_uvicorns_two_messages_send_in_one_write(headers):
+    fast = OneWriteApp(headers)
+    t1 = await _answer(fast)
+    assert fast.took == [True] and fast.started_before == [False]
+    assert t1.writes == 1  # status line, headers and body in one syscall
+
+
+    class Plain(OneWriteApp):  # uvicorn's own send for the same response: the bytes must be the same
+        async def __call__(self, scope, receive, send) -> None:
+            more = True
+            while more:
+                more = (await receive()).get("more_body", False)
+            body = b'{"ok":true}'
+            raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+            raw += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()]
+            await send({"type": "http.response.start", "status": 200, "headers": raw})
+            await send({"type": "http.response.body", "body": body})
+
+    t2 = await _answer(Plain(headers))
+    assert t2.writes == 2
+    assert bytes(t1.out) == bytes(t2.out)
+    assert t1.closed == t2.closed == ("connection" in headers)  # keep-alive unless the response says close
+
+
+async def test_write_response_keeps_the_connection_serving_the_next_request():
+    app = OneWriteApp({"x-request-id": "a"})
+    proto, t = connect(app)
+    proto.data_received(POST % 2 + b"{}")
+    await settle()
+    proto.data_received(POST % 2 + b"{}")
+    await settle()
+    assert app.took == [True, True] and bytes(t.out).count(b"HTTP/1.1 200") == 2 and not t.closed
+    assert proto.cycle.response_complete
+
+
+@pytest.mark.parametrize("headers", [{"x-evil": "a\r\nset-cookie: x=1"}, {"bad name": "v"}])
+async def test_write_response_leaves_an_invalid_header_to_uvicorn_which_refuses_it(headers):
+    app = OneWriteApp(headers)
+    t = await _answer(app)
+    assert app.took == [False]  # nothing written by the fast path
+    assert b"set-cookie" not in bytes(t.out) and b"HTTP/1.1 200" not in bytes(t.out)  # uvicorn's send raised
+
+
+async def test_write_response_is_not_taken_for_head_or_a_started_response_or_another_server():
+    app = OneWriteApp({})
+    await _answer(app, b"HEAD /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-length: 0\r\n\r\n")
+    assert app.took == [False]
+
+    async def plain_send(msg: Any) -> None:  # not a uvicorn cycle (another ASGI server, a test transport)
+        raise AssertionError("not called")
+
+    assert write_response(plain_send, 200, b"application/json", {}, b"{}") is False
+    assert response_started(plain_send) is None
