@@ -1,6 +1,7 @@
 """Request validation is pure: each bad body gives a 400 naming the offending param."""
 from __future__ import annotations
 
+import orjson
 import pytest
 
 from gateway.api.parse import decode_json, parse_chat, parse_completions, parse_embeddings
@@ -80,3 +81,31 @@ def test_well_formed_content_parts_still_pass():
                                {"type": "file", "file": {"file_id": "f1"}},
                                {"type": "video_url", "video_url": {"url": "https://x/v.mp4"}}))
     assert p.prompt_chars >= 4
+
+
+def _nested(depth: int) -> bytes:
+    """A body nesting `depth` levels of dicts and lists (the body itself is level 1)."""
+    inner = "1"
+    for i in range(depth - 1):
+        inner = f"[{inner}]" if i % 2 else f'{{"k":{inner}}}'
+    return f'{{"x":{inner}}}'.encode() if depth > 1 else b'{"x":1}'
+
+
+@pytest.mark.parametrize("depth, refused", [(2, False), (64, False), (65, True), (200, True)])
+def test_decode_json_refuses_nesting_past_max_depth_exactly(depth, refused):
+    from gateway.api.parse import MAX_DEPTH, _too_deep
+
+    raw = _nested(depth)
+    assert _too_deep(orjson.loads(raw), MAX_DEPTH) is refused  # the walk's own verdict on the body
+    if refused:
+        with pytest.raises(GatewayError) as e:
+            decode_json(raw)
+        assert e.value.status == 400 and e.value.code == "invalid_json" and "nested deeper" in e.value.message
+    else:
+        assert decode_json(raw) == orjson.loads(raw)
+
+
+def test_decode_json_brackets_inside_strings_only_make_the_walk_run_never_refuse():
+    """The bracket count is an upper bound on the depth: text full of brackets takes the walk, which accepts."""
+    body = {"messages": [{"role": "user", "content": "[{" * 500}]}
+    assert decode_json(orjson.dumps(body)) == body
