@@ -11,9 +11,21 @@ from gateway.routing.pending import PendingCache
 from gateway.routing.plan import Candidate
 from gateway.routing.plugin import EngineView
 from gateway.routing.predictor import Predictor
-from gateway.routing.view import Scrape, engine_view
+from gateway.routing.view import Drain, Scrape, engine_view
 
 DEFAULT_UNCACHED = 512.0  # what one waiting request weighs until the engine's mean uncached prompt is observed
+TELEMETRY_KINDS = ("vllm", "sim")  # the backend kinds that publish KV events and metrics
+_ASK = object()  # "the telemetry service was not resolved by the caller: ask for it"
+
+
+def publishes_telemetry(cand: Candidate) -> bool:
+    """has_telemetry of a request that has a telemetry service: by the backend's kind."""
+    return cand.backend.kind in TELEMETRY_KINDS
+
+
+def no_telemetry(cand: Candidate) -> bool:
+    """has_telemetry of a request without a telemetry service."""
+    return False
 
 
 class EngineModel:
@@ -29,37 +41,50 @@ class EngineModel:
         self.avg_uncached = avg_uncached
 
     def has_telemetry(self, cand: Candidate) -> bool:
-        return self._telemetry() is not None and cand.backend.kind in ("vllm", "sim")
+        return self._telemetry() is not None and cand.backend.kind in TELEMETRY_KINDS
 
-    def has_telemetry_name(self, name: str) -> bool:
+    def has_telemetry_name(self, name: str, tel: Any = _ASK) -> bool:
         try:
-            return self._telemetry() is not None and self._config().backend(name).kind in ("vllm", "sim")
+            return (self._telemetry() if tel is _ASK else tel) is not None and \
+                self._config().backend(name).kind in TELEMETRY_KINDS
         except KeyError:
             return False
 
-    def view(self, name: str, now: float, has_tel: bool) -> EngineView:
+    @staticmethod
+    def telemetry_test(tel: Any) -> Callable[[Candidate], bool]:
+        """`has_telemetry` for a request whose telemetry service (or None) the caller resolved once."""
+        return publishes_telemetry if tel is not None else no_telemetry
+
+    def drain(self, name: str, tel: Any = _ASK) -> Drain:
+        """How fast the engine works off queued prefill (Predictor.drain at its chunk budget)."""
+        return self.predictor.drain(name, self.chunk_budget(name, tel)[0])
+
+    def view(self, name: str, now: float, has_tel: bool, drain: Drain | None = None, tel: Any = _ASK) -> EngineView:
         """`gateway.routing.view.engine_view` (shared with bench/routing_des.py) on this gateway's flights to
-        the engine, drained at its learned rate, and its last scrape when fresh (other replicas' load)."""
+        the engine, drained at its learned rate, and its last scrape when fresh (other replicas' load).
+        `drain` and `tel`: the engine's drain and the telemetry service where the caller has them already."""
         scrape = None
         if has_tel:
-            load = self._telemetry().load(name)
+            load = (self._telemetry() if tel is _ASK else tel).load(name)
             age = time.time() - load.scraped_at if load is not None else 1e9
             if load is not None and getattr(load, "healthy", False) and age < 5.0:
                 scrape = Scrape(float(load.running), float(load.waiting), float(load.kv_usage), max(0.0, age))
-        budget, _ = self.chunk_budget(name)
+        if drain is None:
+            drain = self.drain(name, tel)
         return engine_view(((f.started, f.uncached, f.prefilling(now)) for f in self.inflight.on(name)),
-                           now, self.predictor.drain(name, budget), scrape,
-                           self.avg_uncached.get(name, DEFAULT_UNCACHED))
+                           now, drain, scrape, self.avg_uncached.get(name, DEFAULT_UNCACHED))
 
-    def chunk_budget(self, name: str) -> tuple[int, str]:
+    def chunk_budget(self, name: str, tel: Any = _ASK) -> tuple[int, str]:
         """The engine's chunked-prefill budget per step and where it comes from: `configured`
         (routing.prefill_token_budgets), `learned` (from its KV events, gateway/telemetry/chunk_budget.py), or
-        `assumed` (routing.prefill_token_budget, until the engine showed one: shown as such in /admin/routing)."""
+        `assumed` (routing.prefill_token_budget, until the engine showed one: shown as such in /admin/routing).
+        `tel`: the telemetry service (or None) where the caller resolved it already."""
         rc = self._config().raw.routing
         b = rc.prefill_token_budgets.get(name)
         if b is not None:
             return b, "configured"
-        tel = self._telemetry()
+        if tel is _ASK:
+            tel = self._telemetry()
         index = getattr(tel, "index", None) if tel is not None else None
         learned = index.chunk_budget(name) if index is not None and hasattr(index, "chunk_budget") else None
         if learned:

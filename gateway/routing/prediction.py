@@ -2,7 +2,7 @@
 features the learner is later fed, and the per-candidate evidence; the plugins order on what this sets."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Sequence
 
 from gateway.routing.approx import ApproxPrefixIndex
 from gateway.routing.plan import Candidate
@@ -12,15 +12,15 @@ from gateway.routing.predictor import Features, Predictor
 
 def predict_candidates(cands: list[Candidate], n_tokens: int, cached: dict[str, int], blocks: list[int],
                        affinity_engine: str | None, elapsed_s: float, target: float | None,
-                       view: Callable[[Candidate], EngineView], predictor: Predictor,
+                       views: Sequence[EngineView], predictor: Predictor,
                        approx: ApproxPrefixIndex) -> tuple[list[Scored], dict[str, Features]]:
     """Predictions are of the TTFT from arrival: `elapsed_s` (arrival to now) plus the engine learner's
-    prediction of the rest (feedback.engine_part)."""
+    prediction of the rest (feedback.engine_part). `views`: each candidate's engine view now, in order (the
+    prompt's facts are written into it)."""
     items: list[Scored] = []
     feats: dict[str, Features] = {}
-    for c in cands:
+    for c, v in zip(cands, views):
         name = c.backend.name
-        v = view(c)
         v.prompt_tokens = n_tokens
         v.cached_tokens = max(0, min(cached.get(name, 0), n_tokens - 1))
         v.approx_match = (approx.match(name, blocks) / len(blocks)) if blocks else 0.0

@@ -32,7 +32,7 @@ from gateway.routing.approx import ApproxPrefixIndex
 from gateway.routing.candidates import (candidates, client_order, has_own_engine, no_candidates, require_model,
                                         residency_reason, residency_rules, split_partners)
 from gateway.routing.early import early_refusal, learn_prefix, refuse_early, unattainable, uncached_lower_bounds
-from gateway.routing.engines import EngineModel
+from gateway.routing.engines import _ASK, EngineModel
 from gateway.routing.evidence import kv_view_evidence, route_evidence
 from gateway.routing.feedback import engine_part, feed_back
 from gateway.routing.flow import CLASSES as FLOW_CLASSES
@@ -45,6 +45,7 @@ from gateway.routing.plan import Candidate
 from gateway.routing.plugin import EngineView, Scored, Strategy
 from gateway.routing.prediction import predict_candidates
 from gateway.routing.predictor import Features, Predictor, PredictorParams
+from gateway.routing.view import Drain
 from gateway.routing.prompt import (APPROX_BLOCK_CHARS, CHARS_PER_TOKEN, PromptFacts, lora_name, prompt_facts,
                                     prompt_text)
 from gateway.routing.registry import build_strategy, strategy_label
@@ -195,9 +196,10 @@ class PredictiveRouteStage:
         """The flow gate's view of an engine: (prefill tokens ahead on it now as the drain model has it, own
         prompt tokens without a first token yet, running decodes, how fast it drains). The second is observed,
         not modelled: when the learned rate is off (a slow engine behind a long queue), the first says idle."""
-        v = self._view(name, now, self.engines.has_telemetry_name(name))
-        return (v.ahead_tokens, float(v.prefilling_tokens), v.running,
-                self.predictor.drain(name, self.chunk_budget(name)[0]))
+        tel = self.telemetry
+        d = self.engines.drain(name, tel)
+        v = self.engines.view(name, now, self.engines.has_telemetry_name(name, tel), d, tel)
+        return v.ahead_tokens, float(v.prefilling_tokens), v.running, d
 
     def _gate_predict(self, name: str, ahead: float, uncached: float, running: float) -> float:
         return self.predictor.predict(name, Features(ahead_tokens=ahead, uncached_tokens=uncached, running=running))[0]
@@ -225,18 +227,27 @@ class PredictiveRouteStage:
         """What the router models about one engine, with the source of each fact (for /admin/routing)."""
         return self.engines.facts(name)
 
-    async def _prompt(self, ctx: RequestContext, cands: list[Candidate], salt: str | None) -> PromptFacts:
-        return await prompt_facts(ctx, cands, salt, telemetry=self.telemetry, has_telemetry=self._telemetry_for,
+    async def _prompt(self, ctx: RequestContext, cands: list[Candidate], salt: str | None, tel: Any,
+                      has_tel: Callable[[Candidate], bool]) -> PromptFacts:
+        return await prompt_facts(ctx, cands, salt, telemetry=tel, has_telemetry=has_tel,
                                   pending=self.pending, approx=self.approx, clock=self.clock,
                                   learn=lambda c, toks: self._learn_prefix(ctx, c, toks, salt))
 
-    def _score(self, ctx: RequestContext, cands: list[Candidate], n_tokens: int, cached: dict[str, int],
-               blocks: list[int], affinity_engine: str | None, elapsed_s: float = 0.0,
-               target: float | None = None) -> tuple[list[Scored], dict[str, Features]]:
+    def _score(self, cands: list[Candidate], n_tokens: int, cached: dict[str, int], blocks: list[int],
+               affinity_engine: str | None, elapsed_s: float, target: float | None, tel: Any,
+               has_tel: Callable[[Candidate], bool]) -> tuple[list[Scored], dict[str, Features], dict[str, Drain]]:
+        """Predictions per candidate (prediction.predict_candidates) on the engines' views now, and each
+        engine's drain those views were taken with (flow control reads them, not taken again)."""
         now = self.clock()
-        return predict_candidates(cands, n_tokens, cached, blocks, affinity_engine, elapsed_s, target,
-                                  lambda c: self._view(c.backend.name, now, self._telemetry_for(c)),
-                                  self.predictor, self.approx)
+        drains: dict[str, Drain] = {}
+        views: list[EngineView] = []
+        for c in cands:
+            name = c.backend.name
+            d = drains[name] = self.engines.drain(name, tel)
+            views.append(self.engines.view(name, now, has_tel(c), d, tel))
+        items, feats = predict_candidates(cands, n_tokens, cached, blocks, affinity_engine, elapsed_s, target,
+                                          views, self.predictor, self.approx)
+        return items, feats, drains
 
     def _order(self, cfg: Config, items: list[Scored], n_tokens: int, dropped: list[dict]) -> list[Candidate]:
         """Strategy per model group, groups in alias-chain order."""
@@ -294,12 +305,17 @@ class PredictiveRouteStage:
             self._refuse_early(ctx, own, target, t_start, salt)  # before tokenizing: raises when surely late
         if flow_on and rc.admission and target is not None and not partners and not self._maybe_long(ctx, own):
             self._refuse_queued(ctx, fs, own, target, t_start, salt)  # before tokenizing: its flow's queue alone
-        n_tokens, cached, source, blocks, unstored = await self._prompt(ctx, own + partners, salt)
+        tel = self.telemetry  # resolved once per stretch without an await (and again after each)
+        has_tel = self.engines.telemetry_test(tel)
+        n_tokens, cached, source, blocks, unstored = await self._prompt(ctx, own + partners, salt, tel, has_tel)
         deadline = time.monotonic() + rc.batch_queue_timeout_s
         while True:
             prev_engine = self.affinity.get(aff_key) if aff_key else None  # re-read: a queued request waits
             elapsed = max(0.0, time.perf_counter() - ctx.received_at)
-            items, feats = self._score(ctx, own + partners, n_tokens, cached, blocks, prev_engine, elapsed, target)
+            tel = self.telemetry
+            has_tel = self.engines.telemetry_test(tel)
+            items, feats, drains = self._score(own + partners, n_tokens, cached, blocks, prev_engine, elapsed,
+                                               target, tel, has_tel)
             own_names = {c.backend.name for c in own}
             ordered = self._order(cfg, items, n_tokens, plan.dropped)
             own_ord = [c for c in ordered if c.backend.name in own_names]
@@ -310,7 +326,7 @@ class PredictiveRouteStage:
             must_wait = False
             if flow_on and own_ord:
                 must_wait, own_ord, goal = self._flow_plan(ctx, fs, fc, own_ord, feats, n_tokens, target, hdr,
-                                                           elapsed, items)
+                                                           elapsed, items, drains)
             if rc.admission and goal is not None and own_ord:
                 adm = decide(goal, [c.predicted_ttft_upper_ms for c in own_ord],  # type: ignore[misc]
                              [c.predicted_ttft_ms for c in own_ord], priority=priority,  # type: ignore[misc]
@@ -331,7 +347,7 @@ class PredictiveRouteStage:
                 woke = None
             if woke is None or (not woke and time.monotonic() >= deadline):
                 self.stats["shed"] += 1
-                self._evidence(ctx, ordered, target, adm.action, source, t_start, salt)
+                self._evidence(ctx, ordered, target, adm.action, source, t_start, salt, tel, has_tel)
                 raise GatewayError(429, "The fleet is above its batch headroom and the batch queue is "
                                    + ("full." if woke is None else "past its wait limit."), code="request_shed",
                                    headers={**retry_headers(max(1.0, adm.retry_after_s)),
@@ -342,7 +358,7 @@ class PredictiveRouteStage:
         if adm.action == "reject":
             assert target is not None  # decide() rejects only against a target
             self.stats["rejected"] += 1
-            self._evidence(ctx, own_ord, target, "reject", source, t_start, salt)
+            self._evidence(ctx, own_ord, target, "reject", source, t_start, salt, tel, has_tel)
             if must_wait:
                 self._flow_evidence(ctx, fs, "refused")
                 self.flow.refuse(fs.flow, "predicted_wait")
@@ -363,13 +379,13 @@ class PredictiveRouteStage:
         plan.candidates = final
         ctx.route = plan
         pick = final[0]
-        self._evidence(ctx, final, target, adm.action, source, t_start, salt)
+        self._evidence(ctx, final, target, adm.action, source, t_start, salt, tel, has_tel)
         self._flow_evidence(ctx, fs, "spilled" if adm.action == "spill" else "dispatched")
         if aff_key:
             ctx.evidence["route"]["affinity_engine"] = prev_engine  # the session's previous engine, if any
         ctx.extra_headers["x-predicted-ttft-ms"] = f"{pick.predicted_ttft_ms:.0f}"
         ctx.extra_headers["x-gateway-backend"] = pick.backend.name
-        self._dispatched(ctx, pick, final, n_tokens, elapsed, feats, blocks, unstored)
+        self._dispatched(ctx, pick, final, n_tokens, elapsed, feats, blocks, unstored, tel, has_tel(pick))
         if fs.flow and pick.backend.name in own_names:
             self.flow.started(fs.flow, fs.weight, float(n_tokens - (pick.cached_tokens or 0)), fs.waiter,
                               fs.waited_s, fs.qcls)
@@ -418,7 +434,8 @@ class PredictiveRouteStage:
 
     def _flow_plan(self, ctx: RequestContext, fs: "_FlowState", fc: Any, own_ord: list[Candidate],
                    feats: dict[str, Features], n_tokens: int, target: float | None, hdr: str | None,
-                   elapsed: float, items: list[Scored]) -> tuple[bool, list[Candidate], float | None]:
+                   elapsed: float, items: list[Scored], drains: dict[str, Drain]
+                   ) -> tuple[bool, list[Candidate], float | None]:
         """(must wait in the gateway, own candidates in order, the target admission holds it to). The engines
         that may start it now go first; with none (or others ahead of it in fair order) it waits, and its
         predictions are made to include the wait."""
@@ -429,13 +446,12 @@ class PredictiveRouteStage:
         fs.long = all(longs.values())
         fs.qcls = lane_class(fs.cls, fs.long)
         goal = self._long_target(ctx, fc, own_ord, feats, target, hdr) if fs.long else target
-        states = {}  # the views the prediction just took, not taken again
+        states = {}  # the views (and drains) the prediction just took, not taken again
         for it in items:
             name = it.cand.backend.name
             if name in unc:
                 v = it.view
-                states[name] = (v.ahead_tokens, float(v.prefilling_tokens), v.running,
-                                self.predictor.drain(name, self.chunk_budget(name)[0]))
+                states[name] = (v.ahead_tokens, float(v.prefilling_tokens), v.running, drains[name])
         go = self.flow.may_start(unc, now, {"state": states}, longs)
         if go and (fs.released or self.flow.first_in_line(fs.qcls, fs.flow)):
             fs.go = go
@@ -453,7 +469,7 @@ class PredictiveRouteStage:
             f = feats.get(name)
             if f is None:
                 continue
-            dr = self.predictor.drain(name, self.chunk_budget(name)[0])
+            dr = drains[name]
             gate_tokens = queue_s / max(1e-9, dr.s_per_token + dr.step_s / max(1, dr.budget))
             g = Features(ahead_tokens=min(f.ahead_tokens, gate_tokens), uncached_tokens=f.uncached_tokens,
                          running=f.running)
@@ -531,19 +547,19 @@ class PredictiveRouteStage:
 
     def _dispatched(self, ctx: RequestContext, pick: Candidate, final: list[Candidate], n_tokens: int,
                     elapsed: float, feats: dict[str, Features], blocks: list[int],
-                    unstored: dict[str, tuple[int, list[int]]]) -> None:
+                    unstored: dict[str, tuple[int, list[int]]], tel: Any, has_tel: bool) -> None:
         """Account the routed request as in flight on its pick: own prefill work ahead there until its first
         token, and its blocks the index does not hold yet as pending (with the last chunk's tail)."""
         name = pick.backend.name
         fl = Flight(ctx, name, n_tokens - (pick.cached_tokens or 0), self.clock(),
                     max(0.0, (pick.predicted_ttft_ms or 0) / 1000 - elapsed), feats,
-                    {c.backend.name: c.cached_tokens or 0 for c in final}, blocks, self._telemetry_for(pick),
+                    {c.backend.name: c.cached_tokens or 0 for c in final}, blocks, has_tel,
                     {c.backend.name: max(0.0, (c.predicted_ttft_upper_ms or 0) / 1000 - elapsed) for c in final},
                     elapsed)
         if name in unstored:
             held, keys = unstored[name]
-            bs = self.telemetry.index.block_size(name)
-            budget = self.chunk_budget(name)[0]
+            bs = tel.index.block_size(name)
+            budget = self.engines.chunk_budget(name, tel)[0]
             tail = last_chunk_from(n_tokens, pick.cached_tokens or 0, budget, bs, held)
             # the tail's fallback time (when KV events lag): the predicted first token, by which the last step
             # has started; before it only the index says so (it holds every block before the tail)
@@ -555,7 +571,7 @@ class PredictiveRouteStage:
         if fl.uncached >= self.flow.limits(name).long_prompt_tokens:  # the prefill guard's index
             self._longs.setdefault(name, {})[ctx.request_id] = fl
         if fl.telemetry:
-            self.telemetry.begin(name, fl.uncached)
+            tel.begin(name, fl.uncached)
 
     def _refuse_early(self, ctx: RequestContext, own: list[Candidate], target: float, t_start: float,
                       salt: str | None) -> None:
@@ -583,9 +599,15 @@ class PredictiveRouteStage:
         learn_prefix(ctx, cand, toks, salt, self.telemetry, self._learning)
 
     def _evidence(self, ctx: RequestContext, cands: list[Candidate], target: float | None,
-                  action: str, source: str, t_start: float, salt: str | None) -> None:
+                  action: str, source: str, t_start: float, salt: str | None, tel: Any = _ASK,
+                  has_tel: Callable[[Candidate], bool] | None = None) -> None:
+        """`tel`, `has_tel`: the telemetry service and its test where the caller resolved them already."""
+        if tel is _ASK:
+            tel = self.telemetry
+            has_tel = self.engines.telemetry_test(tel)
         route_evidence(ctx, cands, target, action, source, t_start, salt,
-                       strategy_label(self._config().raw.routing.strategy), self.telemetry, self._telemetry_for)
+                       strategy_label(self._config().raw.routing.strategy), tel,
+                       has_tel or self.engines.telemetry_test(tel))
 
     async def finish(self, ctx: RequestContext) -> None:
         fl = self.inflight.pop(ctx.request_id)
@@ -599,10 +621,11 @@ class PredictiveRouteStage:
         if fl.flow:
             u = ctx.usage
             self.flow.finished(fl.flow, (u.completion_tokens or 0) if u is not None else ctx.delivered_completion_tokens)
+        tel = self.telemetry
         if fl.telemetry:
-            self.telemetry.end(fl.engine, fl.uncached)
+            tel.end(fl.engine, fl.uncached)
         feed_back(ctx, fl, predictor=self.predictor, approx=self.approx, avg_uncached=self.avg_uncached,
-                  telemetry=self.telemetry, has_telemetry_name=self._telemetry_for_name)
+                  telemetry=tel, has_telemetry_name=lambda name: self.engines.has_telemetry_name(name, tel))
         if self.peers is not None:  # the learner's sample (feed_back observed it: it wrote the error) to the peers
             served = ctx.backend or fl.engine
             f = fl.features.get(served)
