@@ -63,13 +63,14 @@ class FlowGate:
         """The engine's guard limits, memoised for a second (the learned chunk budget moves rarely; this is
         read several times per request)."""
         now = self.clock()
+        fc = self._config()
         hit = self._limits.get(engine)
-        if hit is not None and now - hit[0] < 1.0 and hit[2] is self._config():
+        if hit is not None and now - hit[0] < 1.0 and hit[2] is fc:
             return hit[1]
         lim = self._limits_now(engine)
         if len(self._limits) > 4096:
             self._limits.clear()
-        self._limits[engine] = (now, lim, self._config())
+        self._limits[engine] = (now, lim, fc)
         return lim
 
     def _limits_now(self, engine: str) -> LongLimits:

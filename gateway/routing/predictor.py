@@ -167,10 +167,13 @@ class EngineLearner:
 
     def predict(self, f: Features, theta: list[float] | None = None) -> float:
         """Mean TTFT (s); `theta` overrides the engine's own parameters (a cold engine borrows the fleet's)."""
-        x = f.vector()
-        lo, hi = self.params.lower, self.params.upper
-        th = theta if theta is not None else self.batch_theta if self.batch_theta is not None else self.theta
-        return max(self.params.floor_s, sum(min(max(t, lo[i]), hi[i]) * xi for i, (t, xi) in enumerate(zip(th, x))))
+        p = self.params
+        lo, hi = p.lower, p.upper
+        t0, t1, t2, t3 = theta if theta is not None else self.batch_theta if self.batch_theta is not None else self.theta
+        w = (f.ahead_tokens + f.uncached_tokens) / 1000.0  # Features.vector, summed in its order without a list
+        d = f.running / 10.0
+        return max(p.floor_s, min(max(t0, lo[0]), hi[0]) * 1.0 + min(max(t1, lo[1]), hi[1]) * w
+                   + min(max(t2, lo[2]), hi[2]) * d + min(max(t3, lo[3]), hi[3]) * (w * d))
 
     def margin(self, f: Features | None = None) -> float:
         """Relative margin of the upper quantile over the mean prediction: the quantile of the recent residuals

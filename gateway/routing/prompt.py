@@ -9,6 +9,7 @@ from gateway.routing.approx import ApproxPrefixIndex, text_blocks
 from gateway.routing.pending import PendingCache
 from gateway.routing.plan import Candidate
 from gateway.telemetry.index import RequestKeys
+from gateway.telemetry.tokens import render_messages_plain
 
 APPROX_BLOCK_CHARS = 256
 CHARS_PER_TOKEN = 4
@@ -18,8 +19,6 @@ def prompt_text(body: dict[str, Any]) -> str:
     """The prompt as plain text (for the approximate prefix tree)."""
     msgs = body.get("messages")
     if isinstance(msgs, list):
-        from gateway.telemetry.tokens import render_messages_plain
-
         return render_messages_plain([m for m in msgs if isinstance(m, dict)])
     p = body.get("prompt", body.get("input", ""))
     return p if isinstance(p, str) else "".join(map(str, p)) if isinstance(p, list) else str(p)
