@@ -99,7 +99,7 @@ class SqliteSink:
                 with db:
                     db.executemany(
                         f"INSERT INTO {self.table} ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))}) "
-                        "ON CONFLICT(request_id) DO NOTHING", [tuple(r.get(c) for c in COLUMNS) for r in rows])
+                        "ON CONFLICT(request_id) DO NOTHING", [tuple(map(r.get, COLUMNS)) for r in rows])
             except sqlite3.Error:
                 db.close()  # reopen on the next try (file replaced, disk error, ...)
                 self._db = None
@@ -145,7 +145,7 @@ class PostgresSink:
             async with pool.acquire() as c:
                 await c.executemany(
                     f"INSERT INTO {self.table} ({', '.join(COLUMNS)}) VALUES ({ph}) "
-                    "ON CONFLICT (request_id) DO NOTHING", [tuple(r.get(c) for c in COLUMNS) for r in rows])
+                    "ON CONFLICT (request_id) DO NOTHING", [tuple(map(r.get, COLUMNS)) for r in rows])
         except (OSError, ConnectionError) as e:
             await self._reset()
             raise e
