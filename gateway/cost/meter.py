@@ -31,6 +31,8 @@ PRIOR_S_PER_TOKEN = 0.125 / 1000.0  # the router's cold-start prefill prior (8k 
 PRIOR_STEP_S = 0.015  # the router's cold-start engine step (PredictorParams.step_prior_s) until it learned one
 DECODE_MIN_TOKENS = 8  # a request teaches the decode cost per completion token from this many tokens on
 DECODE_WINDOW = 64  # per engine: the decode cost per completion token of its last this many requests
+_NO_HIT_SAVINGS: dict[str, Any] = {"saved_tokens": 0, "saved_cost": 0.0}
+_RECENT = ("t", "backend", "model", "category", "gpu_seconds", "cost", "charged", "tokens", "saved", "wasted")
 
 
 class CostStage:
@@ -74,7 +76,8 @@ class CostMeter:
         # fleet-wide GPU-seconds per token of served requests (a response-cache hit's saving is priced with it)
         self.gpu_per_token = 0.0
         self.totals: dict[tuple[str, str, str], dict[str, float]] = {}  # (backend, model, category) -> sums
-        self.recent: deque[dict[str, Any]] = deque(maxlen=512)  # (ts, engine, gpu_s, ...) for the dashboard
+        # the dashboard's recent requests, as tuples in _RECENT order (dicts are built when snapshot reads them)
+        self.recent: deque[tuple[Any, ...]] = deque(maxlen=512)
         self.started = clock()  # utilisation = busy time / time since the meter started
         self.started_at = time.time()  # ... the same instant on the wall clock (the dashboard divides by it)
 
@@ -146,7 +149,7 @@ class CostMeter:
     def attempt_begin(self, ctx: Any, cand: Any) -> None:
         """The dispatcher sends the request to `cand`: its span begins on that engine (ours only)."""
         b = cand.backend
-        if b.operator == "partner" or ctx.request_id in self._open or not self.cfg.enabled:
+        if b.operator == "partner" or ctx.request_id in self._open or not self._config().raw.cost.enabled:
             return  # a partner route uses no GPU of ours
         engine = b.name
         # what it will prefill: the gateway's prompt estimate, scaled by how far it ran from the engine's own
@@ -222,9 +225,10 @@ class CostMeter:
     def price(self, ctx: Any, charged: bool = True) -> dict[str, Any]:
         """The request's unit-cost facts (apportioned time, platform cost, charge, margin, savings, waste);
         `charged=False` before the budget settled (the charge and margin are added by the finish hook)."""
-        cfg = self.cfg
-        fx = getattr(self._config().raw.budgets, "fx_rates", {})
-        uc = dict(ctx.evidence.get("unit_cost") or {})
+        raw = self._config().raw
+        cfg = raw.cost
+        fx = getattr(raw.budgets, "fx_rates", {})
+        uc = ctx.evidence.get("unit_cost") or {}  # read only: `out` below is a new dict
         o = self.outcome(ctx)
         cat = category(o)
         u = ctx.usage
@@ -256,7 +260,7 @@ class CostMeter:
         """Tokens a response-cache hit answered without the GPU and the money it saved (its normal price less
         what it was charged, in the budget currency: the cache stage's `saved` evidence); 0 for the others."""
         if cat != "cache_hit":
-            return {"saved_tokens": 0, "saved_cost": 0.0}
+            return _NO_HIT_SAVINGS  # merged into a new dict by the caller, never changed
         saved = (ctx.evidence.get("cache") or {}).get("saved") or {}
         u = ctx.usage
         tokens = u.total_tokens if u is not None else 0
@@ -384,9 +388,7 @@ class CostMeter:
         t["wasted_gpu_seconds"] += wasted
         t["saved_tokens"] += int(f.get("saved_tokens") or 0)  # response-cache hits (docs/cache.md#price)
         t["saved_cost"] += float(f.get("saved_cost") or 0.0)
-        self.recent.append({"t": time.time(), "backend": backend, "model": model, "category": cat,
-                            "gpu_seconds": gpu_s, "cost": cost, "charged": charged, "tokens": tokens,
-                            "saved": saved, "wasted": wasted})
+        self.recent.append((time.time(), backend, model, cat, gpu_s, cost, charged, tokens, saved, wasted))
         m = self.metrics
         if m is None or not hasattr(m, "cost_gpu_seconds"):
             return
@@ -453,4 +455,4 @@ class CostMeter:
         engines = {n: {**e, "utilisation": round(min(1.0, e["busy_s"] / up), 4)}
                    for n, e in self.engines_snapshot().items()}
         return {"currency": self.cfg.currency, "started_at": self.started_at, "engines": engines, "totals": rows,
-                "by_model": self.by_model(), "recent": list(self.recent)}
+                "by_model": self.by_model(), "recent": [dict(zip(_RECENT, r)) for r in self.recent]}

@@ -4,7 +4,7 @@ cut streams, retries and early rejections saved or wasted. Pure functions over p
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from gateway.budget.pricing import convert
 from gateway.cost.config import BackendCost, CostConfig
@@ -40,9 +40,9 @@ def token_cost(prompt: int, cached: int, completion: int, bc: BackendCost | None
     return convert(amount, bc.currency, currency, fx_rates)
 
 
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """What the classification needs from a finished request (built from its RequestContext)."""
+class Outcome(NamedTuple):
+    """What the classification needs from a finished request (built from its RequestContext). A NamedTuple:
+    built once per request, and a frozen dataclass's __init__ sets each field through object.__setattr__."""
 
     dispatched: bool  # an engine or partner saw it
     status: int
