@@ -64,33 +64,62 @@ class ObserveStage:
 
     def __init__(self, gw: "Gateway") -> None:
         self.gw = gw
+        # the request's series, looked up once per request instead of building label tuples for each metric
+        # (each Metrics.child call hashes its labels again): (endpoint, model, backend, backend_model, status,
+        # tenant class, error type) -> [requests child, duration child, genai labels, tokens in, tokens out].
+        # Its labels depend on the config (known models, backend kinds): cleared when the config is swapped.
+        self._series: dict[tuple[Any, ...], list[Any]] = {}
+        self._series_config: Config | None = None
+        self._stage_series: dict[str, Any] = {}  # stage name -> its stage_seconds child
 
     async def run(self, ctx: RequestContext) -> None:
         current_request.set(ctx)  # log records of this task carry the request id (gateway.observability.logs)
+
+    def _series_of(self, ctx: RequestContext, tclass: str, err: str) -> list[Any]:
+        gw = self.gw
+        m = gw.metrics
+        backend = ctx.backend or "none"
+        model = ctx.model if ctx.model in gw.config.models or ctx.model in gw.config.aliases else "unknown"
+        genai = (operation_name(ctx.endpoint), self._provider(ctx.backend), model, ctx.backend_model or "")
+        return [m.child(m.requests, ctx.endpoint, model, backend, str(ctx.status or 200), tclass),
+                m.child(m.duration, *genai, backend, err), genai, None, None]
 
     async def finish(self, ctx: RequestContext) -> None:
         gw = self.gw
         m = gw.metrics
         ctx.total_s = time.perf_counter() - ctx.received_at
-        backend = ctx.backend or "none"
-        status = str(ctx.status or 200)
         tclass = (ctx.principal.labels.get("tier", "default") if ctx.principal else "anonymous")
+        err = error_type(ctx)
+        if gw.config is not self._series_config:  # a reload: models and backend kinds may have changed
+            self._series.clear()
+            self._series_config = gw.config
+        key = (ctx.endpoint, ctx.model, ctx.backend, ctx.backend_model, ctx.status, tclass, err)
+        s = self._series.get(key)
+        if s is None:
+            if len(self._series) > 10_000:  # bounded: the client names the model (unknown ones share a label)
+                self._series.clear()
+            s = self._series[key] = self._series_of(ctx, tclass, err)
+        s[0].inc()
+        s[1].observe(ctx.total_s)
+        genai = s[2]
         c = m.child
-        model = ctx.model if ctx.model in gw.config.models or ctx.model in gw.config.aliases else "unknown"
-        c(m.requests, ctx.endpoint, model, backend, status, tclass).inc()
-        genai = (operation_name(ctx.endpoint), self._provider(ctx.backend), model, ctx.backend_model or "")
-        c(m.duration, *genai, backend, error_type(ctx)).observe(ctx.total_s)
         if ctx.ttft_s is not None and ctx.backend:
-            c(m.ttft, *genai, backend).observe(ctx.ttft_s)
+            c(m.ttft, *genai, ctx.backend).observe(ctx.ttft_s)
         u = ctx.usage
         if u is not None and ctx.backend_model:
-            c(m.tokens, *genai, "input").observe(u.prompt_tokens)
-            c(m.tokens, *genai, "output").observe(u.completion_tokens)
+            if s[3] is None:  # created on first use: a series only exists once it has been observed
+                s[3], s[4] = c(m.tokens, *genai, "input"), c(m.tokens, *genai, "output")
+            s[3].observe(u.prompt_tokens)
+            s[4].observe(u.completion_tokens)
             if ctx.stream and ctx.ttft_s is not None and u.completion_tokens > 1 and ctx.total_s > ctx.ttft_s:
                 # decode time spread over the tokens after the first (what vLLM calls inter-token latency)
-                c(m.tpot, *genai, backend).observe((ctx.total_s - ctx.ttft_s) / (u.completion_tokens - 1))
+                c(m.tpot, *genai, ctx.backend or "none").observe((ctx.total_s - ctx.ttft_s) / (u.completion_tokens - 1))
+        stages = self._stage_series
         for st, us in ctx.stage_timings_us.items():
-            c(m.stage_seconds, st).observe(us / 1e6)
+            h = stages.get(st)
+            if h is None:
+                h = stages[st] = c(m.stage_seconds, st)  # stage names: the pipeline's, bounded
+            h.observe(us / 1e6)
         for hook in gw.finish_hooks:
             try:
                 await hook(ctx)
