@@ -71,7 +71,7 @@ class EngineModel:
                 scrape = Scrape(float(load.running), float(load.waiting), float(load.kv_usage), max(0.0, age))
         if drain is None:
             drain = self.drain(name, tel)
-        return engine_view(((f.started, f.uncached, f.prefilling(now)) for f in self.inflight.on(name)),
+        return engine_view([(f.started, f.uncached, f.prefilling(now)) for f in self.inflight.on(name)],
                            now, drain, scrape, self.avg_uncached.get(name, DEFAULT_UNCACHED))
 
     def chunk_budget(self, name: str, tel: Any = _ASK) -> tuple[int, str]:

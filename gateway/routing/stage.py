@@ -147,6 +147,9 @@ class PredictiveRouteStage:
                       "rejected_on_cached_prefix": 0, "spilled": 0, "queued": 0, "shed": 0}
         self._learning: set[asyncio.Task] = set()  # background /tokenize of message prefixes (early.learn_prefix)
         self._strategies: dict[Any, Strategy] = {}
+        # (routing config, its strategy, its label) of the last config seen: a config is immutable, so its
+        # strategy is looked up (and a plugin list encoded) once per reload, not once per request
+        self._strategy_memo: tuple[Any, Strategy, str] | None = None
         self._longs: dict[str, dict[str, Flight]] = {}  # engine -> request id -> a long prompt's flight
         self.flow = FlowGate(lambda: self._config().raw.routing.flow_control, self.clock, self._engine_state,
                              self._long_flights, self.chunk_budget, self._gate_predict)
@@ -170,7 +173,19 @@ class PredictiveRouteStage:
 
     # ---------------------------------------------------------------- state views
     def _strategy(self, cfg: Config) -> Strategy:
+        return self._strategy_and_label(cfg)[1]
+
+    def _strategy_label(self, cfg: Config) -> str:
+        return self._strategy_and_label(cfg)[2]
+
+    def _strategy_and_label(self, cfg: Config) -> tuple[Any, Strategy, str]:
         rc = cfg.raw.routing
+        memo = self._strategy_memo
+        if memo is None or memo[0] is not rc:
+            memo = self._strategy_memo = (rc, self._build_strategy(rc), strategy_label(rc.strategy))
+        return memo
+
+    def _build_strategy(self, rc: Any) -> Strategy:
         spec = rc.strategy
         if isinstance(spec, str):
             name = "target_fit" if spec == "predicted_ttft" and rc.target_fit else spec
@@ -385,11 +400,11 @@ class PredictiveRouteStage:
             ctx.evidence["route"]["affinity_engine"] = prev_engine  # the session's previous engine, if any
         ctx.extra_headers["x-predicted-ttft-ms"] = f"{pick.predicted_ttft_ms:.0f}"
         ctx.extra_headers["x-gateway-backend"] = pick.backend.name
-        self._dispatched(ctx, pick, final, n_tokens, elapsed, feats, blocks, unstored, tel, has_tel(pick))
+        fl = self._dispatched(ctx, pick, final, n_tokens, elapsed, feats, blocks, unstored, tel, has_tel(pick))
         if fs.flow and pick.backend.name in own_names:
             self.flow.started(fs.flow, fs.weight, float(n_tokens - (pick.cached_tokens or 0)), fs.waiter,
                               fs.waited_s, fs.qcls)
-            self._by_rid[ctx.request_id].flow = fs.flow
+            fl.flow = fs.flow
         elif fs.waiter is not None:
             self.flow.done(fs.waiter)
         if aff_key:
@@ -547,7 +562,7 @@ class PredictiveRouteStage:
 
     def _dispatched(self, ctx: RequestContext, pick: Candidate, final: list[Candidate], n_tokens: int,
                     elapsed: float, feats: dict[str, Features], blocks: list[int],
-                    unstored: dict[str, tuple[int, list[int]]], tel: Any, has_tel: bool) -> None:
+                    unstored: dict[str, tuple[int, list[int]]], tel: Any, has_tel: bool) -> Flight:
         """Account the routed request as in flight on its pick: own prefill work ahead there until its first
         token, and its blocks the index does not hold yet as pending (with the last chunk's tail)."""
         name = pick.backend.name
@@ -572,6 +587,7 @@ class PredictiveRouteStage:
             self._longs.setdefault(name, {})[ctx.request_id] = fl
         if fl.telemetry:
             tel.begin(name, fl.uncached)
+        return fl
 
     def _refuse_early(self, ctx: RequestContext, own: list[Candidate], target: float, t_start: float,
                       salt: str | None) -> None:
@@ -605,8 +621,7 @@ class PredictiveRouteStage:
         if tel is _ASK:
             tel = self.telemetry
             has_tel = self.engines.telemetry_test(tel)
-        route_evidence(ctx, cands, target, action, source, t_start, salt,
-                       strategy_label(self._config().raw.routing.strategy), tel,
+        route_evidence(ctx, cands, target, action, source, t_start, salt, self._strategy_label(self._config()), tel,
                        has_tel or self.engines.telemetry_test(tel))
 
     async def finish(self, ctx: RequestContext) -> None:
