@@ -76,7 +76,10 @@ class _Counter(Counter):
             value = self._value  # set by _metric_init, which runs only when the metric is observable
         except AttributeError:  # a parent whose labels are missing: the library raises its ValueError
             return super().inc(amount, exemplar)
-        value.inc(amount)
+        if type(value) is _Value:
+            value._value += amount  # _Value.inc, without the call
+        else:
+            value.inc(amount)
 
 
 class _Histogram(Histogram):
@@ -101,9 +104,14 @@ class _Histogram(Histogram):
         except AttributeError:  # a parent whose labels are missing: the library raises its ValueError
             return super().observe(amount, exemplar)
         bounds = self._upper_bounds
-        total.inc(amount)
         i = bisect_left(bounds, amount)  # the first bound >= amount: the library's first `amount <= bound`
-        if amount <= bounds[i]:  # False only for NaN (bisect_left gives 0 then)
+        if type(total) is _Value:  # _Value.inc, without the two calls
+            total._value += amount
+            if amount <= bounds[i]:  # False only for NaN (bisect_left gives 0 then)
+                buckets[i]._value += 1
+            return
+        total.inc(amount)
+        if amount <= bounds[i]:
             buckets[i].inc(1)
 
 
