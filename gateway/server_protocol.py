@@ -147,6 +147,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._header_bytes = 0
         self._header_count = 0
         self._header_timer: asyncio.TimerHandle | None = None
+        self._headers_pending = False  # a request began in the bytes being parsed; its headers are not complete
         self._refusal: tuple[int, str, str] | None = None
         self.on_lost: Any = None  # set by the request being served: called once if the client goes away mid-request
         self._body_done = True  # the current request's body was read to its end (or it has none)
@@ -221,6 +222,10 @@ class GatewayHttpProtocol(HttpToolsProtocol):
                 self.transport.close()
             return
         super().data_received(data)
+        if self._headers_pending:  # a request began in these bytes and its headers are not all in: time them
+            self._headers_pending = False
+            if not self.transport.is_closing():
+                self._arm_header_timer()
 
     # ---- parser callbacks
     def on_message_begin(self) -> None:
@@ -228,7 +233,10 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._header_bytes = 0
         self._header_count = 0
         self._body_done = False
-        self._arm_header_timer()
+        # the header timer restarts from here, armed once these bytes are parsed (data_received) and only if
+        # the headers are still incomplete then: a request whose headers came in one read, the usual case, never
+        # arms one (a uvloop timer armed and cancelled costs ~3.4 us)
+        self._headers_pending = True
 
     def on_url(self, url: bytes) -> None:
         self._header_bytes += len(url)
@@ -250,6 +258,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
+        self._headers_pending = False
         self._cancel_header_timer()
         refusal = transfer_coding_refusal([v for k, v in self.headers if k == b"transfer-encoding"])
         if refusal is not None:  # llhttp reads "gzip, chunked" as chunked: refuse what we cannot decode

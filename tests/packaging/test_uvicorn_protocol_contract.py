@@ -286,3 +286,34 @@ async def test_write_response_is_not_taken_for_head_or_a_started_response_or_ano
 
     assert write_response(plain_send, 200, b"application/json", {}, b"{}") is False
     assert response_started(plain_send) is None
+
+
+async def test_headers_in_one_read_arm_no_header_timer_and_a_partial_head_arms_one():
+    """The header timer (slow-loris) restarts at each request, but only a request whose headers did not all come
+    in the read that began it needs one: a kept-alive client's ordinary request arms and cancels no timer."""
+    hold = asyncio.Event()
+    proto, t = connect(App(hold=hold))
+    armed: list[bool] = []
+    arm = proto._arm_header_timer
+    proto._arm_header_timer = lambda: (armed.append(True), arm())[1]  # type: ignore[method-assign]
+    proto.data_received(POST % 2 + b"{}")
+    assert proto._header_timer is None  # headers complete in the read: the connection's timer was cancelled
+    assert armed == []  # ... and none was armed for the request
+    hold.set()
+    await settle()
+    assert t.status() == 200
+    proto.data_received(b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\n")  # the next request, half a head
+    assert proto._header_timer is not None and armed == [True]
+    proto.data_received(b"content-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
+    assert proto._header_timer is None
+    await settle()
+    assert bytes(t.out).count(b"HTTP/1.1 200") == 2
+
+
+async def test_a_partial_head_after_a_response_still_times_out():
+    proto, t = connect(App(), header_timeout_s=0.05)
+    proto.data_received(POST % 2 + b"{}")
+    await settle()
+    proto.data_received(b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\n")  # and nothing more
+    await asyncio.sleep(0.2)
+    assert bytes(t.out).count(b"HTTP/1.1 408") == 1 and t.closed
