@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import orjson
-from hypothesis import example, given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from gateway.config import BackendConfig, Location
@@ -261,6 +261,45 @@ def test_encoding_equals_the_non_str_keys_encoding(value):
 @example(0)
 def test_timestamp_equals_isoformat(t):
     assert R._iso_utc(t) == dt.datetime.fromtimestamp(t, dt.timezone.utc).isoformat()
+
+
+def _scrub_before(value: Any, secrets: list[str]) -> Any:
+    """recorder._scrub as it was written before its walk was made cheaper (the reference)."""
+    if isinstance(value, dict):
+        return {k: _scrub_before(v, secrets) for k, v in value.items() if k not in R.CONTENT_KEYS}
+    if isinstance(value, (list, tuple)):
+        return [_scrub_before(v, secrets) for v in value]
+    if isinstance(value, str) and secrets:
+        for s in secrets:
+            if s in value:
+                return R._REDACTED
+            if len(s) > 64 and s[:64] in value:
+                return R._REDACTED
+        return value
+    return value
+
+
+_LONG = "L" * 70 + "tail"
+_texts = st.sampled_from(["", "abc", "abcd", "secret", "a secret here", _LONG, _LONG[:64] + "x", "LLLL"]) | st.text(
+    alphabet="abcLs ", max_size=8)
+_scrub_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 3) | st.floats(allow_nan=False) | _texts | _texts.map(_Key),
+    lambda inner: st.lists(inner, max_size=3) | st.tuples(inner, inner)
+    | st.dictionaries(st.sampled_from(["backend", "content", "messages", "note", "delta", "x", 1]), inner, max_size=3)
+    | st.builds(lambda d: __import__("collections").OrderedDict(d), st.dictionaries(st.sampled_from(["a", "text"]),
+                                                                                     inner, max_size=2)),
+    max_leaves=12)
+
+
+@given(_scrub_values, st.lists(_texts, max_size=3))
+@example({"a": ["a secret here", ("x", _LONG + "!")], "b": _LONG[:64]}, ["secret", _LONG])
+@example({"a": "anything"}, [""])
+@example({"a": "secret", "b": ["secre", _Key("secret")]}, ["secret"])  # exactly a needle's length
+@example({"a": _LONG[:63] + "Q", "b": "x" + _LONG[:64]}, [_LONG])  # a 64-character head, not 63
+@settings(max_examples=400)
+def test_scrub_equals_the_scrub_before(value, secrets):
+    assert orjson.dumps(R._scrub(value, secrets), option=orjson.OPT_NON_STR_KEYS) == orjson.dumps(
+        _scrub_before(value, secrets), option=orjson.OPT_NON_STR_KEYS)
 
 
 def test_strip_content_walks_container_subclasses_as_the_scrub_does():
