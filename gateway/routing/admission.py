@@ -24,6 +24,10 @@ class Admission:
     reason: str = ""
 
 
+# the answer without a target or without predictions to hold to it (frozen: one instance serves every request)
+_ADMIT_UNJUDGED = Admission("admit", None, None, None)
+
+
 def slo_ms(header: str | None, decision_slo: float | None, default: float | None) -> float | None:
     """The TTFT target: the request's x-ttft-slo-ms, else the policy decision's, else the route default."""
     if header:
@@ -53,6 +57,8 @@ def decide(slo: float | None, uppers_ms: Sequence[float], means_ms: Sequence[flo
     if priority == "batch":
         target = batch_target_ms if batch_target_ms is not None else (slo * batch_headroom if slo else None)
     if target is None or best_u is None:
+        if slo is None and best_m is None and best_u is None:
+            return _ADMIT_UNJUDGED
         return Admission("admit", slo, best_m, best_u)
     if best_u <= target:
         return Admission("admit", slo, best_m, best_u)

@@ -39,7 +39,9 @@ class ApproxPrefixIndex:
         return n
 
     def insert(self, engine: str, blocks: Sequence[int]) -> None:
-        lru = self._by_engine.setdefault(engine, OrderedDict())
+        lru = self._by_engine.get(engine)
+        if lru is None:  # (not setdefault: that built an OrderedDict on every insert)
+            lru = self._by_engine[engine] = OrderedDict()
         for b in blocks:
             lru[b] = None
             lru.move_to_end(b)

@@ -92,9 +92,14 @@ class FlowGate:
 
     def contended(self, now: float) -> bool:
         """More than one flow was served within the last `CONTENTION_S` or is waiting: the gate is strict."""
-        active = {f for f, t in self.last_served.items() if now - t <= CONTENTION_S}
-        if len(active) > 1 or not self.queue.n:
-            return len(active) > 1
+        active: set[str] = set()
+        for f, t in self.last_served.items():  # up to 4096 flows: stop at the second active one
+            if now - t <= CONTENTION_S:
+                if active:
+                    return True
+                active.add(f)
+        if not self.queue.n:
+            return False
         return len(active | {f for qs in self.queue.queues.values() for f, q in qs.items() if q}) > 1
 
     def long_on(self, uncached: dict[str, int]) -> dict[str, bool]:

@@ -143,6 +143,7 @@ class EngineLearner:
     calib: deque[bool] = field(default_factory=deque)  # actual <= the upper bound admission used
     calib_n: int = 0
     calib_hit: int = 0
+    drain_memo: Drain | None = None  # the last Predictor.drain answer (a frozen value: reused while it holds)
 
     def __post_init__(self) -> None:
         p = self.params
@@ -500,7 +501,11 @@ class Predictor:
         """How fast this engine works off queued prefill, from what was learned about it (see view.Drain)."""
         lr = self.learner(engine)
         lr.budget = budget
-        return Drain(lr.step(), lr.s_per_token(), budget)
+        step, per_token = lr.step(), lr.s_per_token()
+        d = lr.drain_memo
+        if d is None or d.budget != budget or d.step_s != step or d.s_per_token != per_token:
+            d = lr.drain_memo = Drain(step, per_token, budget)  # built only when a value moved
+        return d
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
         return {name: lr.snapshot() for name, lr in sorted(self.engines.items())}
