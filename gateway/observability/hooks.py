@@ -60,12 +60,14 @@ class RequestObserver:
             if isinstance(ref, dict):
                 m.budget_rejections.labels(err or "budget", str(ref.get("scope")), str(ref.get("window"))).inc()
         if status == 200 and ctx.backend:
-            pred = ev.get("predicted_ttft_ms")
-            route = ev.get("route")
-            picked = route.get("pick") if isinstance(route, dict) else None
-            if ctx.ttft_s and isinstance(pred, (int, float)) and picked == ctx.backend:
-                self._child(m.ttft_prediction_error, ctx.backend).observe(abs(pred / 1000 - ctx.ttft_s) / ctx.ttft_s)
-                self._child(m.ttft_prediction_delta, ctx.backend).observe(ctx.ttft_s - pred / 1000)
+            if ctx.ttft_s:  # (a JSON response has no TTFT: its prediction is not looked up)
+                pred = ev.get("predicted_ttft_ms")
+                route = ev.get("route")
+                picked = route.get("pick") if isinstance(route, dict) else None
+                if isinstance(pred, (int, float)) and picked == ctx.backend:
+                    self._child(m.ttft_prediction_error, ctx.backend).observe(abs(pred / 1000 - ctx.ttft_s)
+                                                                               / ctx.ttft_s)
+                    self._child(m.ttft_prediction_delta, ctx.backend).observe(ctx.ttft_s - pred / 1000)
             u = ctx.usage
             if u is not None and u.cached_tokens:
                 self._child(m.cached_tokens, ctx.backend_model or "unknown", ctx.backend).inc(u.cached_tokens)
