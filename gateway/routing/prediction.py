@@ -26,7 +26,7 @@ def predict_candidates(cands: list[Candidate], n_tokens: int, cached: dict[str, 
         v.approx_match = (approx.match(name, blocks) / len(blocks)) if blocks else 0.0
         v.affinity = affinity_engine == name
         v.ttft_target_ms = target
-        f = Features(ahead_tokens=v.ahead_tokens, uncached_tokens=n_tokens - v.cached_tokens, running=v.running)
+        f = Features(v.ahead_tokens, n_tokens - v.cached_tokens, v.running)  # (ahead, uncached, running)
         feats[name] = f
         mean, upper = predictor.predict(name, f)
         c.predicted_ttft_ms = round((elapsed_s + mean) * 1000, 3)

@@ -324,6 +324,7 @@ class PredictiveRouteStage:
         has_tel = self.engines.telemetry_test(tel)
         n_tokens, cached, source, blocks, unstored = await self._prompt(ctx, own + partners, salt, tel, has_tel)
         deadline = time.monotonic() + rc.batch_queue_timeout_s
+        own_names = {c.backend.name for c in own}
         while True:
             prev_engine = self.affinity.get(aff_key) if aff_key else None  # re-read: a queued request waits
             elapsed = max(0.0, time.perf_counter() - ctx.received_at)
@@ -331,7 +332,6 @@ class PredictiveRouteStage:
             has_tel = self.engines.telemetry_test(tel)
             items, feats, drains = self._score(own + partners, n_tokens, cached, blocks, prev_engine, elapsed,
                                                target, tel, has_tel)
-            own_names = {c.backend.name for c in own}
             ordered = self._order(cfg, items, n_tokens, plan.dropped)
             own_ord = [c for c in ordered if c.backend.name in own_names]
             part_ord = [c for c in ordered if c.backend.name not in own_names]
