@@ -205,6 +205,12 @@ class Config:
     models: dict[str, tuple[str, ...]] = field(default_factory=dict)  # model -> backend names serving it
     aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)
     generation: int = 0
+    # name -> backend (the first of a name, as the list scan did): `backend` is looked up several times per request
+    _by_name: dict[str, BackendConfig] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for b in self.raw.backends:
+            self._by_name.setdefault(b.name, b)
 
     @property
     def server(self) -> ServerConfig:
@@ -215,10 +221,10 @@ class Config:
         return self.raw.backends
 
     def backend(self, name: str) -> BackendConfig:
-        for b in self.raw.backends:
-            if b.name == name:
-                return b
-        raise KeyError(name)
+        b = self._by_name.get(name)
+        if b is None:
+            raise KeyError(name)
+        return b
 
     def resolve_path(self, p: str) -> Path:
         path = Path(os.path.expandvars(p))

@@ -121,3 +121,16 @@ def test_gc_tuning_freezes_startup_objects_and_sets_the_configured_thresholds():
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
+
+
+def test_backend_lookup_by_name_survives_a_copy_and_refuses_unknown_names():
+    """Config.backend is a dict lookup built with the snapshot (the reload path rebuilds the snapshot with
+    Config(...), which must carry its own map)."""
+    cfg = parse_config(BASE, "gw.yaml", env=ENV)
+    assert cfg.backend("local") is cfg.raw.backends[0]
+    with pytest.raises(KeyError):
+        cfg.backend("nope")
+    again = type(cfg)(raw=cfg.raw, path=cfg.path, base_dir=cfg.base_dir, models=cfg.models, aliases=cfg.aliases,
+                      generation=cfg.generation + 1)
+    assert again.backend("local") is cfg.raw.backends[0]
+    assert dataclasses.replace(cfg, generation=9).backend("local") is cfg.raw.backends[0]

@@ -4,11 +4,29 @@ from the endpoint table (gateway/api/endpoints.py: `operation`) and the backend 
 (gateway/proxy/dialects: `provider`)."""
 from __future__ import annotations
 
+from typing import Any
+
+_TABLES: dict[str, Any] = {}  # the endpoint table and the dialect registry, imported on first use (both import
+# modules that import this one); a function-level import on every call cost ~1 us per request
+
+
+def _table(name: str) -> dict[str, Any]:
+    t = _TABLES.get(name)
+    if t is not None:
+        return t
+    if name == "endpoints":
+        from gateway.api.endpoints import BY_NAME
+
+        t = _TABLES[name] = BY_NAME
+    else:
+        from gateway.proxy.dialects import DIALECTS
+
+        t = _TABLES[name] = DIALECTS
+    return t
+
 
 def operation_name(endpoint: str) -> str:
-    from gateway.api.endpoints import BY_NAME
-
-    ep = BY_NAME.get(endpoint)
+    ep = _table("endpoints").get(endpoint)
     return ep.operation if ep is not None else endpoint
 
 
@@ -16,7 +34,5 @@ def provider_name(kind: str | None) -> str:
     """The provider of a backend kind; "" when no backend served (a refusal before dispatch)."""
     if not kind:
         return ""
-    from gateway.proxy.dialects import DIALECTS
-
-    d = DIALECTS.get(kind)
+    d = _table("dialects").get(kind)
     return d.provider if d is not None else kind
