@@ -47,6 +47,23 @@ def test_the_protocol_hooks_the_gateway_overrides_exist_in_uvicorn():
         assert ours == theirs, f"{name}: ours {ours} vs uvicorn's {theirs}"
 
 
+def test_the_private_keep_alive_machinery_the_protocol_replaces_exists_in_uvicorn():
+    """on_response_complete is uvicorn's own with one keep-alive timer per connection (server_protocol.py): it
+    relies on these names of the base, and on uvicorn calling _unset_keepalive_if_required on each read and when
+    the connection is lost."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    src = inspect.getsource(HttpToolsProtocol)
+    for name in ("_unset_keepalive_if_required", "timeout_keep_alive_handler", "_start_asgi_task"):
+        assert callable(getattr(HttpToolsProtocol, name, None)), name
+    for attr in ("self.timeout_keep_alive_task", "self.timeout_keep_alive ", "self.pipeline", "self.flow",
+                 "self.server_state.total_requests"):
+        assert attr in src, attr
+    data_received = inspect.getsource(HttpToolsProtocol.data_received)
+    lost = inspect.getsource(HttpToolsProtocol.connection_lost)
+    assert "_unset_keepalive_if_required()" in data_received and "_unset_keepalive_if_required()" in lost
+
+
 def test_the_server_hooks_and_config_keywords_cli_uses_exist():
     import uvicorn
 

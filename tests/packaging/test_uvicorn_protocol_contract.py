@@ -317,3 +317,56 @@ async def test_a_partial_head_after_a_response_still_times_out():
     proto.data_received(b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\n")  # and nothing more
     await asyncio.sleep(0.2)
     assert bytes(t.out).count(b"HTTP/1.1 408") == 1 and t.closed
+
+
+def _keep_alive(proto: GatewayHttpProtocol, seconds: float) -> list[bool]:
+    """Set the connection's keep-alive timeout and count the timers armed for it."""
+    proto.timeout_keep_alive = seconds
+    armed: list[bool] = []
+    call_later = proto.loop.call_later
+
+    class Loop:  # the protocol's loop, counting call_later for the keep-alive callback only
+        def __getattr__(self, name: str) -> Any:
+            return getattr(proto.__dict__["_real_loop"], name)
+
+        def call_later(self, delay: float, cb: Any, *args: Any) -> Any:
+            if getattr(cb, "__name__", "") == "_keep_alive_fired":
+                armed.append(True)
+            return call_later(delay, cb, *args)
+
+    proto.__dict__["_real_loop"] = proto.loop
+    proto.loop = Loop()  # type: ignore[assignment]
+    return armed
+
+
+async def test_an_idle_kept_alive_connection_closes_after_the_keep_alive_timeout():
+    proto, t = connect(App())
+    _keep_alive(proto, 0.05)
+    proto.data_received(POST % 2 + b"{}")
+    await settle()
+    assert t.status() == 200 and not t.closed
+    await asyncio.sleep(0.15)
+    assert t.closed  # idle past the timeout: closed, as uvicorn's own timer would
+
+
+async def test_a_busy_connection_arms_one_keep_alive_timer_not_one_per_response_and_stays_open():
+    proto, t = connect(App())
+    armed = _keep_alive(proto, 0.5)
+    for _ in range(8):  # a request every 50 ms: never idle for 500 ms
+        proto.data_received(POST % 2 + b"{}")
+        await settle()
+        await asyncio.sleep(0.05)
+    assert bytes(t.out).count(b"HTTP/1.1 200") == 8 and not t.closed
+    assert 1 <= len(armed) <= 3  # the first response armed it; it re-arms only when it fires (every ~500 ms)
+    await asyncio.sleep(1.0)
+    assert t.closed  # then idle: closed about 500 ms after the last response
+
+
+async def test_a_lost_connection_cancels_its_keep_alive_timer():
+    proto, t = connect(App())
+    _keep_alive(proto, 30.0)
+    proto.data_received(POST % 2 + b"{}")
+    await settle()
+    assert proto.timeout_keep_alive_task is not None
+    proto.connection_lost(None)
+    assert proto.timeout_keep_alive_task is None
