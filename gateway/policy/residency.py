@@ -17,14 +17,12 @@ def backend_allowed(decision: Decision, backend: BackendConfig) -> str | None:
     allowed = decision.allowed_countries
     if allowed is not None:
         loc = backend.location
-        where = decision.jurisdiction or ",".join(sorted(allowed))
-        rule = f" (rule {decision.residency_rule})" if decision.residency_rule else ""
         if loc is None:
-            return f"residency: backend declares no location; {where} required{rule}"
+            return f"residency: backend declares no location; {_required(decision)}"
         if loc.country not in allowed:
-            return f"residency: inference in {loc.country}, {where} required{rule}"
+            return f"residency: inference in {loc.country}, {_required(decision)}"
         if loc.storage not in allowed:
-            return f"residency: storage in {loc.storage}, {where} required{rule}"
+            return f"residency: storage in {loc.storage}, {_required(decision)}"
     if decision.retention == "zero" and backend.retention != "zero":
         rule = f" (rule {decision.retention_rule})" if decision.retention_rule else ""
         return f"retention: backend keeps data ({backend.retention}), zero retention required{rule}"
@@ -34,6 +32,14 @@ def backend_allowed(decision: Decision, backend: BackendConfig) -> str | None:
     if ignored and (backend.name in ignored or (backend.operator or "") in ignored):
         return f"provider preferences: {backend.name} is in the request's provider.ignore"
     return None
+
+
+def _required(decision: Decision) -> str:
+    """What a residency refusal says is required: the jurisdiction (or the allowed countries) and the rule.
+    Built only for a refusal: an allowed backend costs no sorted list and no text."""
+    where = decision.jurisdiction or ",".join(sorted(decision.allowed_countries or ()))
+    rule = f" (rule {decision.residency_rule})" if decision.residency_rule else ""
+    return f"{where} required{rule}"
 
 
 def filter_backends(decision: Decision, backends: Iterable[BackendConfig],

@@ -11,7 +11,7 @@ from gateway.routing.pending import PendingCache
 from gateway.routing.plan import Candidate
 from gateway.routing.plugin import EngineView
 from gateway.routing.predictor import Predictor
-from gateway.routing.view import Drain, Scrape, engine_view
+from gateway.routing.view import Drain, Scrape, queue_view
 
 DEFAULT_UNCACHED = 512.0  # what one waiting request weighs until the engine's mean uncached prompt is observed
 TELEMETRY_KINDS = ("vllm", "sim")  # the backend kinds that publish KV events and metrics
@@ -60,8 +60,9 @@ class EngineModel:
         return self.predictor.drain(name, self.chunk_budget(name, tel)[0])
 
     def view(self, name: str, now: float, has_tel: bool, drain: Drain | None = None, tel: Any = _ASK) -> EngineView:
-        """`gateway.routing.view.engine_view` (shared with bench/routing_des.py) on this gateway's flights to
-        the engine, drained at its learned rate, and its last scrape when fresh (other replicas' load).
+        """`gateway.routing.view.engine_view` (shared with bench/routing_des.py; here `queue_view` of
+        `InFlight.queue`) on this gateway's flights to the engine, drained at its learned rate, and its last
+        scrape when fresh (other replicas' load).
         `drain` and `tel`: the engine's drain and the telemetry service where the caller has them already."""
         scrape = None
         if has_tel:
@@ -71,8 +72,8 @@ class EngineModel:
                 scrape = Scrape(float(load.running), float(load.waiting), float(load.kv_usage), max(0.0, age))
         if drain is None:
             drain = self.drain(name, tel)
-        return engine_view([(f.started, f.uncached, f.prefilling(now)) for f in self.inflight.on(name)],
-                           now, drain, scrape, self.avg_uncached.get(name, DEFAULT_UNCACHED))
+        n, queue, raw = self.inflight.queue(name, now)
+        return queue_view(n, queue, raw, now, drain, scrape, self.avg_uncached.get(name, DEFAULT_UNCACHED))
 
     def chunk_budget(self, name: str, tel: Any = _ASK) -> tuple[int, str]:
         """The engine's chunked-prefill budget per step and where it comes from: `configured`

@@ -32,6 +32,7 @@ import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any, Callable
 
 import numpy as np
@@ -448,6 +449,9 @@ def _bounded_lstsq(A: np.ndarray, b: np.ndarray, lo: np.ndarray, hi: np.ndarray 
     return np.minimum(np.maximum(th, lo), hi)
 
 
+_BATCH_THETA = attrgetter("batch_theta")
+
+
 class Predictor:
     """One EngineLearner per engine name, created on first use with the cold-start prior.
 
@@ -461,6 +465,7 @@ class Predictor:
         self.params = params or PredictorParams()
         self.clock = clock
         self.engines: dict[str, EngineLearner] = {}
+        self._fleet_memo: tuple[tuple[list[float] | None, ...], list[float] | None] | None = None
 
     def learner(self, engine: str) -> EngineLearner:
         lr = self.engines.get(engine)
@@ -469,11 +474,17 @@ class Predictor:
         return lr
 
     def fleet_theta(self) -> list[float] | None:
-        """Median parameters of the engines with a fit of their own (None when there are none)."""
-        warm = [lr.batch_theta for lr in self.engines.values() if lr.batch_theta is not None]
-        if not warm:
-            return None
-        return [statistics.median(col) for col in zip(*warm)]
+        """Median parameters of the engines with a fit of their own (None when there are none). Taken again
+        only when a fit moved (a refit or a reset replaces an engine's `batch_theta`, never edits it in place):
+        a cold engine is predicted with it on every request. The list returned is shared: not to be changed."""
+        fits = tuple(map(_BATCH_THETA, self.engines.values()))
+        memo = self._fleet_memo
+        if memo is not None and memo[0] == fits:
+            return memo[1]
+        warm = [t for t in fits if t is not None]
+        ft = [statistics.median(col) for col in zip(*warm)] if warm else None
+        self._fleet_memo = (fits, ft)
+        return ft
 
     def predict(self, engine: str, f: Features) -> tuple[float, float]:
         """(mean, upper) predicted TTFT in seconds."""

@@ -142,3 +142,17 @@ def test_reasons_are_specific():
     assert "(rule opper)" in backend_allowed(d, mk(location=Location(country="DE"), retention="30d"))
     assert backend_allowed(d, mk(location=Location(country="NO"), retention="zero")) is None
     assert backend_allowed(Decision(), mk()) is None  # no requirement: anything goes
+
+
+def test_a_refusal_names_what_is_required_and_the_rule() -> None:
+    """The refusal's text (built only for a refusal): the jurisdiction, else the allowed countries sorted, and
+    the rule; an allowed backend gets None."""
+    d = Decision(allow=True, allowed_countries=frozenset({"SE", "DE"}), residency_rule="eu-only")
+    b = lambda loc: BackendConfig(name="b", url="http://b", models=["m"], location=loc, retention="zero")  # noqa: E731
+    assert backend_allowed(d, b(Location(country="DE"))) is None
+    assert backend_allowed(d, b(None)) == "residency: backend declares no location; DE,SE required (rule eu-only)"
+    assert backend_allowed(d, b(Location(country="US"))) == "residency: inference in US, DE,SE required (rule eu-only)"
+    assert backend_allowed(d, b(Location(country="DE", storage_country="US"))) == \
+        "residency: storage in US, DE,SE required (rule eu-only)"
+    eea = Decision(allow=True, allowed_countries=frozenset({"DE"}), jurisdiction="EEA")
+    assert backend_allowed(eea, b(Location(country="US"))) == "residency: inference in US, EEA required"

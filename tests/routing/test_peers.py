@@ -12,11 +12,11 @@ import pytest
 from gateway.config import ConfigError, parse_config
 from gateway.pipeline import RequestContext
 from gateway.routing.affinity import Affinity
-from gateway.routing.inflight import Flight, InFlight
+from gateway.routing.inflight import Flight, InFlight, RemoteFlight
 from gateway.routing.peers import (Batch, Dispatch, Finish, FirstToken, PeerBus, PeerState, Remember,
                                    RedisTransport, Sample, UnixTransport, decode, encode, resolve_transport)
 from gateway.routing.predictor import Features, Predictor
-from gateway.routing.view import Drain, engine_view
+from gateway.routing.view import Drain, engine_view, queue_view
 
 
 class Clock:
@@ -376,3 +376,27 @@ def test_two_buses_on_postgres_listen_notify():
     assert [f.uncached for f in inf_b.on("e1")] == [3000]
     assert snap["transport"] == "postgres" and "A" in snap["peers"] and snap["bad_in"] == 0
     assert snap["events_in"] == 31
+
+
+def test_the_queue_the_view_drains_is_the_flights_prefilling_now():
+    """InFlight.queue (Flight.prefilling written out for own flights) gives the view what engine_view gets from
+    each flight's prefilling(): own only, own with remote ones, streamed, non-streamed and first-token flights."""
+    clock = Clock()
+    ps, inf = state(clock)
+    d = Drain(0.01, 1e-4, 512)
+    for i in range(12):
+        ctx = mk(f"r{i}", stream=i % 3 == 0)
+        if i % 4 == 1:
+            ctx.ttft_s = 0.1
+        inf.add(Flight(ctx, "e", 100 * (i + 1), clock.t + 0.01 * i, 0.02 + 0.005 * i))
+    for remote in (False, True):
+        if remote:
+            for i in range(5):
+                inf.add_remote(RemoteFlight(f"x/{i}", "x", "e", 700, clock.t + 0.013 * i, 0.03, i % 2 == 0,
+                                            clock.t + 60, first_token=i == 3))
+        for now in (clock.t, clock.t + 0.03, clock.t + 0.2):
+            n, q, raw = inf.queue("e", now)
+            ref = [(f.started, f.uncached) for f in inf.on("e") if f.prefilling(now)]
+            assert (n, q) == (12 + 5 * remote, ref) and raw == sum(u for _, u in ref)
+            assert queue_view(n, q, raw, now, d) == view(inf, "e", now, d)
+    assert inf.queue("none", clock.t) == (0, [], 0.0)

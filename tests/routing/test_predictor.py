@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+import statistics
 
 from gateway.routing.predictor import EngineLearner, Features, Predictor, PredictorParams
 
@@ -300,3 +301,30 @@ def test_the_upper_bound_of_a_queued_request_comes_from_queued_requests_residual
     assert abs(lr.margin(busy) - 0.4) < 1e-9
     assert lr.margin(idle) == 0.0
     assert lr.upper(busy) > lr.predict(busy) * 1.39
+
+
+def test_the_fleet_median_is_taken_again_only_when_a_fit_moved():
+    """fleet_theta is memoised on the engines' batch fits: the same answer while they hold, a new one once an
+    engine refits, gets reset, or a new engine has a fit of its own."""
+    rng = random.Random(5)
+    p = Predictor(PredictorParams(refit_min_interval_s=0.0))  # a refit every refit_every observations
+    assert p.fleet_theta() is None
+    for name, par in (("a", (0.008, 1 / 16000, 0.0002)), ("b", (0.02, 1 / 8000, 0.0004))):
+        for _ in range(40):
+            f = _normal(rng)
+            p.observe(name, f, true_ttft(f, *par))
+    ft = p.fleet_theta()
+    fresh = [statistics.median(col) for col in zip(*(lr.batch_theta for lr in p.engines.values()))]
+    assert ft == fresh and p.fleet_theta() is ft  # not taken again while no fit moved
+    p.learner("cold")  # a cold engine has no fit: the median stays (taken again: the engines changed)
+    assert p.fleet_theta() == ft
+    for _ in range(8):
+        f = _normal(rng)
+        p.observe("a", f, true_ttft(f, 0.05, 1 / 2000, 0.001))
+    moved = [statistics.median(col) for col in zip(*(lr.batch_theta for lr in p.engines.values()
+                                                      if lr.batch_theta is not None))]
+    assert p.fleet_theta() == moved != ft
+    for lr in p.engines.values():
+        lr.reset()
+    assert p.fleet_theta() == ([statistics.median(col) for col in zip(*(lr.batch_theta for lr in p.engines.values()
+                                                                         if lr.batch_theta is not None))] or None)
