@@ -193,6 +193,39 @@ def test_idle_connection_that_sends_nothing_is_closed(gw):
     assert_openai_error(got, 408, "request_timeout")
 
 
+def test_a_kept_alive_connection_serves_after_idling_then_closes_after_uvicorns_keep_alive_timeout(gw):
+    """The real server with uvicorn's default keep-alive (5 s): the gateway keeps one keep-alive timer per
+    connection (server_protocol.py), so a connection that idled 1.5 s between requests is still served, and one
+    idle for the whole timeout after its last response is closed by the server, as uvicorn's own timer does."""
+    req = (f"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\nauthorization: Bearer {GW_KEY}\r\n"
+           f"content-type: application/json\r\ncontent-length: {len(OK_BODY)}\r\n\r\n").encode() + OK_BODY
+    s = socket.create_connection(("127.0.0.1", gw.port))
+    s.settimeout(15)
+
+    def answer() -> bytes:
+        buf = b""
+        while b"\r\n\r\n" not in buf:
+            buf += s.recv(65536)
+        st, headers, body = parse(buf)
+        while len(body) < int(headers["content-length"]):
+            body += s.recv(65536)
+        assert st == 200 and "connection" not in headers, buf[:300]  # kept alive
+        return body
+
+    try:
+        s.sendall(req)
+        answer()
+        time.sleep(1.5)
+        s.sendall(req)
+        answer()
+        t0 = time.monotonic()
+        assert s.recv(65536) == b""  # the server closed it, idle since the second response
+        idle = time.monotonic() - t0
+    finally:
+        s.close()
+    assert 4.0 < idle < 8.0, idle
+
+
 def test_slow_loris_body_times_out(gw):
     s = socket.create_connection(("127.0.0.1", gw.port))
     s.settimeout(10)
