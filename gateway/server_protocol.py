@@ -117,6 +117,40 @@ def write_response(send: Any, status: int, content_type: bytes, headers: dict[st
     return True
 
 
+class DirectBody:
+    """A started chunked response's body written straight to the connection's transport: what uvicorn's `send`
+    does for an `http.response.body` message with `more_body`, minus the ASGI message and the coroutine, so a
+    stream relayed in push mode (gateway/proxy/forward.py) writes each upstream read from inside the upstream
+    connection's callback. The caller honours `paused` (awaiting `drain`) between reads, as `send` would."""
+
+    __slots__ = ("_cycle", "_write")
+
+    def __init__(self, cycle: RequestResponseCycle) -> None:
+        self._cycle = cycle
+        self._write = cycle.transport.write
+
+    def write(self, body: bytes) -> None:
+        if body and not self._cycle.disconnected:
+            self._write(b"%x\r\n%b\r\n" % (len(body), body))
+
+    @property
+    def paused(self) -> bool:
+        return self._cycle.flow.write_paused and not self._cycle.disconnected
+
+    async def drain(self) -> None:
+        await self._cycle.flow.drain()
+
+
+def direct_body(send: Any) -> DirectBody | None:
+    """A DirectBody for the response behind `send`, when it is a uvicorn httptools response cycle whose chunked
+    response has started and not ended (None: the caller sends ASGI messages)."""
+    cycle = getattr(send, "__self__", None)
+    if type(cycle) is not RequestResponseCycle or not cycle.response_started or cycle.response_complete \
+            or not cycle.chunked_encoding or cycle.scope["method"] == "HEAD":
+        return None
+    return DirectBody(cycle)
+
+
 def response_started(send: Any) -> bool | None:
     """Whether the uvicorn httptools response cycle behind `send` has started its response (None: `send` is not
     one, the caller must track the messages itself)."""

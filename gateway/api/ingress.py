@@ -26,7 +26,7 @@ from gateway.api.wire.openai import OPENAI
 from gateway.errors import GatewayError, retry_headers
 from gateway.pipeline import Lifecycle, RequestContext, RequestHeaders
 from gateway.proxy.forward import JsonResult, stream_body
-from gateway.server_protocol import response_started, write_response
+from gateway.server_protocol import direct_body, response_started, write_response
 
 log = logging.getLogger("gateway")
 
@@ -327,8 +327,11 @@ class InferenceEndpoint:
             raw += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in hdrs.items()]
             await send({"type": "http.response.start", "status": 200, "headers": raw})
             replay = getattr(result, "replay", None)  # a cache hit (gateway/cache/replay.py)
-            gen = replay(ctx, on_end) if replay is not None else stream_body(ctx, result, on_end)
             capture = ctx.cache.capture if ctx.cache is not None and replay is None else None
+            if replay is not None:
+                gen = replay(ctx, on_end)
+            else:  # relayed in push mode (straight to the connection) unless the cache captures what is sent
+                gen = stream_body(ctx, result, on_end, direct_body(send) if capture is None else None)
             me = asyncio.current_task()
             assert me is not None  # the server runs each request in a task of its own
             gw.streams[me] = ctx

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Protocol
+from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Protocol
 
 
 from gateway.api.wire.base import StreamState
@@ -28,6 +28,9 @@ from gateway.proxy.transport import UpstreamBroken, UpstreamConnectError, Upstre
 from gateway.proxy.upstream import Upstreams
 from gateway.routing.flowkey import flow_id
 from gateway.routing.plan import Candidate, RoutePlan
+
+if TYPE_CHECKING:
+    from gateway.server_protocol import DirectBody
 
 log = logging.getLogger("gateway.proxy")
 
@@ -353,11 +356,17 @@ def observe_first_events(ctx: RequestContext, start: StreamStart) -> None:
         ctx.ttft_s = time.perf_counter() - ctx.received_at
 
 
-async def stream_body(ctx: RequestContext, start: StreamStart,
-                      on_end: Callable[[], Awaitable[None]]) -> AsyncGenerator[bytes, None]:
+async def stream_body(ctx: RequestContext, start: StreamStart, on_end: Callable[[], Awaitable[None]],
+                      direct: DirectBody | None = None) -> AsyncGenerator[bytes, None]:
     """Forward a started stream event by event (translated into the client's API when the backend speaks
     another), applying the client wire's rules: capture usage, strip what the client did not ask for, cut at the
-    budget allowance; end with the wire's error event if the upstream breaks."""
+    budget allowance; end with the wire's error event if the upstream breaks.
+
+    With `direct` (the client connection's body writer) and an upstream that pushes (the native client's
+    `push_within`), the relay after the first read runs inside the upstream connection's read callback: each
+    read is processed and written to the client there, with no task switch, future or ASGI message per event
+    (a paced stream's per-event cost); what this generator still yields (the first read, error events) goes
+    through the caller's send, in order."""
     b = start.candidate.backend
     wire = ctx.ep.wire
     tr = start.translator
@@ -369,6 +378,7 @@ async def stream_body(ctx: RequestContext, start: StreamStart,
     # the native client times reads with one timer per stream (h1client `read_within`); the others per read
     read_within = getattr(start.response, "read_within", None)
     loop_deadline = asyncio.get_running_loop().time() + (deadline - time.perf_counter())
+    push = getattr(start.response, "push_within", None) if direct is not None and tr is None else None
     try:
         observe_first_events(ctx, start)
         # Events that arrived in one upstream read leave in one write: same timing, far fewer sends.
@@ -383,7 +393,16 @@ async def stream_body(ctx: RequestContext, start: StreamStart,
             remaining = deadline - time.perf_counter()
             if remaining <= 0:
                 raise TimeoutError("total")
-            if read_within is not None:
+            if push is not None and direct is not None:
+                if direct.paused:
+                    await direct.drain()
+                    continue
+                if await push(_push_handler(ctx, st, splitter, direct), idle_s, loop_deadline):
+                    if ctx.cut_by_budget:
+                        return
+                    continue  # done, or the client's connection paused writing
+                chunk = None
+            elif read_within is not None:
                 chunk = await read_within(idle_s, loop_deadline)
             else:
                 try:
@@ -433,6 +452,23 @@ async def stream_body(ctx: RequestContext, start: StreamStart,
             await aclose()
         await start.response.aclose()
         await on_end()
+
+
+def _push_handler(ctx: RequestContext, st: StreamState, splitter: sse.EventSplitter,
+                  direct: DirectBody) -> Callable[[bytes], bool]:
+    """What push mode runs in the upstream connection's callback for each read: the pull path's region
+    processing, written straight to the client; False (hand back to the stream's task) once the stream is done
+    or cut, or when the client's connection asks to pause writing."""
+    def on_read(chunk: bytes) -> bool:
+        region = splitter.feed_region(chunk)
+        if region:
+            out = _process_region(ctx, st, region)
+            if out:
+                direct.write(out)
+            if ctx.cut_by_budget or st.done:
+                return False
+        return not direct.paused
+    return on_read
 
 
 def _mid_stream_failure(start: StreamStart, reason: str) -> None:

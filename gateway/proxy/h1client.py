@@ -22,7 +22,7 @@ import asyncio
 import collections
 import ssl
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 from urllib.parse import urlsplit
 
 import httptools
@@ -70,7 +70,7 @@ class _Response:
     """One response being received on a connection; the body is handed over as the parser produces it."""
 
     __slots__ = ("status", "headers", "_conn", "_chunks", "_buffered", "_done", "_error", "_wake", "_closed",
-                 "_wait_limit", "_timer")
+                 "_wait_limit", "_timer", "_push", "_push_error", "_last_push")
 
     def __init__(self, conn: "_Conn") -> None:
         self.status = 0
@@ -84,6 +84,11 @@ class _Response:
         self._closed = False
         self._wait_limit: float | None = None  # loop time by which the current read_within wait must get bytes
         self._timer: asyncio.TimerHandle | None = None  # the one lazily re-armed timer behind read_within
+        # push mode (`push_within`): the body bytes of each upstream read go to this handler inside the read's
+        # callback, with no task switch; it returns False to hand control back to the waiting caller
+        self._push: Callable[[bytes], bool] | None = None
+        self._push_error: BaseException | None = None
+        self._last_push = 0.0  # loop time of the last push (the idle timeout counts from it)
 
     # -- called by the connection
     def _feed(self, data: bytes) -> None:
@@ -91,7 +96,8 @@ class _Response:
         self._buffered += len(data)
         if self._buffered > _HIGH_WATER:
             self._conn.pause()
-        self._notify()
+        if self._push is None:  # in push mode the connection hands the read over once it is parsed
+            self._notify()
 
     def _finish(self, error: str | None = None) -> None:
         if not self._done and self._error is None:
@@ -171,6 +177,85 @@ class _Response:
             self._wait_limit = None
         return self._take()
 
+    def _pushed(self) -> None:
+        """Called by the connection after each read it parsed, with body bytes buffered: hand them to the push
+        handler (joined, as `_take` does: one downstream write per upstream read). A handler that returns False
+        or raises ends push mode and wakes the caller of `push_within`."""
+        handler = self._push
+        if handler is None:
+            return
+        self._last_push = self._conn.loop.time()
+        try:
+            keep = handler(self._take())
+        except BaseException as e:  # noqa: BLE001 - raised to the caller of push_within, in its own task
+            self._push_error = e
+            keep = False
+        if not keep:
+            self._push = None
+            self._notify()
+
+    async def push_within(self, handler: Callable[[bytes], bool], idle_s: float, deadline: float) -> bool:
+        """Push mode: body bytes go to `handler` as each upstream read brings them, inside the connection's
+        callback, until the body ends (returns False: same as `read_within` returning None) or the handler
+        returns False (returns True: the caller decides what next, e.g. wait for the client to drain). Raises
+        TimeoutError when no byte arrives within `idle_s` of the last one or by `deadline` (loop time),
+        UpstreamBroken when the connection breaks, and whatever the handler raised. Bytes already buffered are
+        pushed first."""
+        loop = self._conn.loop
+        self._last_push = loop.time()
+        if self._chunks:
+            self._push = handler
+            self._pushed()
+            if self._push is None:
+                return self._after_push()
+        if self._done:
+            self._push = None
+            return False
+        self._push = handler
+        self._wait_limit = min(self._last_push + idle_s, deadline)
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = loop.call_at(self._wait_limit, self._check_push, idle_s, deadline)
+        try:
+            while self._push is not None:
+                if self._done:
+                    return False
+                if self._error is not None:
+                    raise UpstreamBroken(self._error)
+                self._wake = loop.create_future()
+                try:
+                    await self._wake
+                finally:
+                    self._wake = None
+            return self._after_push()
+        finally:
+            self._push = None
+            self._wait_limit = None
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+    def _after_push(self) -> bool:
+        err, self._push_error = self._push_error, None
+        if err is not None:
+            raise err
+        return True
+
+    def _check_push(self, idle_s: float, deadline: float) -> None:
+        """The push-mode timer: fires at the earliest moment the wait could time out; re-armed from the last
+        push when bytes came meanwhile (one timer per stream, not one per event)."""
+        self._timer = None
+        if self._push is None:
+            return
+        loop = self._conn.loop
+        limit = min(self._last_push + idle_s, deadline)
+        if loop.time() >= limit - 0.001:  # call_at may run a little early (the loop's clock resolution)
+            w = self._wake
+            if w is not None and not w.done():
+                w.set_exception(TimeoutError())
+        else:
+            self._timer = loop.call_at(limit, self._check_push, idle_s, deadline)
+
     def _check_wait(self) -> None:
         self._timer = None
         limit = self._wait_limit
@@ -240,6 +325,10 @@ class _Conn(asyncio.Protocol):
         except httptools.HttpParserError as e:
             self._broken(f"invalid HTTP response from upstream ({type(e).__name__})")
             self.close()
+            return
+        resp = self.resp
+        if resp is not None and resp._push is not None and resp._chunks:
+            resp._pushed()
 
     def eof_received(self) -> bool:
         return False  # close our side too
