@@ -19,6 +19,8 @@ from typing import Any, Callable, Protocol
 
 import orjson
 
+from gateway.stores.sql import enable_wal
+
 log = logging.getLogger("gateway.budget.ledger")
 
 COLUMNS = ("request_id", "ts", "principal_id", "tenant", "team", "project", "key_id", "partner", "end_user",
@@ -74,7 +76,7 @@ class SqliteSink:
         # survives a process crash, and the outbox spool covers rows not yet committed.
         if self._db is None:
             db = sqlite3.connect(self.path, timeout=5.0, check_same_thread=False)
-            db.execute("PRAGMA journal_mode=WAL")
+            enable_wal(db)
             db.execute("PRAGMA synchronous=NORMAL")
             self._db = db
         return self._db

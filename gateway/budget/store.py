@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import orjson
 
 from gateway.budget.model import BudgetState, ReserveArgs, ReserveResult, SettleArgs
+from gateway.stores.sql import enable_wal
 
 log = logging.getLogger("gateway.budget.store")
 LUA = (resources.files("gateway.budget") / "budget.lua").read_text(encoding="utf-8")  # package data
@@ -91,7 +92,7 @@ class MemoryBudgetStore:
         assert self.path is not None
         self.path.parent.mkdir(parents=True, exist_ok=True)
         db = sqlite3.connect(self.path, timeout=5.0)
-        db.execute("PRAGMA journal_mode=WAL")
+        enable_wal(db)
         db.execute("CREATE TABLE IF NOT EXISTS budget_state (name TEXT PRIMARY KEY, state BLOB, saved_at REAL)")
         return db
 

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from gateway.stores.sql import enable_wal
 from gateway.cache.store import VectorCache, Entry, entry_body, entry_from, location_allows, ranked, vector_bytes
 
 SCHEMA = """
@@ -72,7 +73,7 @@ class SqliteStore:
         if self._db is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             db = sqlite3.connect(self.path, timeout=5.0, isolation_level=None)
-            db.execute("pragma journal_mode=wal")
+            enable_wal(db)
             db.execute("pragma synchronous=normal")
             db.execute("pragma secure_delete=on")  # a purged or expired answer does not linger in free pages
             db.executescript(SCHEMA)
