@@ -178,15 +178,18 @@ class _Response:
         return self._take()
 
     def _pushed(self) -> None:
-        """Called by the connection after each read it parsed, with body bytes buffered: hand them to the push
-        handler (joined, as `_take` does: one downstream write per upstream read). A handler that returns False
-        or raises ends push mode and wakes the caller of `push_within`."""
+        """Called by the connection after each read it parsed, with body bytes buffered: hand them all to the
+        push handler (joined, as `_take` does: one downstream write per upstream read of up to _JOIN_UP_TO). A
+        handler that returns False or raises ends push mode and wakes the caller of `push_within`; what is still
+        buffered then waits for the next call."""
         handler = self._push
         if handler is None:
             return
         self._last_push = self._conn.loop.time()
+        keep = True
         try:
-            keep = handler(self._take())
+            while keep and self._chunks:  # `_take` joins up to _JOIN_UP_TO: a large read is several pieces
+                keep = handler(self._take())
         except BaseException as e:  # noqa: BLE001 - raised to the caller of push_within, in its own task
             self._push_error = e
             keep = False

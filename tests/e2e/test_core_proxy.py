@@ -295,3 +295,38 @@ def test_probes_and_metrics(stack):
 
     names = {f.name for f in text_string_to_metric_families(m)}
     assert "gateway_requests" in names and "gen_ai_server_time_to_first_token_seconds" in names
+
+
+def test_a_client_that_reads_slowly_gets_the_whole_stream(stack):
+    """Back-pressure: a 20,000-event stream (~3 MB) to a client that reads nothing for 1.5 s (a small receive
+    buffer) and then reads on. The gateway pauses relaying while the client's connection is full (push mode:
+    the upstream read callback hands back to the stream's task, which awaits the drain) and loses or reorders
+    no event."""
+    import socket
+
+    n = 20000
+    body = orjson.dumps({**CHAT, "stream": True, "max_tokens": n})
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", int(stack["base"].rsplit(":", 1)[1])))
+    s.settimeout(30)
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+              + f"authorization: Bearer {GW_KEY}\r\ncontent-length: {len(body)}\r\n\r\n".encode() + body)
+    time.sleep(1.5)
+    got = bytearray()
+    try:
+        while not got.endswith(b"0\r\n\r\n"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            got += chunk
+    finally:
+        s.close()
+    head, _, rest = bytes(got).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    events = [ln for ln in rest.split(b"\n") if ln.startswith(b"data: ")]  # chunk-size lines never start so
+    assert events[-1] == b"data: [DONE]"
+    bad = [e for e in events[:-1] if b"\"choices\"" not in e]
+    assert not bad, bad[:3]
+    words = [orjson.loads(e[6:])["choices"][0]["delta"].get("content") for e in events[:-1]]
+    assert len([w for w in words if w]) == n

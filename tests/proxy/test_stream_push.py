@@ -217,3 +217,62 @@ async def test_push_within_raises_what_the_handler_raised_and_a_broken_connectio
             await r.push_within(bad, 5.0, loop.time() + 10)  # type: ignore[attr-defined]
         await r.aclose()
         await t.aclose()
+
+
+def burst_after_first(events: list[bytes], pause_s: float = 0.05):
+    """The first event, then (after `pause_s`) every other event and the body's end in one write."""
+    async def go(w: asyncio.StreamWriter, req: bytes) -> None:
+        w.write(HEAD + framed(events[0]))
+        await w.drain()
+        await asyncio.sleep(pause_s)
+        w.write(b"".join(framed(e) for e in events[1:]) + b"0\r\n\r\n")
+        await w.drain()
+    return go
+
+
+async def _run_burst(events: list[bytes], d: Direct) -> tuple[bytes, object]:
+    async with Server(lambda req: burst_after_first(events)) as s:
+        t = H1Transport(backend(s.port))
+        r = await t.post("chat/completions", b"{}", {})
+        start = StreamStart(r, Candidate(CFG.backend("e1"), "m"), [FIRST[:-2]], sse.EventSplitter(), r.aiter_raw(),
+                            time.perf_counter())
+        ctx = _ctx(response_id="c1")
+
+        async def on_end() -> None:
+            return None
+
+        got: list[bytes] = []
+        async for c in stream_body(ctx, start, on_end, d):  # type: ignore[arg-type]
+            got.extend(d.writes)
+            d.writes.clear()
+            got.append(c)
+        got.extend(d.writes)
+        await t.aclose()
+    return b"".join(got), ctx
+
+
+async def test_a_read_larger_than_the_join_limit_is_pushed_whole():
+    """~300 KB in one upstream write (more than the 64 KiB a piece joins up to): every byte is relayed, the
+    stream ends with its [DONE], not with "closed before it finished"."""
+    events = [chunk() for _ in range(2500)] + [chunk("!", "stop"), DONE]
+    d = Direct()
+    out, ctx = await _run_burst(events, d)
+    assert out == FIRST + b"".join(events)
+    assert ctx.error is None and ctx.finish_reasons == ("stop",)  # type: ignore[attr-defined]
+
+
+async def test_what_arrives_while_the_client_is_paused_is_relayed_after_the_drain_even_if_the_upstream_ended():
+    events = [chunk(str(i)) for i in range(2500)] + [chunk("!", "stop"), DONE]
+    d = Direct()
+    real_write = d.write
+
+    def write(body: bytes) -> None:  # the client's buffer is full after the first write; it drains in 0.2 s
+        real_write(body)
+        if not d.drains and not d.paused:
+            d.paused = True
+            asyncio.get_running_loop().call_later(0.2, d.resume)
+
+    d.write = write  # type: ignore[method-assign]
+    out, ctx = await _run_burst(events, d)
+    assert out == FIRST + b"".join(events) and ctx.error is None  # type: ignore[attr-defined]
+    assert d.drains == 1
