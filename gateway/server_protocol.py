@@ -137,6 +137,11 @@ class DirectBody:
     def paused(self) -> bool:
         return self._cycle.flow.write_paused and not self._cycle.disconnected
 
+    @property
+    def gone(self) -> bool:
+        """The client's connection is lost (its task is being cancelled): relay and count nothing more."""
+        return self._cycle.disconnected
+
     async def drain(self) -> None:
         await self._cycle.flow.drain()
 

@@ -458,8 +458,10 @@ def _push_handler(ctx: RequestContext, st: StreamState, splitter: sse.EventSplit
                   direct: DirectBody) -> Callable[[bytes], bool]:
     """What push mode runs in the upstream connection's callback for each read: the pull path's region
     processing, written straight to the client; False (hand back to the stream's task) once the stream is done
-    or cut, or when the client's connection asks to pause writing."""
+    or cut, or when the client's connection asks to pause writing or is gone."""
     def on_read(chunk: bytes) -> bool:
+        if direct.gone:  # a read between the client's disconnect and its task's cancellation: not delivered
+            return False
         region = splitter.feed_region(chunk)
         if region:
             out = _process_region(ctx, st, region)

@@ -47,6 +47,7 @@ class Direct:
     def __init__(self) -> None:
         self.writes: list[bytes] = []
         self.paused = False
+        self.gone = False
         self.drains = 0
         self._resumed = asyncio.Event()
 
@@ -276,3 +277,39 @@ async def test_what_arrives_while_the_client_is_paused_is_relayed_after_the_drai
     out, ctx = await _run_burst(events, d)
     assert out == FIRST + b"".join(events) and ctx.error is None  # type: ignore[attr-defined]
     assert d.drains == 1
+
+
+async def test_a_read_after_the_client_left_is_neither_written_nor_counted():
+    """Between the client's disconnect and its task's cancellation an upstream read may still arrive: push mode
+    hands it back unprocessed, so delivered tokens count only what reached the client."""
+    events = [chunk() for _ in range(10)] + [DONE]
+    d = Direct()
+    real_write = d.write
+    tasks: list[asyncio.Future] = []
+
+    def write(body: bytes) -> None:
+        real_write(body)
+        d.gone = True  # the connection drops right after the first pushed write; the cancellation comes later
+        asyncio.get_running_loop().call_later(0.1, tasks[0].cancel)  # (5 more reads arrive meanwhile)
+
+    d.write = write  # type: ignore[method-assign]
+    async with Server(lambda req: paced(events, gap_s=0.02)) as s:
+        t = H1Transport(backend(s.port))
+        r = await t.post("chat/completions", b"{}", {})
+        start = StreamStart(r, Candidate(CFG.backend("e1"), "m"), [FIRST[:-2]], sse.EventSplitter(), r.aiter_raw(),
+                            time.perf_counter())
+        ctx = _ctx(response_id="c1")
+
+        async def on_end() -> None:
+            return None
+
+        gen = stream_body(ctx, start, on_end, d)  # type: ignore[arg-type]
+        assert await gen.__anext__() == FIRST
+        task = asyncio.ensure_future(gen.__anext__())
+        tasks.append(task)
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await gen.aclose()
+        await t.aclose()
+    assert len(d.writes) == 1 and ctx.delivered_completion_tokens == 2  # FIRST and the one written event
+
