@@ -112,6 +112,14 @@ class _Response:
         if w is not None and not w.done():
             w.set_result(None)
 
+    async def _wait(self) -> None:
+        """Until the connection's next notice: bytes, the body's end, a break, or a timer's TimeoutError."""
+        self._wake = self._conn.loop.create_future()
+        try:
+            await self._wake
+        finally:
+            self._wake = None
+
     async def _next(self) -> bytes | None:
         """The next body bytes, or None at the end; raises UpstreamBroken if the connection broke first."""
         while not self._chunks:
@@ -119,11 +127,7 @@ class _Response:
                 return None
             if self._error is not None:
                 raise UpstreamBroken(self._error)
-            self._wake = self._conn.loop.create_future()
-            try:
-                await self._wake
-            finally:
-                self._wake = None
+            await self._wait()
         return self._take()
 
     def _take(self) -> bytes:
@@ -225,11 +229,7 @@ class _Response:
                     return False
                 if self._error is not None:
                     raise UpstreamBroken(self._error)
-                self._wake = loop.create_future()
-                try:
-                    await self._wake
-                finally:
-                    self._wake = None
+                await self._wait()
             return self._after_push()
         finally:
             self._push = None

@@ -26,6 +26,16 @@ def framed(e: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(e), e)
 
 
+def _start(r) -> StreamStart:  # type: ignore[no-untyped-def]
+    """A stream whose first event (FIRST) already went out, reading the rest from `r`."""
+    return StreamStart(r, Candidate(CFG.backend("e1"), "m"), [FIRST[:-2]], sse.EventSplitter(), r.aiter_raw(),
+                       time.perf_counter())
+
+
+async def _no_end() -> None:
+    return None
+
+
 def paced(events: list[bytes], gap_s: float = 0.005, then_sleep: float = 0.0):
     async def go(w: asyncio.StreamWriter, req: bytes) -> None:
         w.write(HEAD)
@@ -70,16 +80,12 @@ async def _run(events: list[bytes], direct: Direct | None, **kw) -> tuple[bytes,
     async with Server(lambda req: paced(events, **kw)) as s:
         t = H1Transport(backend(s.port))
         r = await t.post("chat/completions", b"{}", {})
-        start = StreamStart(r, Candidate(CFG.backend("e1"), "m"), [FIRST[:-2]], sse.EventSplitter(), r.aiter_raw(),
-                            time.perf_counter())
+        start = _start(r)
         ctx = _ctx(response_id="c1", client_wants_usage=True)
-
-        async def on_end() -> None:
-            return None
 
         yielded: list[bytes] = []
         got: list[bytes] = []
-        async for c in stream_body(ctx, start, on_end, direct):  # type: ignore[arg-type]
+        async for c in stream_body(ctx, start, _no_end, direct):  # type: ignore[arg-type]
             yielded.append(c)
             if direct is not None:  # the direct writes since the last yield reached the client before it
                 got.extend(direct.writes)
@@ -113,14 +119,10 @@ async def test_push_mode_does_not_wake_the_stream_task_per_event():
     async with Server(lambda req: paced(events)) as s:
         t = H1Transport(backend(s.port))
         r = await t.post("chat/completions", b"{}", {})
-        start = StreamStart(r, Candidate(CFG.backend("e1"), "m"), [FIRST[:-2]], sse.EventSplitter(), r.aiter_raw(),
-                            time.perf_counter())
+        start = _start(r)
         ctx = _ctx(response_id="c1")
 
-        async def on_end() -> None:
-            return None
-
-        gen = stream_body(ctx, start, on_end, d)  # type: ignore[arg-type]
+        gen = stream_body(ctx, start, _no_end, d)  # type: ignore[arg-type]
 
         class Counting:  # drives the generator's coroutine by hand, counting each resumption
             def __await__(self):
@@ -178,14 +180,10 @@ async def test_push_mode_budget_cut_stops_the_relay():
     async with Server(lambda req: paced(events)) as s:
         t = H1Transport(backend(s.port))
         r = await t.post("chat/completions", b"{}", {})
-        start = StreamStart(r, Candidate(CFG.backend("e1"), "m"), [FIRST[:-2]], sse.EventSplitter(), r.aiter_raw(),
-                            time.perf_counter())
+        start = _start(r)
         ctx = _ctx(response_id="c1", completion_token_allowance=8)
 
-        async def on_end() -> None:
-            return None
-
-        yielded = [c async for c in stream_body(ctx, start, on_end, d)]  # type: ignore[arg-type]
+        yielded = [c async for c in stream_body(ctx, start, _no_end, d)]  # type: ignore[arg-type]
         await t.aclose()
     got = b"".join(yielded + d.writes)
     assert ctx.cut_by_budget and ctx.delivered_completion_tokens == 8
@@ -235,15 +233,11 @@ async def _run_burst(events: list[bytes], d: Direct) -> tuple[bytes, object]:
     async with Server(lambda req: burst_after_first(events)) as s:
         t = H1Transport(backend(s.port))
         r = await t.post("chat/completions", b"{}", {})
-        start = StreamStart(r, Candidate(CFG.backend("e1"), "m"), [FIRST[:-2]], sse.EventSplitter(), r.aiter_raw(),
-                            time.perf_counter())
+        start = _start(r)
         ctx = _ctx(response_id="c1")
 
-        async def on_end() -> None:
-            return None
-
         got: list[bytes] = []
-        async for c in stream_body(ctx, start, on_end, d):  # type: ignore[arg-type]
+        async for c in stream_body(ctx, start, _no_end, d):  # type: ignore[arg-type]
             got.extend(d.writes)
             d.writes.clear()
             got.append(c)
@@ -296,14 +290,10 @@ async def test_a_read_after_the_client_left_is_neither_written_nor_counted():
     async with Server(lambda req: paced(events, gap_s=0.02)) as s:
         t = H1Transport(backend(s.port))
         r = await t.post("chat/completions", b"{}", {})
-        start = StreamStart(r, Candidate(CFG.backend("e1"), "m"), [FIRST[:-2]], sse.EventSplitter(), r.aiter_raw(),
-                            time.perf_counter())
+        start = _start(r)
         ctx = _ctx(response_id="c1")
 
-        async def on_end() -> None:
-            return None
-
-        gen = stream_body(ctx, start, on_end, d)  # type: ignore[arg-type]
+        gen = stream_body(ctx, start, _no_end, d)  # type: ignore[arg-type]
         assert await gen.__anext__() == FIRST
         task = asyncio.ensure_future(gen.__anext__())
         tasks.append(task)
