@@ -55,7 +55,7 @@ def stack(tmp_path):
     write_config(tmp_path, port, up_port, prefix)
     gw, _ = start_gateway(tmp_path / "gw.yaml", timeout=60)
     base = f"http://127.0.0.1:{port}"
-    wait_workers(base, 2)
+    wait_workers(base, 2, gw=gw)
     try:
         yield {"tmp": tmp_path, "gw": gw, "base": base, "port": port, "up_port": up_port, "prefix": prefix}
     finally:
@@ -77,8 +77,9 @@ def pids(base: str, tries: int = 60) -> set[int]:
     return {fresh(base, "/healthz").json()["pid"] for _ in range(tries)}
 
 
-def wait_workers(base: str, n: int, exclude: set[int] = frozenset(), timeout: float = 60.0) -> set[int]:
-    """Poll /healthz on fresh connections until `n` distinct worker pids (none in `exclude`) answered."""
+def wait_workers(base: str, n: int, exclude: set[int] = frozenset(), timeout: float = 60.0, gw=None) -> set[int]:
+    """Poll /healthz on fresh connections until `n` distinct worker pids (none in `exclude`) answered; the
+    failure carries the end of `gw`'s log (a worker that died at start says why there)."""
     deadline, seen = time.monotonic() + timeout, set()
     while time.monotonic() < deadline:
         try:
@@ -87,8 +88,11 @@ def wait_workers(base: str, n: int, exclude: set[int] = frozenset(), timeout: fl
             pass
         if len(seen) >= n:
             return seen
+        if gw is not None and not gw.alive():  # the supervisor gave up (a worker failed to start): say why now
+            break
         time.sleep(0.02)
-    raise AssertionError(f"only {seen} answered within {timeout}s")
+    tail = f"; gateway log:\n{gw.log()[-4000:]}" if gw is not None else ""
+    raise AssertionError(f"only {seen} answered within {timeout}s{tail}")
 
 
 def chat(stream: bool = False, fault: str | None = None, max_tokens: int = 4) -> dict:
@@ -289,7 +293,7 @@ def test_every_worker_subscribes_to_the_engines_kv_events(tmp_path):
     gw, _ = start_gateway(tmp_path / "gw.yaml", timeout=60)
     base = f"http://127.0.0.1:{port}"
     try:
-        wait_workers(base, 2)
+        wait_workers(base, 2, gw=gw)
         for i in range(6):
             r = fresh(base, "/v1/chat/completions", method="POST", headers={"authorization": f"Bearer {KEY}"},
                       json={"model": "sim-model", "max_tokens": 2,
