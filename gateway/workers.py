@@ -1,13 +1,8 @@
 """`gateway serve --workers N`: a pre-fork supervisor, so one host serves at N cores' rate.
 
-The supervisor binds one listening socket per worker slot, all on the same port with SO_REUSEPORT, and starts N
-worker processes (`python -m gateway serve --worker-fd ...`), each a whole gateway (its own event loop, pipeline,
-KV-event subscription) accepting from its slot's socket. The kernel spreads new connections over the slots by a
-hash of the connection, so N workers get ~1/N each whatever the scheduler does (one socket shared by every worker
-leaves the split to which process the scheduler wakes first: with an idle fleet one worker can take every
-connection, Node's cluster docs report 70% on 2 of 8). The supervisor keeps every slot's socket open, so a worker
-that dies loses no queued connection: its replacement accepts them from the same socket (a rolling restart's new
-worker shares the slot's socket with the old one until the old one drains). It keeps no request state:
+The supervisor binds the listening socket once and starts N worker processes (`python -m gateway serve
+--worker-fd ...`), each a whole gateway (its own event loop, pipeline, KV-event subscription) accepting from the
+one shared socket, so the kernel spreads connections over them. It is small and keeps no request state:
 
 * SIGTERM / SIGINT: every worker drains (`server.graceful_shutdown_s`), then the supervisor exits 0;
 * SIGHUP: every worker that is up reloads its config (each validates it; a refused reload keeps the old one
@@ -77,7 +72,7 @@ class Worker:
 class Supervisor:
     config_path: str
     n: int
-    socks: list[socket.socket]  # one listening socket per worker slot (SO_REUSEPORT, one port)
+    sock: socket.socket
     peer_dir: str
     grace_s: float
     workers: dict[int, Worker] = field(default_factory=dict)
@@ -91,7 +86,7 @@ class Supervisor:
     def spawn(self, wid: int) -> Worker:
         r, w = os.pipe()
         env = worker_env(dict(os.environ), wid, self.n, self.peer_dir, w)
-        fd = self.socks[wid].fileno()
+        fd = self.sock.fileno()
         args = [sys.executable, "-m", "gateway", "serve", "--config", self.config_path, "--worker-fd", str(fd)]
         # its own process group: a Ctrl-C at the terminal reaches the supervisor only, which drains each worker once
         p = subprocess.Popen(args, env=env, pass_fds=(fd, w), process_group=0)
@@ -212,44 +207,26 @@ def _mark_dead(pid: int, metrics_dir: str) -> None:
         pass
 
 
-def bind(host: str, port: int, n: int, backlog: int = 4096) -> list[socket.socket]:
-    """`n` listening sockets on one port (SO_REUSEPORT: the kernel hashes each new connection to one of them);
-    port 0 picks a free port for the first and binds the others to it. A port another process listens on is
-    refused (EADDRINUSE) even when that process set SO_REUSEPORT too: a second gateway started on the same port
-    by mistake must fail, not silently take half of the first one's connections."""
+def bind(host: str, port: int, backlog: int = 4096) -> socket.socket:
     fam = socket.AF_INET6 if ":" in host else socket.AF_INET
-    if port:
-        with socket.socket(fam, socket.SOCK_STREAM) as probe:  # no SO_REUSEPORT: fails on any listener there
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            probe.bind((host, port))
-    out: list[socket.socket] = []
-    try:
-        for _ in range(n):
-            s = socket.socket(fam, socket.SOCK_STREAM)
-            out.append(s)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            s.bind((host, port))
-            port = s.getsockname()[1]
-            s.listen(backlog)
-            s.set_inheritable(True)
-    except OSError:
-        for s in out:
-            s.close()
-        raise
-    return out
+    s = socket.socket(fam, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((host, port))
+    s.listen(backlog)
+    s.set_inheritable(True)
+    return s
 
 
 def supervise(config_path: str, n: int, host: str, port: int, grace_s: float, start_timeout_s: float = 120.0) -> int:
     """Run `n` workers until SIGTERM/SIGINT; the exit status of `gateway serve --workers n`."""
     try:
-        socks = bind(host, port, n)
+        sock = bind(host, port)
     except OSError as e:
         print(f"error: cannot listen on {host}:{port}: {e.strerror}", file=sys.stderr)
         return 1
     peer_dir = tempfile.mkdtemp(prefix="gateway-workers-")
     os.makedirs(os.path.join(peer_dir, "metrics"))
-    sup = Supervisor(config_path, n, socks, peer_dir, grace_s)
+    sup = Supervisor(config_path, n, sock, peer_dir, grace_s)
     flags = {"stop": False, "hup": False, "roll": False}
 
     def on(sig: int, _frame: Any) -> None:
@@ -267,7 +244,7 @@ def supervise(config_path: str, n: int, host: str, port: int, grace_s: float, st
             print("error: a worker did not start (its log is above); stopping", file=sys.stderr, flush=True)
             sup.stop()
             return 2
-        print(f"gateway supervisor: {n} workers accepting on {host}:{socks[0].getsockname()[1]}", file=sys.stderr,
+        print(f"gateway supervisor: {n} workers accepting on {host}:{sock.getsockname()[1]}", file=sys.stderr,
               flush=True)
         while not flags["stop"]:
             if flags["hup"]:
@@ -281,13 +258,12 @@ def supervise(config_path: str, n: int, host: str, port: int, grace_s: float, st
         sup.stop()
         return 0
     finally:
-        for ls in socks:
-            ls.close()
+        sock.close()
         shutil.rmtree(peer_dir, ignore_errors=True)
 
 
 def worker_socket(fd: int) -> socket.socket:
-    """Its slot's listening socket from the supervisor, inside a worker; the worker ends when the supervisor does."""
+    """The supervisor's listening socket, inside a worker; the worker ends when the supervisor does."""
     _die_with_parent()
     return socket.socket(fileno=fd)
 

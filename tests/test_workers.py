@@ -6,8 +6,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 from gateway.config import parse_config
 from gateway.workers import MAX_BACKOFF_S, next_backoff, worker_env, workers_problems
 from tests.support.procs import ROOT
@@ -88,49 +86,3 @@ def test_sighup_skips_a_worker_still_starting():
     assert ready.sent == [sig.SIGHUP] and starting.sent == []
     sup.signal_all(sig.SIGTERM)
     assert starting.sent == [sig.SIGTERM]  # a drain reaches every worker
-
-
-def test_bind_gives_each_worker_its_own_socket_on_one_port_and_the_kernel_spreads_connections():
-    """SO_REUSEPORT per slot: 200 connections in a row (idle workers, the case where one shared socket can
-    leave every connection to whichever process the scheduler wakes first) land on both sockets."""
-    import socket as so
-
-    from gateway.workers import bind
-
-    socks = bind("127.0.0.1", 0, 2)
-    try:
-        port = socks[0].getsockname()[1]
-        assert [s.getsockname()[1] for s in socks] == [port, port]
-        for s in socks:
-            s.setblocking(False)
-        got = [0, 0]
-        for _ in range(200):
-            c = so.create_connection(("127.0.0.1", port))
-            for i, s in enumerate(socks):
-                try:
-                    s.accept()[0].close()
-                    got[i] += 1
-                except BlockingIOError:
-                    pass
-            c.close()
-        assert sum(got) == 200 and min(got) >= 50, got
-    finally:
-        for s in socks:
-            s.close()
-
-
-def test_bind_refuses_a_port_another_process_listens_on_even_with_reuseport():
-    """A second `gateway serve --workers N` on a busy port fails with EADDRINUSE instead of joining the first
-    one's SO_REUSEPORT group and taking half of its connections."""
-    import errno
-
-    from gateway.workers import bind
-
-    first = bind("127.0.0.1", 0, 2)
-    try:
-        with pytest.raises(OSError) as e:
-            bind("127.0.0.1", first[0].getsockname()[1], 2)
-        assert e.value.errno == errno.EADDRINUSE
-    finally:
-        for s in first:
-            s.close()
