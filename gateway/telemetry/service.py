@@ -85,7 +85,7 @@ class TelemetryService:
         self.index = KVIndex()
         tc = config.raw.telemetry
         self._client = httpx.AsyncClient()
-        self.tokens = TokenSource(tc.tokenizer, self._client, tc.token_cache_size, tc.tokenize_timeout_s)
+        self.tokens = TokenSource(tc.tokenizer, tc.token_cache_size, tc.tokenize_timeout_s)
         self.subscribers: dict[str, KVEventSubscriber] = {}
         self._scrapers: dict[str, asyncio.Task[None]] = {}
         self._loads: dict[str, EngineLoad] = {}
@@ -144,6 +144,7 @@ class TelemetryService:
         for name in list(self._backends):
             await self._stop_backend(name, forget=False)
         await self._client.aclose()
+        await self.tokens.close()
 
     async def swap_config(self, config: Config) -> None:
         """Hot reload: start new engines, stop removed ones, restart those whose endpoints changed."""

@@ -14,14 +14,17 @@ the same answers (the longest token seen, in UTF-8 bytes) and bounds the tail: t
 """
 from __future__ import annotations
 
+import asyncio
 from array import array
 from collections import OrderedDict
 from typing import Any
 
-import httpx
 import orjson
 import xxhash
 
+from gateway.config import BackendConfig
+from gateway.proxy.h1client import H1Transport
+from gateway.proxy.transport import UpstreamBroken, UpstreamConnectError
 from gateway.telemetry.local_tokenizer import LocalTokenizer
 
 APPROX_CHARS_PER_TOKEN = 4
@@ -149,6 +152,46 @@ class PrefixTokenCache:
             self.max_token_bytes[scope] = m
 
 
+class TokenizeClient:
+    """POST /tokenize to engines through the native HTTP/1.1 client (gateway/proxy/h1client.py), one keep-alive
+    pool per server root. A refusal waits on this round trip when no bound decides it earlier, so it is on the
+    critical path: httpx spent ~0.8 ms of the gateway's CPU per call on a 1.5k-token chat (request building,
+    stdlib JSON, its response object) and doubled the round trip on an idle engine (bench/tokenize_rt.py)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._pools: dict[str, H1Transport] = {}
+
+    def _pool(self, server_root: str) -> H1Transport:
+        t = self._pools.get(server_root)
+        if t is None:
+            t = self._pools[server_root] = H1Transport(BackendConfig(name="tokenize", url=server_root))
+        return t
+
+    async def post(self, server_root: str, req: dict[str, Any]) -> dict[str, Any] | None:
+        """The engine's JSON answer, or None for anything but a 200 with a JSON object (a timeout, a refused or
+        broken connection, an error status, a body that is not JSON): the caller falls back."""
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                resp = await self._pool(server_root).post("/tokenize", orjson.dumps(req),
+                                                          {"content-type": "application/json"})
+                try:
+                    data = await resp.aread()
+                finally:
+                    await resp.aclose()
+            if resp.status != 200:
+                return None
+            js = orjson.loads(data)
+        except (TimeoutError, OSError, UpstreamBroken, UpstreamConnectError, TypeError, ValueError):
+            return None
+        return js if isinstance(js, dict) else None
+
+    async def aclose(self) -> None:
+        pools, self._pools = self._pools, {}
+        for t in pools.values():
+            await t.aclose()
+
+
 class TokenSource:
     """Resolves a request body to (token ids, source); caches by (model, rendered request) in an LRU.
 
@@ -156,11 +199,9 @@ class TokenSource:
     it is tokenized, used and dropped, and neither reads nor writes the cache (counted in `uncached`).
     """
 
-    def __init__(self, mode: str = "auto", client: httpx.AsyncClient | None = None, cache_size: int = 4096,
-                 timeout_s: float = 0.5) -> None:
+    def __init__(self, mode: str = "auto", cache_size: int = 4096, timeout_s: float = 0.5) -> None:
         self.mode = mode  # auto | engine | approx | <path to tokenizer.json or its folder>
-        self._client = client
-        self._own_client = client is None
+        self._client = TokenizeClient(timeout_s)
         self.timeout_s = timeout_s
         self._local: LocalTokenizer | None = None
         self.local_error: str | None = None
@@ -193,18 +234,12 @@ class TokenSource:
         keys = prefix_keys(body, salt, endpoint)
         if not keys or keys[-1] in self.prefixes:
             return False
-        if self._client is None:
-            self._client = httpx.AsyncClient()
         req: dict[str, Any] = {"model": body.get("model"), "messages": body["messages"][:-1],
                                "add_generation_prompt": False, "return_token_strs": True}
         if body.get("tools"):
             req["tools"] = body["tools"]
-        try:
-            r = await self._client.post(endpoint.rstrip("/") + "/tokenize", json=req, timeout=self.timeout_s)
-            if r.status_code != 200:
-                return False
-            js = r.json()
-        except (httpx.HTTPError, ValueError):
+        js = await self._client.post(endpoint, req)
+        if js is None:
             return False
         toks = js.get("tokens")
         if not isinstance(toks, list):
@@ -214,8 +249,7 @@ class TokenSource:
         return self.prefixes.put(keys[-1], toks, full_ids)
 
     async def close(self) -> None:
-        if self._own_client and self._client is not None:
-            await self._client.aclose()
+        await self._client.aclose()
 
     def _key(self, endpoint: str | None, body: dict[str, Any]) -> bytes:
         sub = {k: body.get(k) for k in ("model", "messages", "prompt", "tools", "chat_template_kwargs")}
@@ -267,8 +301,6 @@ class TokenSource:
 
     async def _engine_tokenize(self, server_root: str, body: dict[str, Any]) -> list[int] | None:
         """vLLM's POST /tokenize: {model, messages, add_generation_prompt} or {model, prompt}."""
-        if self._client is None:
-            self._client = httpx.AsyncClient()
         req: dict[str, Any] = {"model": body.get("model")}
         if "messages" in body:
             req.update(messages=body["messages"], add_generation_prompt=True)
@@ -277,11 +309,6 @@ class TokenSource:
         else:
             p = body.get("prompt", "")
             req["prompt"] = p if isinstance(p, str) else "".join(map(str, p))
-        try:
-            r = await self._client.post(server_root.rstrip("/") + "/tokenize", json=req, timeout=self.timeout_s)
-            if r.status_code != 200:
-                return None
-            toks = r.json().get("tokens")
-            return list(toks) if isinstance(toks, list) else None
-        except (httpx.HTTPError, ValueError):
-            return None
+        js = await self._client.post(server_root, req)
+        toks = js.get("tokens") if js is not None else None
+        return toks if isinstance(toks, list) else None
