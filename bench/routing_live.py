@@ -93,7 +93,10 @@ def gateway_config(tmp: Path, manifest: dict, strategy: str, port: int) -> Path:
                  "kv_events": e["kv_events"], "replay": e["replay"], "metrics": e["metrics"],
                  "location": {"country": "DE"}, "timeouts": {"first_token_s": 60, "total_s": 120}}
                 for e in manifest["engines"]]
-    routing = {} if strategy == "predicted_ttft" else {"strategy": strategy, "admission": False}
+    # least-loaded as a plain router: no admission and no gateway queue (flow control's queue timeouts would
+    # refuse requests for it: admission by another name), as in bench/flow_control.py
+    routing = {} if strategy == "predicted_ttft" else {"strategy": strategy, "admission": False,
+                                                       "flow_control": {"enabled": False}}
     if strategy == "predicted_ttft" and ARGS_TARGET_FIT[0]:
         routing["target_fit"] = True
     doc = {"server": {"host": "127.0.0.1", "port": port}, "backends": backends,
