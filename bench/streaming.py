@@ -12,10 +12,12 @@ Each server's background cost (timers, flushes: its rate with no load, measured 
 window for the time it ran. The per-event slope is (cost of the longest stream - cost of the shortest) / the
 difference in events, per stream mode.
 
-Two servers: the gateway (full default pipeline: key auth, policy, budgets, routing, evidence; the config of
-bench/overhead.py) and a bare streaming relay on the same stack (uvicorn + uvloop + httptools, a raw ASGI
+Three servers: the gateway (full default pipeline: key auth, policy, budgets, routing, evidence; the config of
+bench/overhead.py), a bare streaming relay on the same stack (uvicorn + uvloop + httptools, a raw ASGI
 callable that posts the body upstream through one pooled aiohttp session and relays each upstream read as one
-body message: no parsing, no accounting), the floor for the same bytes.
+body message: no parsing, no accounting), the floor for the same bytes through an ASGI server, and (`--servers
+...,splice`) a TCP splice in uvloop protocols (no HTTP at all: each read written to the other side), the floor
+of any user-space relay in Python on this kernel.
 
 Two stream modes: all events in one upstream write (the gateway reads them in a few large reads and can
 coalesce them into a few downstream writes) and paced (`--paced`: one upstream write and HTTP chunk per
@@ -25,7 +27,7 @@ Paced streams run for n x gap of wall time each; under callgrind the server is ~
 
 Run: .venv/bin/python bench/streaming.py [--events 20,200,1000] [--paced 20,200] [--gap-ms 20] [--seconds 10]
      [--connections 4] [--paced-connections 8]
-     [--no-callgrind] [--no-cpu] [--servers gateway,bare] [--tree DIR]
+     [--no-callgrind] [--no-cpu] [--servers gateway,bare,splice] [--tree DIR]
 """
 from __future__ import annotations
 
@@ -102,6 +104,55 @@ def serve_bare(port: int, upstream: str) -> None:
                 log_level="warning", access_log=False, lifespan="on")
 
 
+def serve_splice(port: int, up_port: int) -> None:
+    """The floor of any user-space relay on this kernel and loop: a TCP splice in uvloop protocols. Each client
+    connection gets its own upstream connection and every read is written to the other side as it came, with no
+    HTTP parsing at all (the bytes are the upstream's HTTP). Per paced event it pays what every relay must: the
+    loop's wake-up, one recv and one send (which on loopback also runs the receiver's TCP)."""
+    import uvloop
+
+    class Up(asyncio.Protocol):
+        def __init__(self, down: asyncio.Transport) -> None:
+            self.down = down
+
+        def data_received(self, data: bytes) -> None:
+            self.down.write(data)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self.down.close()
+
+    class Down(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.t = transport
+            self.up: asyncio.Transport | None = None
+            self.pending: list[bytes] = []
+            asyncio.get_running_loop().create_task(self._connect())
+
+        async def _connect(self) -> None:
+            up, _ = await asyncio.get_running_loop().create_connection(lambda: Up(self.t), "127.0.0.1", up_port)
+            self.up = up
+            for d in self.pending:
+                up.write(d)
+            self.pending.clear()
+
+        def data_received(self, data: bytes) -> None:
+            if self.up is None:
+                self.pending.append(data)
+            else:
+                self.up.write(data)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self.up is not None:
+                self.up.close()
+
+    async def run() -> None:
+        srv = await asyncio.get_running_loop().create_server(Down, "127.0.0.1", port)
+        async with srv:
+            await srv.serve_forever()
+
+    uvloop.run(run())
+
+
 Workload = tuple[int | None, float]  # (content events, None: JSON; ms between events, 0: all in one write)
 
 
@@ -123,6 +174,9 @@ def server_cmd(kind: str, tree: Path, tmp: Path, port: int, up_port: int) -> tup
     if kind == "bare":
         return ([sys.executable, str(ROOT / "bench/streaming.py"), "--serve-bare", str(port),
                  f"http://127.0.0.1:{up_port}/v1/chat/completions"], f"http://127.0.0.1:{port}/healthz")
+    if kind == "splice":
+        return ([sys.executable, str(ROOT / "bench/streaming.py"), "--serve-splice", str(port), str(up_port)],
+                f"http://127.0.0.1:{port}/health")
     cfg = gateway_config(tmp, f"gw-{port}", port, up_port, None)
     return [sys.executable, "-m", "gateway", "serve", "--config", str(cfg)], f"http://127.0.0.1:{port}/readyz"
 
@@ -215,8 +269,10 @@ def table(workloads: list[Workload], servers: list[str], instr: dict, cpu: dict)
             cols.append((f"{s} CPU µs", lambda w, s=s: f"{cpu[s][w][0] * 1e6:.0f}"))
     if "gateway" in servers and json_w in workloads:
         cols.append(("gateway vs its JSON", lambda w: f"{main['gateway'][w][0] / main['gateway'][json_w][0]:.2f}x"))
-    if "gateway" in servers and "bare" in servers:
-        cols.append(("gateway vs bare", lambda w: f"{main['gateway'][w][0] / main['bare'][w][0]:.2f}x"))
+    for floor in ("bare", "splice"):
+        if "gateway" in servers and floor in servers:
+            cols.append((f"gateway vs {floor}",
+                         lambda w, f=floor: f"{main['gateway'][w][0] / max(main[f][w][0], 1e-12):.2f}x"))
     lines = ["| request | " + " | ".join(c[0] for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for w in workloads:
         lines.append(f"| {label(w)} | " + " | ".join(c[1](w) for c in cols) + " |")
@@ -241,9 +297,10 @@ def table(workloads: list[Workload], servers: list[str], instr: dict, cpu: dict)
                 cells.append(f"{(cpu[s][hi][0] - cpu[s][lo][0]) / d * 1e6:.1f}")
         if "gateway" in servers and json_w in workloads:
             cells.append("")
-        if "gateway" in servers and "bare" in servers:
-            gw = main["gateway"][hi][0] - main["gateway"][lo][0]
-            cells.append(f"{gw / max(main['bare'][hi][0] - main['bare'][lo][0], 1e-12):.2f}x")
+        for floor in ("bare", "splice"):
+            if "gateway" in servers and floor in servers:
+                gw = main["gateway"][hi][0] - main["gateway"][lo][0]
+                cells.append(f"{gw / max(main[floor][hi][0] - main[floor][lo][0], 1e-12):.2f}x")
         mode = f"{gap:g} ms apart" if gap else "one write"
         lines.append(f"| per event ({lo[0]} -> {hi[0]}, {mode}) | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -262,9 +319,13 @@ def main() -> None:
     ap.add_argument("--no-cpu", action="store_true", help="skip the /proc CPU-seconds runs")
     ap.add_argument("--tree", default=str(ROOT), help="the gateway checkout to measure (default: this one)")
     ap.add_argument("--serve-bare", nargs=2, metavar=("PORT", "UPSTREAM"), help=argparse.SUPPRESS)
+    ap.add_argument("--serve-splice", nargs=2, type=int, metavar=("PORT", "UPSTREAM_PORT"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.serve_bare:
         serve_bare(int(a.serve_bare[0]), a.serve_bare[1])
+        return
+    if a.serve_splice:
+        serve_splice(*a.serve_splice)
         return
     callgrind = not a.no_callgrind
     if callgrind and (shutil.which("valgrind") is None or shutil.which("callgrind_control") is None):
