@@ -111,10 +111,10 @@ def gateway_config(tmp: Path, manifest: dict, strategy: str, port: int) -> Path:
 
 
 async def send(client: httpx.AsyncClient, base: str, body: dict, headers: dict, rid: str, out: list[dict],
-               at: float | None = None, slo: float | None = None) -> None:
+               at: float | None = None, slo: float | None = None, group: int | None = None) -> None:
     t0 = time.perf_counter()
     rec = {"rid": rid, "status": None, "ttft_ms": None, "reject_ms": None, "at": at, "slo": slo,
-           "prompt_tokens": None}
+           "prompt_tokens": None, "group": group}
     try:
         async with client.stream("POST", base + "/v1/chat/completions", json=body,
                                  headers={"authorization": f"Bearer {KEY}", "x-request-id": rid, **headers}) as r:
@@ -156,7 +156,7 @@ async def ladder(base: str, steps: list[float], seconds: float, out: list[dict],
                 g, u = rng.randrange(GROUPS), rng.randrange(USERS)
                 msg = users[g][u] + " Question: " + text(rng, QUESTION_TOKENS)
                 tasks.append(asyncio.create_task(send(client, base, body_of(systems[g], msg), {},
-                                                      f"ladder{rate:g}-{i}", out)))
+                                                      f"ladder{rate:g}-{i}", out, group=g)))
                 i += 1
                 await asyncio.sleep(rng.expovariate(rate))
         await asyncio.gather(*tasks)
@@ -321,6 +321,36 @@ def summarize(client: list[dict], audit: dict[str, dict], phase_of, dump=None) -
     return {"engines": eng, "phases": phases}
 
 
+def first_of_group(client: list[dict]) -> set[str]:
+    """The ladder requests that are the first of their group in the run (by send order): their system prompt is
+    on no engine yet, so every router pays its prefill in full."""
+    seen: set[int] = set()
+    first: set[str] = set()
+    for c in sorted((c for c in client if c.get("group") is not None), key=lambda c: int(c["rid"].rsplit("-", 1)[1])):
+        if c["group"] not in seen:
+            seen.add(c["group"])
+            first.add(c["rid"])
+    return first
+
+
+def any_router_p90_floor(client: list[dict], phase_of, others: tuple[list[dict], ...] = (), q: float = 0.9
+                         ) -> dict[str, tuple[int, int, float | None]]:
+    """Per ladder phase: (requests, first of their group, a floor under any router's p90 TTFT or None). When the
+    first-of-group requests are more than 1 - q of a phase, the phase's q-quantile is one of them or slower for
+    every router, so no router's p90 is below the fastest cold prefill: the fastest first-of-group TTFT measured
+    on any of the gateways run (`client` and `others`, the same arrivals)."""
+    first = first_of_group(client)
+    out: dict[str, tuple[int, int, float | None]] = {}
+    for ph in {phase_of(c["rid"]) for c in client if c.get("group") is not None}:
+        recs = [c for c in client if phase_of(c["rid"]) == ph]
+        cold = [c for c in recs if c["rid"] in first]
+        ttfts = [c["ttft_ms"] for run in (client, *others) for c in run
+                 if c["rid"] in first and phase_of(c["rid"]) == ph and c.get("ttft_ms") is not None]
+        floor = min(ttfts) if ttfts and len(cold) > (1 - q) * len(recs) else None
+        out[ph] = (len(recs), len(cold), floor)
+    return out
+
+
 def start(cmd: list[str], log: Path) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(log, "wb"),
                             env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
@@ -414,6 +444,8 @@ async def run(args: argparse.Namespace) -> None:
                 results[strategy] = summarize(outs[strategy], audit, lambda rid: rid.split("-")[0],
                                               dump if strategy == "predicted_ttft" else None)
                 if strategy == "predicted_ttft":
+                    snaps["p90_floor"] = any_router_p90_floor(outs[strategy], lambda rid: rid.split("-")[0],
+                                                              (outs["least_loaded"],))
                     snaps["oracle_model_mdare"] = replay_error(outs[strategy], audit, names)
             if dump is not None:
                 dump.close()
@@ -472,6 +504,20 @@ def print_tables(names: list[str], results: dict, snaps: dict, args: argparse.Na
               f"| {f(pct(p['ttft'], 0.5), '{:.0f}')} / {f(pct(lp.get('ttft', []), 0.5), '{:.0f}')} "
               f"| {f(o90, '{:.0f}')} | {f(l90, '{:.0f}')} "
               f"| {f(l90 / o90 if o90 and l90 else None, '{:.2f}')} |")
+    floors = snaps.get("p90_floor") or {}
+    if floors:
+        print("\nladder: requests that are the first of their group in the run (their prefix is on no engine: every "
+              "router prefills it); when they are over 10% of a step, no router's p90 is below the fastest of them")
+        print("| phase | requests | first of their group | floor under any router's p90 ms | least-loaded p90 / floor "
+              "(the most any router's ratio can be) |")
+        print("|---|---|---|---|---|")
+        for ph in phs:
+            if ph not in floors:
+                continue
+            n, k, fl = floors[ph]
+            l90 = pct(ll["phases"].get(ph, {}).get("ttft", []), 0.9)
+            print(f"| {ph} | {n} | {k} ({100 * k / max(1, n):.0f}%) | {f(fl, '{:.0f}')} "
+                  f"| {f(l90 / fl if fl and l90 else None, '{:.2f}')} |")
     dur = sched[-1][0] if sched else 1.0
     bo, bl, orc = ours["phases"].get("burst", {}), ll["phases"].get("burst", {}), snaps["oracle"]
     cap = capacity_rps(args.burst_tokens)
