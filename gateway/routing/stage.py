@@ -315,11 +315,15 @@ class PredictiveRouteStage:
         flow_on = fc.enabled and priority in FLOW_CLASSES and bool(own)
         if flow_on:
             fs.flow, fs.weight, fs.cls = flow_id(ctx.principal, d), flow_weight(d), priority
-        if rc.admission and target is not None and not partners and priority != "batch" and \
-                not (flow_on and self._maybe_long(ctx, own)):
-            self._refuse_early(ctx, own, target, t_start, salt)  # before tokenizing: raises when surely late
-        if flow_on and rc.admission and target is not None and not partners and not self._maybe_long(ctx, own):
-            self._refuse_queued(ctx, fs, own, target, t_start, salt)  # before tokenizing: its flow's queue alone
+        # a prompt that may be long gets the long target, unless the client's x-ttft-slo-ms sets it (_long_target):
+        # only then does the target checked before tokenizing hold for it too
+        if rc.admission and target is not None and not partners:
+            may_long = flow_on and self._maybe_long(ctx, own)
+            if not may_long or slo_ms(hdr, None, None) is not None:
+                if priority != "batch":
+                    self._refuse_early(ctx, own, target, t_start, salt)  # before tokenizing: raises when surely late
+                if flow_on:
+                    self._refuse_queued(ctx, fs, own, target, t_start, salt, may_long)  # its flow's queue alone
         tel = self.telemetry  # resolved once per stretch without an await (and again after each)
         has_tel = self.engines.telemetry_test(tel)
         n_tokens, cached, source, blocks, unstored = await self._prompt(ctx, own + partners, salt, tel, has_tel)
@@ -420,12 +424,17 @@ class PredictiveRouteStage:
         return any(est * 2 >= self.flow.limits(c.backend.name).long_prompt_tokens for c in own)
 
     def _refuse_queued(self, ctx: RequestContext, fs: "_FlowState", own: list[Candidate], target: float,
-                       t_start: float, salt: str | None) -> None:
+                       t_start: float, salt: str | None, may_long: bool = False) -> None:
         """Refuse before tokenizing when the work its flow's fair queue already puts ahead of it, at the rate
         the gateway has been handing work out, passes the target: the full prediction (which adds the time an
         engine needs to open and the engine's own part) could only be later. A flooding flow's excess is
-        refused here, for the price of a dict lookup, not a /tokenize."""
+        refused here, for the price of a dict lookup, not a /tokenize. A prompt that `may_long` be long waits
+        in one of the two lanes, not known before tokenizing: the shorter of the two floors."""
         wait_s, ahead = self.flow.queue_floor(fs.cls, fs.flow, fs.weight)
+        if may_long and wait_s > 0.0:
+            lw, la = self.flow.queue_floor(lane_class(fs.cls, True), fs.flow, fs.weight)
+            if lw < wait_s:
+                wait_s, ahead, fs.long = lw, la, True
         elapsed = max(0.0, time.perf_counter() - ctx.received_at)
         if (elapsed + wait_s) * 1000.0 <= target:
             return

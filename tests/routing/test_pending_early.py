@@ -227,3 +227,47 @@ async def test_a_prefix_held_on_an_engine_gives_no_bound_there(rig):
     bounds = st._uncached_lower_bounds(c, own, None, st.clock())
     assert eng not in bounds  # its chain runs through the whole prefix: anything past it may be cached
     assert all(v > 400 for v in bounds.values()) and len(bounds) == len(engines) - 1
+
+
+def _queued_work(st: PredictiveRouteStage, engines: list[dict], tokens: float = 50_000.0) -> None:
+    """The anonymous flow already has `tokens` waiting in both lanes of its class, and the gateway has been
+    handing out 20k tokens/s: its queue alone is 2.5 s ahead of any new request in either lane."""
+    from gateway.routing.flow import Waiter
+
+    now = st.clock()
+    names = frozenset(e["name"] for e in engines)
+    for lane, long in (("standard", False), ("standard/long", True)):
+        st.flow.queue.push(Waiter("anonymous", lane, tokens, long, names, now, now + 60.0,
+                                  uncached=dict.fromkeys(names, int(tokens))), 1.0)
+    st.flow.rate.add(now, 10_000.0)  # over the rate's shortest span (0.5 s): 20k tokens/s
+
+
+async def test_a_prompt_that_may_be_long_is_refused_on_its_flows_queue_before_tokenizing_when_the_client_set_the_target(rig):
+    st, tel, engines = rig
+    _queued_work(st, engines)
+    calls = _token_calls(tel)
+    c = _ctx("maybe-long", "a short question", slo=600)
+    c.prompt_tokens_est = 5000  # twice that passes the long threshold: it may be long on every engine
+    assert st._maybe_long(c, [x for x in candidates(st._config(), c, st._health).candidates])
+    with pytest.raises(GatewayError) as ei:
+        await st.run(c)
+    assert ei.value.status == 429 and ei.value.code == "ttft_slo_unattainable" and "fair queue" in ei.value.message
+    assert _token_calls(tel) == calls  # decided without tokenizing: its target holds in either lane
+    assert st.stats["rejected_before_tokenize"] == 1
+    assert c.evidence["route"]["queue"]["outcome"] == "refused"
+
+
+async def test_a_prompt_that_may_be_long_under_a_policy_target_is_tokenized_before_it_is_refused(rig):
+    from gateway.types import Decision
+
+    st, tel, engines = rig
+    _queued_work(st, engines)
+    calls = _token_calls(tel)
+    c = _ctx("maybe-long-policy", "a short question")
+    c.prompt_tokens_est = 5000
+    c.decision = Decision(allow=True, ttft_slo_ms=600.0)  # a long prompt would get the long target instead
+    with pytest.raises(GatewayError) as ei:
+        await st.run(c)
+    assert ei.value.status == 429 and ei.value.code == "ttft_slo_unattainable"
+    assert _token_calls(tel) == calls + 1  # only its tokens say which target applies
+    assert st.stats["rejected_before_tokenize"] == 0
