@@ -303,6 +303,29 @@ def test_the_upper_bound_of_a_queued_request_comes_from_queued_requests_residual
     assert lr.upper(busy) > lr.predict(busy) * 1.39
 
 
+def test_a_multi_step_prefill_gets_the_margin_of_multi_step_prefills_not_of_one_step_ones():
+    """One-step TTFTs err by where in the running step they arrive (here 60%), multi-step prefills by little (5%):
+    pooled, the short ones' spread would set the long ones' margin (the live bench's bursts after its ladder:
+    every admitted request under its bound). Each size gets its own; with too few, its queued group, then all."""
+    lr = EngineLearner(PredictorParams(quantile=0.9, quantile_window=64, min_samples=16))
+    lr.budget = 2048
+    short = Features(ahead_tokens=0.0, uncached_tokens=100.0, running=0.0)
+    long = Features(ahead_tokens=0.0, uncached_tokens=3000.0, running=0.0)
+    long_queued = Features(ahead_tokens=500.0, uncached_tokens=3000.0, running=0.0)
+    for _ in range(40):
+        lr.observe(short, lr.predict(short) * 1.6)
+    assert abs(lr.margin(long) - 0.6) < 1e-9  # no long residuals yet: the idle group's (all short)
+    for _ in range(20):
+        lr.observe(long, lr.predict(long) * 1.05)
+    assert abs(lr.margin(long) - 0.05) < 1e-9
+    assert abs(lr.margin(short) - 0.6) < 1e-9
+    assert abs(lr.margin(long_queued) - 0.6) < 1e-9  # its own groups are empty: all residuals' quantile
+    lr.budget = 4096  # a larger learned chunk budget: 3000 tokens are one step, judged with the short ones
+    assert abs(lr.margin(long) - 0.6) < 1e-9
+    lr.reset()
+    assert all(len(d) == 0 for d in lr.residuals_by_size.values())
+
+
 def test_the_fleet_median_is_taken_again_only_when_a_fit_moved():
     """fleet_theta is memoised on the engines' batch fits: the same answer while they hold, a new one once an
     engine refits, gets reset, or a new engine has a fit of its own."""
