@@ -14,7 +14,8 @@ Once an engine has `refit_min` observations, predictions come from a batch refit
 `refit_window` observations (bounded, Huber-IRLS least squares of relative error, every `refit_every`): the
 recursive fit's path dependence under the router's feedback loop cost 2-4x the error under overload.
 The split-conformal quantile of the last `quantile_window` out-of-sample relative errors (per engine, per group:
-prefill queued ahead or not, and one prefill step or more) turns the mean prediction into the calibrated upper bound admission uses.
+prefill queued ahead or not, and one prefill step or more) turns the mean prediction into the calibrated upper
+bound admission uses.
 Everything is pure and synchronous with an injectable clock.
 
 Guard against degenerate fits (a burst the features cannot explain can pin the prefill rate at its bound and put
@@ -235,9 +236,10 @@ class EngineLearner:
             self.calib.append(ok)
             self.calib_n += 1
             self.calib_hit += ok
-        self.residuals.append(ttft_s / pred - 1.0)
-        self.residuals_by[queued(f)].append(ttft_s / pred - 1.0)
-        self.residuals_by_size[size_group(f, self.budget)].append(ttft_s / pred - 1.0)
+        r = ttft_s / pred - 1.0
+        self.residuals.append(r)
+        self.residuals_by[queued(f)].append(r)
+        self.residuals_by_size[size_group(f, self.budget)].append(r)
         self.recent_log_err.append(math.log(ttft_s / pred))
         if self.batch_theta is None:  # the recursive fit predicts until the batch refit takes over
             self._observe_recursive(f, ttft_s)
@@ -255,7 +257,7 @@ class EngineLearner:
                     self.refit_at, self.refit_samples = now, self.samples
         if self.exploded():
             self.reset()
-        return ttft_s / pred - 1.0
+        return r
 
     def exploded(self) -> bool:
         """The degenerate-fit guard's test: the last guard_window predictions were off to one side by more than
