@@ -120,6 +120,10 @@ class BackendConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     context_window: int | None = None
     capabilities: list[str] = msgspec.field(default_factory=lambda: ["chat", "completions"])
     weight: float = 1.0
+    # requests this gateway process may have in flight to this upstream at once (null: no limit); past it a request
+    # waits in the gateway (one with a TTFT target is refused: 429 backend_inflight_limit). The one way to queue
+    # for an upstream the gateway has no model of (gateway/routing/limits.py)
+    max_inflight: int | None = None
     # Partner routes behind an egress proxy (opt-in per backend; such a backend uses the httpx client):
     # trust_env reads HTTPS_PROXY/HTTP_PROXY/ALL_PROXY/NO_PROXY (and SSL_CERT_FILE) from the environment
     trust_env: bool = False  # honour HTTPS_PROXY / HTTP_PROXY / NO_PROXY for this backend

@@ -24,6 +24,15 @@ class LongPrefillLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     max_long_prefill_tokens: int | None = None  # their uncached tokens together
 
 
+class ModelValidity(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`routing.model_validity`: when the gateway trusts its model of an engine (gateway/routing/mode.py)."""
+
+    min_observations: int = 16  # out-of-sample TTFTs since the learner's last reset
+    max_mdare: float = 0.5  # median |actual - predicted| / actual of the recent ones
+    exit_factor: float = 1.25  # a modelled engine becomes pass-through past max_mdare x this
+    telemetry_fresh_s: float = 5.0  # the last healthy metrics scrape may be this old
+
+
 class FlowControlConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """`routing.flow_control`: the gateway holds what the engines cannot start soon, in fair queues per priority
     class (weighted by policy `set: {share: N}`), and guards prefill against long prompts (docs/flow_control.md)."""
@@ -97,6 +106,8 @@ class RoutingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # predicted_ttft only: best-fit placement by TTFT target (plugins.TargetFitScorer); off by default
     target_fit: bool = False  # send a request with a target to the engine meeting 0.6 x it with least slack
     flow_control: FlowControlConfig = msgspec.field(default_factory=FlowControlConfig)
+    # when an engine counts as modelled (prediction, admission, flow control and the prefill guard act on it)
+    model_validity: ModelValidity = msgspec.field(default_factory=ModelValidity)
     peers: PeersConfig = msgspec.field(default_factory=PeersConfig)  # replicas route as one (docs/scale_out.md)
 
     def strategy_error(self) -> tuple[str, str] | None:

@@ -10,6 +10,7 @@ the engines' views) before the next one is looked at, else one open engine would
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any, Callable
 
 from gateway.routing.config import FlowControlConfig
@@ -18,6 +19,8 @@ from gateway.routing.flow import (CLASSES, LANES, FairQueue, FlowQueueFull, Long
 from gateway.routing.view import Drain
 
 __all__ = ["CLASSES", "FlowGate", "FlowQueueFull", "QueueTimeout"]
+
+log = logging.getLogger("gateway.routing.flow")
 
 CONTENTION_S = 2.0  # a flow served this recently counts as active (gate.contended)
 DEFAULT_SMALL_BUDGET = 2048  # vLLM's --max-num-batched-tokens for an OpenAI server on a GPU under 70 GiB
@@ -34,13 +37,18 @@ class FlowGate:
                  state: Callable[[str, float], tuple[float, float, float, Drain]],
                  long_flights: Callable[[float, Callable[[str], LongLimits]], dict[str, list[LongFlight]]],
                  chunk_budget: Callable[[str], tuple[int, str]],
-                 predict: Callable[[str, float, float, float], float] | None = None) -> None:
+                 predict: Callable[[str, float, float, float], float] | None = None,
+                 room: Callable[[str, float], tuple[int, int]] | None = None) -> None:
         self._config = config
         self.clock = clock
         # engine -> (prefill tokens ahead (drained), own tokens without a first token, running decodes, drain)
         self._state = state
         self._predict = predict  # (engine, tokens ahead, uncached tokens, running) -> mean TTFT (s)
         self._long_flights = long_flights
+        # engine -> (requests in flight on it now, the most it served in the last minute without its TTFT rising):
+        # the harmful-hold check (gateway/routing/room.py)
+        self._room = room
+        self.holding_with_room: set[str] = set()  # engines the model called closed while they had room
         self._chunk_budget = chunk_budget
         fc = config()
         self.queue = FairQueue(fc.max_queue_per_flow, fc.prefill_token_weight, fc.decode_token_weight)
@@ -52,7 +60,8 @@ class FlowGate:
         self.waited: dict[str, list[float]] = {c: [0.0, 0.0] for c in LANES}  # queue -> [sum of waits, count]
         self.last_served: dict[str, float] = {}  # flow -> when it was last dispatched (contention)
         self._limits: dict[str, tuple[float, LongLimits, FlowControlConfig]] = {}  # engine -> (at, limits, config)
-        self.stats = {"direct": 0, "queued": 0, "released": 0, "requeued": 0, "timeouts": 0, "full": 0}
+        self.stats = {"direct": 0, "queued": 0, "released": 0, "requeued": 0, "timeouts": 0, "full": 0,
+                      "late": 0, "harmful_holds": 0}
 
     @property
     def cfg(self) -> FlowControlConfig:
@@ -147,7 +156,8 @@ class FlowGate:
             o = opened.get(e)
             if o is None:
                 ahead, unfirst, _, drain = self._st(e, now, states)
-                o = opened[e] = engine_open(ahead, unfirst, drain, queue_s, strict)
+                o = engine_open(ahead, unfirst, drain, queue_s, strict)
+                o = opened[e] = self._room_check(e, now, o)
             if o:
                 opens.append(e)
         predict = self._predict
@@ -164,6 +174,27 @@ class FlowGate:
             if predict(e, max(ahead, unfirst), uncached[e], running) <= alt + queue_s:
                 go.append(e)
         return frozenset(go)
+
+    def _room_check(self, e: str, now: float, model_open: bool) -> bool:
+        """Whether `e` may take another request: the model says open, or (the harmful-hold check) the engine has
+        fewer in flight than it recently served without its TTFT rising, and holding for it would be a defect:
+        it opens, and the change of state is logged and counted once."""
+        room = False
+        n = peak = 0
+        if not model_open and self._room is not None:
+            n, peak = self._room(e, now)
+            room = n < peak
+        was = e in self.holding_with_room
+        if room and not was:
+            self.holding_with_room.add(e)
+            self.stats["harmful_holds"] += 1
+            log.warning("flow control: the model holds requests for %s while it has room (%d in flight, %d served "
+                        "in the last minute without its TTFT rising): releasing them", e, n, peak)
+        elif was and not room:
+            self.holding_with_room.discard(e)
+            log.info("flow control: %s no longer held with room (%s)", e,
+                     "the model opens it" if model_open else f"{n} in flight, recent healthy peak {peak}")
+        return model_open or room
 
     def _st(self, e: str, now: float, states: dict[str, Any]) -> tuple[float, float, float, Drain]:
         st = states.get(e)
@@ -333,6 +364,7 @@ class FlowGate:
         q = self.queue
         flows = sorted(set(q.counter) | set(q.served_prefill) | {f for f, _ in self.refused})
         return {"enabled": self.cfg.enabled, "waiting": len(q), "stats": dict(self.stats),
+                "holding_with_room": sorted(self.holding_with_room),
                 "contended": self.contended(self.clock()),
                 "releasing": self.releasing is not None,
                 "rate_tokens_per_s": round(self.rate.per_s(self.clock()), 1),

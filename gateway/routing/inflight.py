@@ -28,6 +28,7 @@ class Flight:
     uppers: dict[str, float] = field(default_factory=dict)  # upper bound (s) admission used, per engine
     elapsed_s: float = 0.0  # time from arrival to the prediction: known, so not the learner's to predict
     flow: str = ""  # its flow in flow control (charged its completion tokens at finish); empty: none
+    concurrency: int = 0  # requests in flight on its engine when it was sent, itself included (room.py)
 
     def prefilling(self, now: float) -> bool:
         if self.ctx.ttft_s is not None:

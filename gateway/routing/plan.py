@@ -16,9 +16,12 @@ class Candidate:
     cached_tokens: int | None = None
     score: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
+    mode: str | None = None  # modelled | pass_through (gateway/routing/mode.py); None: not judged
+    mode_reason: str | None = None
 
     def to_evidence(self) -> dict[str, Any]:
         loc = self.backend.location
+        extra = {"mode": self.mode, "mode_reason": self.mode_reason} if self.mode is not None else {}
         return {
             "backend": self.backend.name,
             "model": self.model,
@@ -26,6 +29,7 @@ class Candidate:
             "predicted_ttft_ms": self.predicted_ttft_ms,
             "predicted_cached_tokens": self.cached_tokens,
             **self.info,
+            **extra,
         }
 
 

@@ -40,6 +40,8 @@ from gateway.routing.flow import LongFlight, LongLimits, Waiter, lane_class
 from gateway.routing.flowkey import flow_id, flow_weight
 from gateway.routing.gate import FlowGate, FlowQueueFull, QueueTimeout
 from gateway.routing.inflight import Flight, InFlight
+from gateway.routing.limits import InflightLimits
+from gateway.routing.mode import MODELLED_KINDS, Mode, ModeBook, Observed, load_order
 from gateway.routing.pending import PendingCache, last_chunk_from
 from gateway.routing.plan import Candidate
 from gateway.routing.plugin import EngineView, Scored, Strategy
@@ -49,6 +51,7 @@ from gateway.routing.view import Drain
 from gateway.routing.prompt import (APPROX_BLOCK_CHARS, CHARS_PER_TOKEN, PromptFacts, lora_name, prompt_facts,
                                     prompt_text)
 from gateway.routing.registry import build_strategy, strategy_label
+from gateway.routing.room import Room
 from gateway.routing.scorers.target_fit import target_fit_score
 from gateway.routing.salts import _SALT_DEFAULT_SECRET, engine_cache_salt, tenant_cache_salt
 
@@ -62,6 +65,7 @@ _Flight = Flight  # older name
 # a long prompt goes to the engine whose upper prediction meets this share of its target with the least slack:
 # its loose target is met on a slower engine, and the fast engines' prefill stays with the short prompts
 LONG_FIT = 0.8
+MODEL_STRATEGIES = ("predicted_ttft", "target_fit")  # presets that order by the model's prediction
 
 
 @dataclass(slots=True)
@@ -81,6 +85,7 @@ class _FlowState:
     waited_s: float = 0.0
     predicted_wait_s: float = 0.0
     ahead_tokens: float = 0.0
+    late: bool = False  # it waited past its target's slack: served now, never refused after its wait
 _no_candidates = no_candidates
 _residency_rules = residency_rules
 _unattainable = unattainable
@@ -144,7 +149,14 @@ class PredictiveRouteStage:
         self.peers: Any = None  # the peer bus (peers.PeerBus) when replicas route as one; wired by gateway.wiring
         self.batch = BatchQueue(rc.batch_queue_size)
         self.stats = {"admitted": 0, "rejected": 0, "rejected_before_tokenize": 0,
-                      "rejected_on_cached_prefix": 0, "spilled": 0, "queued": 0, "shed": 0}
+                      "rejected_on_cached_prefix": 0, "spilled": 0, "queued": 0, "shed": 0,
+                      "refused_after_wait": 0, "served_late": 0, "pass_through": 0, "released_to_pass_through": 0,
+                      "rejected_inflight_limit": 0}
+        self.modes = ModeBook()  # each upstream's mode: modelled or pass-through (mode.py)
+        self._mode_memo: dict[str, tuple[float, Mode, Any]] = {}
+        self.room = Room()  # the harmful-hold check's samples (room.py)
+        self.limits = InflightLimits()  # backends[].max_inflight (limits.py)
+        self._slots: dict[str, str] = {}  # request id -> the upstream whose in-flight slot it holds
         self._learning: set[asyncio.Task] = set()  # background /tokenize of message prefixes (early.learn_prefix)
         self._strategies: dict[Any, Strategy] = {}
         # (routing config, its strategy, its label) of the last config seen: a config is immutable, so its
@@ -152,7 +164,7 @@ class PredictiveRouteStage:
         self._strategy_memo: tuple[Any, Strategy, str] | None = None
         self._longs: dict[str, dict[str, Flight]] = {}  # engine -> request id -> a long prompt's flight
         self.flow = FlowGate(lambda: self._config().raw.routing.flow_control, self.clock, self._engine_state,
-                             self._long_flights, self.chunk_budget, self._gate_predict)
+                             self._long_flights, self.chunk_budget, self._gate_predict, self._room_of)
         self.inflight.long_threshold = lambda name: self.flow.limits(name).long_prompt_tokens  # the peers' longs
 
     @property
@@ -215,6 +227,39 @@ class PredictiveRouteStage:
         d = self.engines.drain(name, tel)
         v = self.engines.view(name, now, self.engines.has_telemetry_name(name, tel), d, tel)
         return v.ahead_tokens, float(v.prefilling_tokens), v.running, d
+
+    def _room_of(self, name: str, now: float) -> tuple[int, int]:
+        """(requests in flight on the engine now, own and the peers', the most it recently served without its
+        TTFT rising): the flow gate's harmful-hold check."""
+        n = len(self.inflight.by_engine.get(name, ())) + len(self.inflight.remote.get(name, ()))
+        return n, self.room.peak(name, now)
+
+    # ---------------------------------------------------------------- modes (mode.py)
+    def mode(self, backend: Any, tel: Any, now: float) -> Mode:
+        """The upstream's mode now (memoised for 0.25 s: read once per candidate per request)."""
+        memo = self._mode_memo.get(backend.name)
+        if memo is not None and now - memo[0] < 0.25 and memo[2] is backend:
+            return memo[1]
+        m = self.modes.update(backend.name, self._observed(backend, tel),
+                              self._config().raw.routing.model_validity)
+        self._mode_memo[backend.name] = (now, m, backend)
+        return m
+
+    def _observed(self, b: Any, tel: Any) -> Observed:
+        """What the gateway observes about upstream `b`: its kind, its telemetry's freshness, its fit."""
+        if b.kind not in MODELLED_KINDS or tel is None:
+            return Observed(b.kind, tel is not None)
+        load = tel.load(b.name)
+        age: float | None = None
+        err: str | None = None
+        if load is not None:
+            if load.healthy:
+                age = max(0.0, time.time() - load.scraped_at)
+            else:
+                err = load.error
+        lr = self.predictor.engines.get(b.name)
+        return Observed(b.kind, True, age, err, tel.is_stale(b.name), len(lr.residuals) if lr is not None else 0,
+                        lr.mdare() if lr is not None else None)
 
     def _gate_predict(self, name: str, ahead: float, uncached: float, running: float) -> float:
         return self.predictor.predict(name, Features(ahead_tokens=ahead, uncached_tokens=uncached, running=running))[0]
@@ -299,6 +344,9 @@ class PredictiveRouteStage:
             raise no_candidates(ctx, plan)
         d = ctx.decision
         own, partners = split_partners(cfg, ctx, plan)
+        tel = self.telemetry
+        modelled = self._modes_of(own + partners, tel)  # the upstreams the gateway has a model of (mode.py)
+        all_modelled = all(c.backend.name in modelled for c in own)
 
         salt = engine_cache_salt(ctx, rc.cache_salt_secret_env)
         if salt is not None:
@@ -312,12 +360,14 @@ class PredictiveRouteStage:
         hdr = ctx.headers.get("x-ttft-slo-ms") if ctx.headers is not None else None
         target = slo_ms(hdr, d.ttft_slo_ms if d is not None else None, rc.default_ttft_slo_ms)
         fc = rc.flow_control
-        flow_on = fc.enabled and priority in FLOW_CLASSES and bool(own)
+        flow_on = fc.enabled and priority in FLOW_CLASSES and bool(modelled & {c.backend.name for c in own})
         if flow_on:
             fs.flow, fs.weight, fs.cls = flow_id(ctx.principal, d), flow_weight(d), priority
         # a prompt that may be long gets the long target, unless the client's x-ttft-slo-ms sets it (_long_target):
         # only then does the target checked before tokenizing hold for it too
-        if rc.admission and target is not None and not partners:
+        if rc.admission and target is not None and not partners and not all_modelled:
+            self._refuse_spent(ctx, own, target, t_start, salt)  # no model: only a certainty refuses
+        elif rc.admission and target is not None and not partners:
             may_long = flow_on and self._maybe_long(ctx, own)
             if not may_long or slo_ms(hdr, None, None) is not None:
                 if priority != "batch":
@@ -326,7 +376,9 @@ class PredictiveRouteStage:
                     self._refuse_queued(ctx, fs, own, target, t_start, salt, may_long)  # its flow's queue alone
         tel = self.telemetry  # resolved once per stretch without an await (and again after each)
         has_tel = self.engines.telemetry_test(tel)
+        t_tok = time.perf_counter()
         n_tokens, cached, source, blocks, unstored = await self._prompt(ctx, own + partners, salt, tel, has_tel)
+        tokenize_s = time.perf_counter() - t_tok
         deadline = time.monotonic() + rc.batch_queue_timeout_s
         own_names = {c.backend.name for c in own}
         while True:
@@ -341,17 +393,22 @@ class PredictiveRouteStage:
             part_ord = [c for c in ordered if c.backend.name not in own_names]
             if not own_ord and not part_ord:
                 raise no_candidates(ctx, plan)
+            if not all_modelled and rc.strategy in MODEL_STRATEGIES:  # a model's order, without the model:
+                load_order(own_ord, modelled, items)  # load-aware instead (a chosen model-free strategy stays)
             goal = target
             must_wait = False
-            if flow_on and own_ord:
-                must_wait, own_ord, goal = self._flow_plan(ctx, fs, fc, own_ord, feats, n_tokens, target, hdr,
-                                                           elapsed, items, drains)
-            if rc.admission and goal is not None and own_ord:
+            if flow_on and own_ord and not fs.late:
+                must_wait, own_ord, goal = self._flow_mixed(ctx, fs, fc, own_ord, modelled, feats, n_tokens,
+                                                            target, hdr, elapsed, items, drains)
+            if rc.admission and goal is not None and own_ord and all_modelled and not fs.late:
                 adm = decide(goal, [c.predicted_ttft_upper_ms for c in own_ord],  # type: ignore[misc]
                              [c.predicted_ttft_ms for c in own_ord], priority=priority,  # type: ignore[misc]
                              can_spill=bool(part_ord), batch_headroom=rc.batch_headroom,
                              batch_target_ms=rc.batch_ttft_target_ms)
-            else:
+            else:  # no target, or an upstream without a model (pass-through), or late: nothing to judge
+                adm = decide(None, [], [], priority=priority, can_spill=False)
+            if adm.action == "reject" and fs.waiter is not None:  # admitted with its wait in its prediction:
+                self.stats["served_late"] += 1  # never refused after it (the promise is made on arrival)
                 adm = decide(None, [], [], priority=priority, can_spill=False)
             if must_wait and adm.action == "admit":
                 await self._flow_wait(ctx, fs, fc, own_ord, goal, target, source, t_start, salt)
@@ -372,7 +429,7 @@ class PredictiveRouteStage:
                                    headers={**retry_headers(max(1.0, adm.retry_after_s)),
                                             "x-predicted-ttft-ms": f"{adm.best_ms:.0f}"})
         target = goal
-        if target is not None and len(own_ord) > 1 and not fs.go:  # engines predicted to meet the target first
+        if target is not None and len(own_ord) > 1 and not fs.go and all_modelled:  # engines predicted to meet the target first
             own_ord.sort(key=lambda c: (c.predicted_ttft_upper_ms or 0) > target)
         if adm.action == "reject":
             assert target is not None  # decide() rejects only against a target
@@ -395,17 +452,27 @@ class PredictiveRouteStage:
             final = own_ord + part_ord
         if d is not None and d.providers_order:  # the client's own order wins over the router's (evidence says so)
             final = client_order(final, d.providers_order)
+        if any(c.backend.max_inflight is not None for c in final):  # an operator's limit: the one hold we keep
+            final = await self._inflight_slot(ctx, final, target, fc.max_wait_s, source, t_start, salt)
         plan.candidates = final
         ctx.route = plan
         pick = final[0]
         self._evidence(ctx, final, target, adm.action, source, t_start, salt, tel, has_tel)
+        route = ctx.evidence["route"]  # decided_us, split: waiting in the gateway, awaiting tokens, the rest
+        route["queue_wait_us"] = round(fs.waited_s * 1e6, 1)
+        route["tokenize_us"] = round(tokenize_s * 1e6, 1)
+        route["compute_us"] = round(max(0.0, route["decided_us"] - route["queue_wait_us"] - route["tokenize_us"]), 1)
+        route["mode"] = "modelled" if pick.backend.name in modelled else "pass_through"
+        if pick.backend.name not in modelled:
+            self.stats["pass_through"] += 1
         self._flow_evidence(ctx, fs, "spilled" if adm.action == "spill" else "dispatched")
         if aff_key:
             ctx.evidence["route"]["affinity_engine"] = prev_engine  # the session's previous engine, if any
-        ctx.extra_headers["x-predicted-ttft-ms"] = f"{pick.predicted_ttft_ms:.0f}"
+        if pick.backend.name in modelled:  # a prediction is a promise only where there is a model
+            ctx.extra_headers["x-predicted-ttft-ms"] = f"{pick.predicted_ttft_ms:.0f}"
         ctx.extra_headers["x-gateway-backend"] = pick.backend.name
         fl = self._dispatched(ctx, pick, final, n_tokens, elapsed, feats, blocks, unstored, tel, has_tel(pick))
-        if fs.flow and pick.backend.name in own_names:
+        if fs.flow and pick.backend.name in modelled and pick.backend.name in own_names:
             self.flow.started(fs.flow, fs.weight, float(n_tokens - (pick.cached_tokens or 0)), fs.waiter,
                               fs.waited_s, fs.qcls)
             fl.flow = fs.flow
@@ -455,6 +522,88 @@ class PredictiveRouteStage:
             headers={**retry_headers(max(0.05, min(30.0, (best_ms - target) / 1000.0))),
                      "x-predicted-ttft-ms": f"{best_ms:.0f}", "x-ttft-slo-ms": f"{target:g}"},
             extra={"predicted_ttft_ms": round(best_ms, 3), "ttft_slo_ms": target})
+
+    def _modes_of(self, cands: list[Candidate], tel: Any) -> set[str]:
+        """The names of the modelled upstreams among `cands`; each candidate's mode and why go to its evidence."""
+        now = self.clock()
+        out: set[str] = set()
+        for c in cands:
+            m = self.mode(c.backend, tel, now)
+            c.mode, c.mode_reason = m.name, m.reason
+            if m.modelled:
+                out.add(c.backend.name)
+        return out
+
+    def _refuse_spent(self, ctx: RequestContext, own: list[Candidate], target: float, t_start: float,
+                      salt: str | None) -> None:
+        """Without a model of every allowed upstream only a certainty refuses: the time already spent since the
+        request arrived is past its target."""
+        spent_ms = (time.perf_counter() - ctx.received_at) * 1000.0
+        if spent_ms <= target or not own:
+            return
+        for c in own:
+            c.predicted_ttft_ms = c.predicted_ttft_upper_ms = round(spent_ms, 3)
+        self.stats["rejected"] += 1
+        self.stats["rejected_before_tokenize"] += 1
+        self._evidence(ctx, own, target, "reject", "none (the time spent since arrival is past the target)",
+                       t_start, salt)
+        raise unattainable(own[0], target, 1.0, lower_bound=True)
+
+    def _flow_mixed(self, ctx: RequestContext, fs: "_FlowState", fc: Any, own_ord: list[Candidate],
+                    modelled: set[str], feats: dict[str, Features], n_tokens: int, target: float | None,
+                    hdr: str | None, elapsed: float, items: list[Scored], drains: dict[str, Drain]
+                    ) -> tuple[bool, list[Candidate], float | None]:
+        """`_flow_plan` over the modelled candidates only: flow control acts where there is a model. A request
+        that could also go to a pass-through upstream is never held for a modelled one: when those are closed
+        it goes to the pass-through ones; while they are open, pass-through upstreams keep their places in the
+        strategy's order (a cold engine gets the traffic it learns from)."""
+        mod = [c for c in own_ord if c.backend.name in modelled]
+        if not mod:
+            return False, own_ord, target
+        must_wait, mod_sorted, goal = self._flow_plan(ctx, fs, fc, mod, feats, n_tokens, target, hdr, elapsed,
+                                                      items, drains)
+        if len(mod) == len(own_ord):
+            return must_wait, mod_sorted, goal
+        if must_wait:
+            self.stats["released_to_pass_through"] += 1
+            fs.go, fs.predicted_wait_s, fs.ahead_tokens = frozenset(), 0.0, 0.0
+            return False, [c for c in own_ord if c.backend.name not in modelled] + mod_sorted, goal
+        go = fs.go
+        return False, ([c for c in own_ord if c.backend.name in go or c.backend.name not in modelled]
+                       + [c for c in mod_sorted if c.backend.name not in go]), goal
+
+    async def _inflight_slot(self, ctx: RequestContext, final: list[Candidate], target: float | None,
+                             max_wait_s: float, source: str, t_start: float, salt: str | None) -> list[Candidate]:
+        """Take an in-flight slot (`backends[].max_inflight`) on the first candidate that has one free (it goes
+        first); when none has, wait for one (a request with a TTFT target is refused at once: limits.py)."""
+        lim = self.limits
+        deadline = self.clock() + max_wait_s
+        waited = False
+        while True:
+            free = [c for c in final if lim.free(c.backend.name, c.backend.max_inflight)]
+            if free:
+                pick = free[0]
+                lim.take(pick.backend.name)
+                self._slots[ctx.request_id] = pick.backend.name
+                if waited:
+                    ctx.evidence.setdefault("inflight_limit", {})["waited"] = True
+                return [pick] + [c for c in final if c is not pick]
+            left = deadline - self.clock()
+            if target is None and left > 0:
+                waited = True
+                lim.stats["waited"] += 1
+                if await lim.wait(left):
+                    continue
+                lim.stats["timeouts"] += 1
+            lim.stats["refused"] += 1
+            self.stats["rejected_inflight_limit"] += 1
+            self._evidence(ctx, final, target, "reject", source, t_start, salt)
+            full = {c.backend.name: c.backend.max_inflight for c in final}
+            ctx.evidence["route"]["inflight_limit"] = full
+            raise GatewayError(429, "Every allowed upstream is at the in-flight limit its operator set ("
+                               + ", ".join(f"{n}: {m}" for n, m in full.items()) + ")"
+                               + (" and none freed a slot in time." if target is None else "."),
+                               code="backend_inflight_limit", headers=retry_headers(1.0))
 
     def _flow_plan(self, ctx: RequestContext, fs: "_FlowState", fc: Any, own_ord: list[Candidate],
                    feats: dict[str, Features], n_tokens: int, target: float | None, hdr: str | None,
@@ -543,7 +692,13 @@ class PredictiveRouteStage:
         except (FlowQueueFull, QueueTimeout) as e:
             full = isinstance(e, FlowQueueFull)
             fs.waited_s = self.clock() - fs.enqueued
+            if not full and goal is not None:  # admitted with this wait in its prediction: served, never refused
+                fs.late = True  # after it (the route stage dispatches it on its next pass, past flow control)
+                self.flow.stats["late"] += 1
+                return
             reason = "queue_full" if full else "queue_timeout"
+            if not full:
+                self.stats["refused_after_wait"] += 1  # without a target, after max_wait_s: counted apart
             self.flow.refuse(fs.flow, reason)
             self.stats["rejected"] += 1
             self._evidence(ctx, own_ord, goal, "reject", source, t_start, salt)
@@ -589,6 +744,7 @@ class PredictiveRouteStage:
             # has started; before it only the index says so (it holds every block before the tail)
             self.pending.add(ctx.request_id, name, keys[held:], tail, fl.started + fl.predicted_s,
                              max(0, (n_tokens - budget) // bs) if bs else 0)
+        fl.concurrency = 1 + len(self.inflight.by_engine.get(name, ())) + len(self.inflight.remote.get(name, ()))
         self.inflight.add(fl)
         if self.peers is not None:
             self.peers.dispatched(fl)
@@ -634,9 +790,14 @@ class PredictiveRouteStage:
                        has_tel or self.engines.telemetry_test(tel))
 
     async def finish(self, ctx: RequestContext) -> None:
+        slot = self._slots.pop(ctx.request_id, None)
+        if slot is not None:
+            self.limits.give(slot)
         fl = self.inflight.pop(ctx.request_id)
         if fl is None:
             return
+        if ctx.ttft_s is not None and ctx.status in (0, 200) and ctx.backend == fl.engine:  # the room check's sample
+            self.room.observe(fl.engine, self.clock(), fl.concurrency, ctx.ttft_s)
         longs = self._longs.get(fl.engine)
         if longs is not None and longs.pop(ctx.request_id, None) is not None and not longs:
             del self._longs[fl.engine]
@@ -672,7 +833,13 @@ class PredictiveRouteStage:
                 v = self._view(b.name, now, self.engines.has_telemetry_name(b.name))  # own + the peers' flights
                 e["view"] = {"inflight": v.inflight, "ahead_tokens": round(v.ahead_tokens, 1),
                              "prefilling_tokens": v.prefilling_tokens, "running": v.running}
-        out = {"strategy": strategy_label(cfg.raw.routing.strategy), "engines": engines,
+        tel = self.telemetry
+        modes = {b.name: self.mode(b, tel, now).to_dict() for b in cfg.backends}  # every upstream, and why
+        for name, e in engines.items():
+            if name in modes:
+                e["mode"] = modes[name]
+        out = {"strategy": strategy_label(cfg.raw.routing.strategy), "engines": engines, "modes": modes,
+               "room": self.room.snapshot(now), "inflight_limits": self.limits.snapshot(),
                "admission": dict(self.stats), "batch_queue": len(self.batch),
                "inflight": self.inflight.counts(), "flow": self.flow.snapshot()}
         if self.peers is not None:

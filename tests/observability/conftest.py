@@ -50,6 +50,9 @@ def gateway_config(tmp: Path, engines: list[dict[str, Any]], server: dict[str, A
         "identity": {"sqlite_path": str(tmp / "gw.db")},
         "budgets": {"sqlite_path": str(tmp / "budgets.db")},
         "telemetry": {"scrape_interval_s": 0.2},
+        # the dashboard and metrics show the modelled mechanics (predictions, flow control) from the first
+        # request: the prior counts as the engines' model (gateway/routing/mode.py)
+        "routing": {"model_validity": {"min_observations": 0}},
         "observability": obs,
         "data_dir": str(tmp),
     }

@@ -38,6 +38,9 @@ def stack(tmp_path_factory):
         cfg.write_text(json.dumps({"server": {"host": "127.0.0.1", "port": port}, "backends": backends,
                                    "keys": [{"key": KEY, "tenant": "t1"}], "admin": {"key": ADMIN},
                                    "telemetry": {"scrape_interval_s": 0.2},
+                                   # the prior counts as the engines' model: the overload test pins admission
+                                   # on modelled engines from the first requests (gateway/routing/mode.py)
+                                   "routing": {"model_validity": {"min_observations": 0}},
                                    "observability": {"log_level": "warning"}}))
         gw, _ = start_gateway(cfg)
         try:

@@ -46,7 +46,9 @@ def stack(tmp_path_factory):
             "keys": [{"key": KEY_A, "tenant": "a"}, {"key": KEY_B, "tenant": "b"}], "admin": {"key": ADMIN},
             # the engines' chunk budget (2048) is learned from their KV events; the threshold is set so the
             # first long prompt already counts as long
-            "routing": {"flow_control": {"long_prompt_tokens": 4000}},
+            "routing": {"flow_control": {"long_prompt_tokens": 4000},
+                        # the warm-up's few requests per engine make its model valid (gateway/routing/mode.py)
+                        "model_validity": {"min_observations": 4}},
             "telemetry": {"scrape_interval_s": 0.2}, "observability": {"log_level": "warning"}}))
         gw, _ = start_gateway(cfg)
         try:

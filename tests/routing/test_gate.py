@@ -175,3 +175,32 @@ def test_an_open_engine_much_slower_than_the_best_is_not_taken():
     running["e_slow"] = 0.0  # idle, e_slow is predicted 0.14 s against e_fast's 0.04 s: within 100 ms
     fleet.ahead["e_fast"] = 0.0
     assert g.may_start(unc, fleet.t) == frozenset({"e_fast", "e_slow"})
+
+
+async def test_a_model_that_holds_while_the_engine_has_room_is_overruled_and_says_so_once(caplog):
+    """Issue 34: the harmful-hold check. The drain model calls e1 closed (10k tokens ahead) while the engine has
+    fewer requests in flight than it served in the last minute without its TTFT rising: holding would be a
+    defect, so e1 is open; the change of state is logged and counted once, and again when it ends."""
+    import logging
+
+    fleet = Fleet(["e1"])
+    fleet.ahead["e1"] = 10_000  # the model: closed
+    room = {"e1": (3, 8)}  # 3 in flight, healthy at 8
+    cfg = FlowControlConfig(tick_ms=1.0)
+    g = FlowGate(lambda: cfg, lambda: fleet.t, fleet.state, fleet.long_flights, lambda name: (2048, "learned"),
+                 room=lambda name, now: room[name])
+    with caplog.at_level(logging.INFO, logger="gateway.routing.flow"):
+        assert g.may_start({"e1": 300}, 0.0) == frozenset({"e1"})
+        assert g.may_start({"e1": 300}, 0.0) == frozenset({"e1"})
+        assert g.stats["harmful_holds"] == 1 and g.holding_with_room == {"e1"}
+        assert g.snapshot()["holding_with_room"] == ["e1"]
+        room["e1"] = (8, 8)  # at its healthy peak: the model's hold stands
+        assert g.may_start({"e1": 300}, 0.0) == frozenset()
+        assert g.holding_with_room == set()
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 2 and "while it has room (3 in flight, 8 served" in msgs[0] and "no longer" in msgs[1]
+    # a waiting request is released by the pump through the same check
+    room["e1"] = (1, 8)
+    x = w("a")
+    assert await asyncio.wait_for(g.wait(x, 1.0), 1.0) == frozenset({"e1"})
+    assert g.stats["harmful_holds"] == 2

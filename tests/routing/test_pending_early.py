@@ -41,12 +41,16 @@ async def rig():
         cfg = parse_config(yaml.safe_dump({"backends": [
             {"name": e["name"], "kind": "sim", "url": e["url"], "models": ["sim-model"], "kv_events": e["kv_events"],
              "replay": e["replay"], "metrics": e["metrics"]} for e in engines],
-            "telemetry": {"scrape_interval_s": 0.1}}))
+            "telemetry": {"scrape_interval_s": 0.1},
+            # these tests pin the modelled mechanics (refusal before tokenizing) from the first request: the
+            # prior counts as the engines' model (gateway/routing/mode.py)
+            "routing": {"model_validity": {"min_observations": 0}}}))
         tel = TelemetryService(cfg)
         await tel.start()
         try:
             for _ in range(50):  # block sizes come from the first scrape
-                if all(tel.index.block_size(e["name"]) for e in engines):
+                if all(tel.index.block_size(e["name"]) and (ld := tel.load(e["name"])) is not None and ld.healthy
+                       for e in engines):
                     break
                 await asyncio.sleep(0.05)
             yield PredictiveRouteStage(lambda: cfg, Health(cfg), telemetry=tel), tel, engines

@@ -26,9 +26,10 @@ def _cfg():
         b("only-partner", "FI", "partner", ("p-model",))]}))
 
 
-def _ctx(*, spill: bool, prompt_tokens: int, model: str = "m", eea: bool = True) -> RequestContext:
+def _ctx(*, spill: bool, prompt_tokens: int, model: str = "m", eea: bool = True, content: str = "x"
+         ) -> RequestContext:
     c = RequestContext(request_id=f"r-{spill}-{prompt_tokens}", endpoint="chat", headers={},
-                       body={"model": model, "messages": [{"role": "user", "content": "x"}]})
+                       body={"model": model, "messages": [{"role": "user", "content": content}]})
     c.model, c.model_chain, c.prompt_tokens_est = model, (model,), prompt_tokens
     c.principal = Principal(id="k", kind="api_key", tenant="acme")
     countries = frozenset({"DE", "SE", "FI"}) if eea else None
@@ -50,25 +51,74 @@ async def test_in_time_requests_stay_on_own_engines_even_when_spill_is_allowed(s
     assert c.evidence["route"]["admission"] == "admit"
 
 
-async def test_over_target_spills_to_a_partner_in_the_same_residency_class(stage):
-    c = _ctx(spill=True, prompt_tokens=200_000)  # the prior predicts ~25 s on the own engine
-    await stage.run(c)
-    names = [x.backend.name for x in c.route.candidates]
-    assert names == ["partner-se", "own-de"] and c.evidence["route"]["admission"] == "spill"
-    assert "partner-us" not in names  # outside the EEA: never a spill target
-    assert any(d["backend"] == "partner-us" and d["filter"] == "residency" for d in c.evidence["dropped"])
-    assert stage.stats["spilled"] == 1
+async def test_an_own_upstream_without_a_model_is_neither_spilled_from_nor_refused_on_a_prediction(stage):
+    """Issue 34: own-de is `kind: openai`, an upstream the gateway has no model of. The prior's ~25 s for
+    200k tokens is no promise: the request goes to it (pass-through), not to a partner, and is not refused;
+    the evidence says which mode each candidate is in and why."""
+    for spill in (True, False):
+        c = _ctx(spill=spill, prompt_tokens=200_000)
+        await stage.run(c)
+        assert c.route.candidates[0].backend.name == "own-de" and c.evidence["route"]["admission"] == "admit"
+        assert c.evidence["route"]["mode"] == "pass_through"
+        own = next(x for x in c.evidence["candidates"] if x["backend"] == "own-de")
+        assert own["mode"] == "pass_through" and "kind openai" in own["mode_reason"]
+        assert "x-predicted-ttft-ms" not in c.extra_headers  # no model, no prediction promised
+    assert stage.stats["spilled"] == 0 and stage.stats["rejected"] == 0 and stage.stats["pass_through"] == 2
 
 
-async def test_without_spill_permission_partners_are_dropped_and_the_request_is_refused_early(stage):
-    c = _ctx(spill=False, prompt_tokens=200_000)
+async def test_a_target_already_spent_on_arrival_is_refused_without_a_model(stage):
+    """The one refusal that needs no model: the time since arrival is past the target."""
+    c = _ctx(spill=False, prompt_tokens=100)
+    c.decision = Decision(allow=True, ttft_slo_ms=0.001, allowed_countries=frozenset({"DE"}))
     with pytest.raises(GatewayError) as ei:
         await stage.run(c)
     assert ei.value.status == 429 and ei.value.code == "ttft_slo_unattainable"
-    assert any(d["backend"] == "partner-se" and d["filter"] == "spill" for d in c.evidence["dropped"])
-    c = _ctx(spill=False, prompt_tokens=100)
-    await stage.run(c)
-    assert [x.backend.name for x in c.route.candidates] == ["own-de"]
+
+
+async def _modelled_sim_stage(fleet, partner_url: str):
+    """A route stage over a real simulated fleet (real telemetry), whose engines count as modelled from the
+    prior (`routing.model_validity.min_observations: 0`), plus an EEA and a US partner."""
+    from gateway.telemetry.service import TelemetryService
+
+    engines = fleet.manifest()["engines"]
+    own = [{"name": e["name"], "kind": "sim", "url": e["url"], "models": ["m"], "kv_events": e["kv_events"],
+            "replay": e["replay"], "metrics": e["metrics"], "location": {"country": "DE"}, "retention": "zero"}
+           for e in engines]
+    part = [{"name": n, "kind": "openai", "url": partner_url, "models": ["m"], "location": {"country": cc},
+             "retention": "zero", "operator": "partner"} for n, cc in (("partner-se", "SE"), ("partner-us", "US"))]
+    cfg = parse_config(yaml.safe_dump({"backends": own + part, "telemetry": {"scrape_interval_s": 0.1},
+                                       "routing": {"model_validity": {"min_observations": 0}}}))
+    tel = TelemetryService(cfg)
+    await tel.start()
+    for _ in range(100):  # a first healthy scrape per engine: telemetry live
+        if all((ld := tel.load(e["name"])) is not None and ld.healthy for e in engines):
+            break
+        await asyncio.sleep(0.05)
+    return PredictiveRouteStage(lambda: cfg, Health(cfg), telemetry=tel), tel
+
+
+async def test_over_target_on_modelled_engines_spills_to_a_partner_in_the_same_residency_class():
+    from backends.sim.fleet import start_fleet
+
+    async with start_fleet(1, profiles=["tiny"]) as fleet:
+        stage, tel = await _modelled_sim_stage(fleet, "http://127.0.0.1:9/p/v1")
+        try:
+            long = "several words of a long prompt " * 8000  # ~40k tokens: the prior predicts seconds, target 1 s
+            c = _ctx(spill=True, prompt_tokens=40_000, content=long)
+            await stage.run(c)
+            names = [x.backend.name for x in c.route.candidates]
+            assert names[0] == "partner-se" and c.evidence["route"]["admission"] == "spill", names
+            assert "partner-us" not in names  # outside the EEA: never a spill target
+            assert any(d["backend"] == "partner-us" and d["filter"] == "residency" for d in c.evidence["dropped"])
+            assert stage.stats["spilled"] == 1
+            # without spill permission: partners dropped, and the modelled engine's prediction refuses it early
+            c = _ctx(spill=False, prompt_tokens=40_000, content=long)
+            with pytest.raises(GatewayError) as ei:
+                await stage.run(c)
+            assert ei.value.status == 429 and ei.value.code == "ttft_slo_unattainable"
+            assert any(d["backend"] == "partner-se" and d["filter"] == "spill" for d in c.evidence["dropped"])
+        finally:
+            await tel.close()
 
 
 async def test_a_model_only_partners_serve_is_their_ordinary_route(stage):

@@ -2,6 +2,8 @@
 
 Faults come in the request body (`x_test_fault`), which the gateway forwards untouched:
   "error500" | "error503" | "error400" | "hang" | "slow_first:<s>" | "die_mid" | "slow_chunks:<s>" | "bad_json".
+Latency per request, like a partner API's: `x_test_latency: {"first_s": 0.2, "chunk_s": 0.01}` (the time to the
+first token, then between chunks).
 GET /stats tells what the upstream saw (requests, streams cancelled by a disconnecting gateway, hung requests whose
 caller went away, last body).
 Run: python -m tests.support.upstream --port P [--key KEY]
@@ -57,8 +59,11 @@ def make_app(key: str | None = None) -> Starlette:
                 await asyncio.sleep(0.05)
             STATS["hangs_abandoned"] += 1
             return Response(b"")
+        lat = body.get("x_test_latency") or {}
         if fault == "slow_first":
             await asyncio.sleep(arg)
+        if lat.get("first_s"):
+            await asyncio.sleep(float(lat["first_s"]))
         if fault == "bad_json":
             return Response(b"{not json", media_type="application/json")
         n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 8)
@@ -88,6 +93,8 @@ def make_app(key: str | None = None) -> Starlette:
                         raise RuntimeError("simulated engine death")
                     if fault == "slow_chunks" and i > 0:
                         await asyncio.sleep(arg)
+                    if lat.get("chunk_s") and i > 0:
+                        await asyncio.sleep(float(lat["chunk_s"]))
                     w = WORDS[i % len(WORDS)]
                     ch = ({"index": 0, "delta": {"content": w}, "finish_reason": None} if chat
                           else {"index": 0, "text": w, "finish_reason": None})
