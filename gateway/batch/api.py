@@ -1,8 +1,8 @@
 """OpenAI Files and Batch API routes: /v1/files and /v1/batches, shaped so the official SDK works unchanged.
 
 Every route authenticates like the data plane (the same IdentityService) and scopes everything to the owner:
-the tenant, team and project of the caller. Another principal asking for an id it does not own gets 404, the
-same answer as for an id that does not exist.
+the tenant, team, project, partner and restriction labels of the caller (`owner_of`, gateway/batch/scope.py).
+Another principal asking for an id it does not own gets 404, the same answer as for an id that does not exist.
 """
 from __future__ import annotations
 
@@ -28,11 +28,6 @@ log = logging.getLogger("gateway.batch")
 
 COMPLETION_WINDOWS = {"24h": 86400.0}
 METADATA_MAX_KEYS = 16
-
-
-def owner_of(p: Principal) -> str:
-    """Files and batches belong to the tenant, team and project that created them."""
-    return f"{p.tenant}/{p.team or '-'}/{p.project or '-'}"
 
 
 def new_id(prefix: str) -> str:
@@ -182,7 +177,7 @@ def batch_routes(svc: "BatchService") -> list[Route]:
             raise GatewayError(413, f"The file is {len(data)} bytes, over the limit of {c.max_file_bytes} bytes.",
                                code="file_too_large", param="file")
         parse_input(data, c.max_lines, svc.line_limit())  # 400 naming the first bad line
-        row = {"id": new_id("file-"), "owner": owner_of(p), "tenant": p.tenant, "purpose": "batch",
+        row = {"id": new_id("file-"), "owner": svc.owner(p), "tenant": p.tenant, "purpose": "batch",
                "filename": (filename or "input.jsonl")[:256], "bytes": len(data), "created_at": time.time(),
                "content": data}
         await svc.store.insert_file(row)
@@ -191,7 +186,7 @@ def batch_routes(svc: "BatchService") -> list[Route]:
     async def files_list(request: Request, p: Principal) -> Response:
         limit = _limit(request, 10000, 10000)
         try:
-            rows = await svc.store.list_files(owner_of(p), request.query_params.get("purpose"),
+            rows = await svc.store.list_files(svc.owner(p), request.query_params.get("purpose"),
                                               request.query_params.get("after"), limit + 1)
         except LookupError:
             raise _bad_cursor("file") from None
@@ -199,17 +194,18 @@ def batch_routes(svc: "BatchService") -> list[Route]:
 
     async def file_get(request: Request, p: Principal) -> Response:
         fid = request.path_params["file_id"]
-        row = await svc.store.get_file(fid, owner_of(p))
+        owner = svc.owner(p)
+        row = await svc.store.get_file(fid, owner)
         if row is None:
             raise _not_found("file", fid)
         if request.method == "DELETE":
-            await svc.store.delete_file(fid, owner_of(p))
+            await svc.store.delete_file(fid, owner)
             return JSONResponse({"id": fid, "object": "file", "deleted": True})
         return JSONResponse(file_object(row))
 
     async def file_content(request: Request, p: Principal) -> Response:
         fid = request.path_params["file_id"]
-        data = await svc.store.file_content(fid, owner_of(p))
+        data = await svc.store.file_content(fid, svc.owner(p))
         if data is None:
             raise _not_found("file", fid)
         return Response(data, media_type="application/octet-stream")
@@ -240,48 +236,50 @@ def batch_routes(svc: "BatchService") -> list[Route]:
         if not isinstance(fid, str):
             raise GatewayError(400, "input_file_id must be the id of an uploaded file.", code="invalid_request",
                                param="input_file_id")
-        frow = await svc.store.get_file(fid, owner_of(p))
+        owner = svc.owner(p)
+        frow = await svc.store.get_file(fid, owner)
         if frow is None:
             raise GatewayError(404, f"No such file: '{fid[:80]}'.", code="not_found", param="input_file_id")
         if frow["purpose"] != "batch":
             raise GatewayError(400, f"File {fid} has purpose {frow['purpose']!r}; a batch needs a file uploaded with "
                                "purpose 'batch'.", code="invalid_request", param="input_file_id")
         now = time.time()
-        job = {"id": new_id("batch_"), "owner": owner_of(p), "tenant": p.tenant, "principal": principal_row(p),
+        job = {"id": new_id("batch_"), "owner": owner, "tenant": p.tenant, "principal": principal_row(p),
                "principal_valid_until": svc.principal_valid_until(request.headers, p), "endpoint": endpoint,
                "input_file_id": fid, "completion_window": window, "metadata": meta, "created_at": now,
                "expires_at": now + COMPLETION_WINDOWS[window],
-               "zero_retention": await svc.zero_retention(p, fid, owner_of(p))}
+               "zero_retention": await svc.zero_retention(p, fid, owner)}
         await svc.store.insert_job(job)
         svc.kick()
-        got = await svc.store.get_job(job["id"], owner_of(p))
+        got = await svc.store.get_job(job["id"], owner)
         assert got is not None  # just inserted for this owner, and jobs are never deleted
         return JSONResponse(batch_object(got))
 
     async def batches_list(request: Request, p: Principal) -> Response:
         limit = _limit(request)
         try:
-            rows = await svc.store.list_jobs(owner_of(p), request.query_params.get("after"), limit + 1)
+            rows = await svc.store.list_jobs(svc.owner(p), request.query_params.get("after"), limit + 1)
         except LookupError:
             raise _bad_cursor("batch") from None
         return JSONResponse(list_page([batch_object(r) for r in rows], limit))
 
     async def batch_get(request: Request, p: Principal) -> Response:
         bid = request.path_params["batch_id"]
-        job = await svc.store.get_job(bid, owner_of(p))
+        job = await svc.store.get_job(bid, svc.owner(p))
         if job is None:
             raise _not_found("batch", bid)
         return JSONResponse(batch_object(job))
 
     async def batch_cancel(request: Request, p: Principal) -> Response:
         bid = request.path_params["batch_id"]
-        job = await svc.store.get_job(bid, owner_of(p))
+        owner = svc.owner(p)
+        job = await svc.store.get_job(bid, owner)
         if job is None:
             raise _not_found("batch", bid)
         if job["status"] not in ("validating", "in_progress", "cancelling"):
             raise GatewayError(409, f"Batch {bid} is {job['status']}; only a validating or in-progress batch can be "
                                "cancelled.", code="batch_not_cancellable")
-        job = await svc.store.cancel_job(bid, owner_of(p), time.time())
+        job = await svc.store.cancel_job(bid, owner, time.time())
         assert job is not None  # read above for this owner, and jobs are never deleted
         svc.kick()
         return JSONResponse(batch_object(job))

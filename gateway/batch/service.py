@@ -21,6 +21,7 @@ import orjson
 from gateway.batch.api import principal_from
 from gateway.batch.jsonl import ENDPOINTS, parse_input, prompt_prefix
 from gateway.batch.scheduler import Pacer, pick_jobs
+from gateway.batch.scope import ALWAYS_RESTRICTED, owner_of
 from gateway.batch.store import BatchStore, Line, PostgresBatchStore, SqliteBatchStore
 from gateway.errors import GatewayError
 from gateway.pipeline import Lifecycle, RequestContext, RequestHeaders
@@ -119,6 +120,12 @@ class BatchService:
         token = auth.partition(" ")[2].strip() or (headers.get("x-api-key") or "").strip()
         hit = getattr(self.gw.identity, "_jwt_cache", {}).get(token)
         return hit.valid_until if hit is not None else time.time() + 300.0
+
+    def owner(self, p: Any) -> str:
+        """The owner scope of what `p` creates or may see: tenant, team, project, partner and its restriction
+        labels under the loaded policy (gateway/batch/scope.py)."""
+        restrictions = getattr(self.gw.identity, "restrictions", None)
+        return owner_of(p, restrictions.labels if restrictions is not None else ALWAYS_RESTRICTED)
 
     async def zero_retention(self, p: Any, file_id: str, owner: str) -> bool:
         """Whether policy says zero retention for this owner and any model the input file names."""
