@@ -176,10 +176,12 @@ def batch_routes(svc: "BatchService") -> list[Route]:
         if len(data) > c.max_file_bytes:
             raise GatewayError(413, f"The file is {len(data)} bytes, over the limit of {c.max_file_bytes} bytes.",
                                code="file_too_large", param="file")
-        parse_input(data, c.max_lines, svc.line_limit())  # 400 naming the first bad line
+        lines = parse_input(data, c.max_lines, svc.line_limit())  # 400 naming the first bad line
+        # the decision it is uploaded under: every batch over it runs within it, whoever creates the batch
+        restriction = await svc.file_restriction(p, (ln.body["model"] for ln in lines), request.headers)
         row = {"id": new_id("file-"), "owner": svc.owner(p), "tenant": p.tenant, "purpose": "batch",
                "filename": (filename or "input.jsonl")[:256], "bytes": len(data), "created_at": time.time(),
-               "content": data}
+               "content": data, "restriction": restriction}
         await svc.store.insert_file(row)
         return JSONResponse(file_object(row))
 

@@ -21,7 +21,7 @@ import orjson
 from gateway.batch.api import principal_from
 from gateway.batch.jsonl import ENDPOINTS, parse_input, prompt_prefix
 from gateway.batch.scheduler import Pacer, pick_jobs
-from gateway.batch.scope import ALWAYS_RESTRICTED, owner_of
+from gateway.batch.scope import ALWAYS_RESTRICTED, InputFileDecision, RetentionGuard, owner_of, record_decisions
 from gateway.batch.store import BatchStore, Line, PostgresBatchStore, SqliteBatchStore
 from gateway.errors import GatewayError
 from gateway.pipeline import Lifecycle, RequestContext, RequestHeaders
@@ -126,6 +126,28 @@ class BatchService:
         labels under the loaded policy (gateway/batch/scope.py)."""
         restrictions = getattr(self.gw.identity, "restrictions", None)
         return owner_of(p, restrictions.labels if restrictions is not None else ALWAYS_RESTRICTED)
+
+    async def file_restriction(self, p: Any, models: Any, headers: Any) -> dict[str, Any]:
+        """What policy decides for the uploader and this upload request (its headers) for every model the file
+        names: the decision the file keeps and every batch over it runs within. A decision policy cannot make
+        now (OPA unreachable, fail-closed) refuses the upload, so no file is kept without its decision."""
+        from gateway.batch.scope import upload_headers
+        from gateway.policy.model import RequestAttrs
+
+        policy = getattr(self.gw, "policy", None)
+        decisions = {}
+        if policy is not None:
+            prov = policy.provider()
+            adecide = getattr(prov, "adecide", None)
+            hdrs = upload_headers(headers)
+            for model in sorted(set(models)):
+                attrs = RequestAttrs(model=model, headers=hdrs, max_tokens=None, stream=False, now=time.time())
+                d = await adecide(p, attrs) if adecide is not None else prov.decide(p, attrs)
+                if not d.allow and d.deny_status != 403:
+                    raise GatewayError(d.deny_status, f"policy decision unavailable ({d.deny_rule}): {d.reason}",
+                                       code="policy_unavailable", headers={"retry-after": "1"})
+                decisions[model] = d
+        return record_decisions(decisions, zero_label=p.labels.get("retention") == "zero")
 
     async def zero_retention(self, p: Any, file_id: str, owner: str) -> bool:
         """Whether policy says zero retention for this owner and any model the input file names."""
@@ -344,7 +366,12 @@ class BatchService:
             return e.status, e.body(), ctx.request_id, e
         prepare(ctx, parsed, orjson.dumps(body), gw.config)
         ctx.stream = False
-        life = Lifecycle(gw.pipeline.with_stage_after("decide", BatchPriorityStage()), ctx)
+        pipe = gw.pipeline.with_stage_after("decide", BatchPriorityStage())
+        restriction, zero = job.get("restriction"), bool(job.get("zero_retention"))
+        if restriction or zero:  # never looser than the input file's decision, nor than the batch's zero retention
+            pipe = pipe.with_stage_after("decide", InputFileDecision(restriction, zero)).with_stage_after(
+                "observe", RetentionGuard(restriction, zero))
+        life = Lifecycle(pipe, ctx)
         try:
             try:
                 result = await life.run()

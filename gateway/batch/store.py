@@ -53,6 +53,12 @@ def _schema(blob: str) -> list[str]:
     ]
 
 
+# Columns added after the tables above first shipped: added by `migrate` where missing (a NULL in an old row is
+# its default). `restriction`: the decision an input file was uploaded under, and the copy its batches run under
+# (gateway/batch/scope.py); NULL for rows written before it (they were decided by their creator alone).
+ADDED_COLUMNS = (("batch_files", "restriction", "TEXT"), ("batch_jobs", "restriction", "TEXT"))
+
+
 def _j(v: Any) -> str | None:
     return None if v is None else orjson.dumps(v).decode()
 
@@ -119,17 +125,24 @@ class BatchStore:
             await self._migrate_lock(tx)
             for s in _schema(self.blob):
                 await tx.execute(s)
+            for table, col, typ in ADDED_COLUMNS:
+                if col not in await self._columns(tx, table):
+                    await tx.execute(f"ALTER TABLE {table} ADD COLUMN {col} {typ}")
 
     async def _migrate_lock(self, tx: Any) -> None:
         return None
+
+    async def _columns(self, tx: Any, table: str) -> set[str]:
+        rows = await tx.fetch(f"PRAGMA table_info({table})")
+        return {r["name"] for r in rows}
 
     # ------------------------------------------------------------------ files
     async def insert_file(self, row: dict[str, Any]) -> None:
         async with self._tx() as tx:
             await tx.execute("INSERT INTO batch_files (id, owner, tenant, purpose, filename, bytes, created_at, "
-                             "expires_at, deleted, content) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0, ?)",
+                             "expires_at, deleted, content, restriction) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?)",
                              row["id"], row["owner"], row["tenant"], row["purpose"], row["filename"], row["bytes"],
-                             row["created_at"], row.get("expires_at"), row["content"])
+                             row["created_at"], row.get("expires_at"), row["content"], _j(row.get("restriction")))
 
     async def get_file(self, file_id: str, owner: str) -> dict[str, Any] | None:
         async with self._tx() as tx:
@@ -168,14 +181,19 @@ class BatchStore:
 
     # ------------------------------------------------------------------ jobs (API side)
     async def insert_job(self, row: dict[str, Any]) -> None:
+        """A new job in `validating`. It takes its input file's recorded decision (whoever creates it), and is
+        zero-retention when its creator's decision or the file's says so."""
         async with self._tx() as tx:
+            f = await tx.fetch("SELECT restriction FROM batch_files WHERE id = ?", row["input_file_id"])
+            restriction = _l(f[0]["restriction"]) if f else None
+            zero = bool(row.get("zero_retention")) or bool((restriction or {}).get("zero_retention"))
             await tx.execute(
                 "INSERT INTO batch_jobs (id, owner, tenant, principal, principal_valid_until, endpoint, input_file_id, "
-                "completion_window, metadata, status, created_at, expires_at, zero_retention) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 'validating', ?, ?, ?)",
+                "completion_window, metadata, status, created_at, expires_at, zero_retention, restriction) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 'validating', ?, ?, ?, ?)",
                 row["id"], row["owner"], row["tenant"], _j(row["principal"]), row.get("principal_valid_until"),
                 row["endpoint"], row["input_file_id"], row["completion_window"], _j(row.get("metadata")),
-                row["created_at"], row["expires_at"], 1 if row.get("zero_retention") else 0)
+                row["created_at"], row["expires_at"], 1 if zero else 0, _j(restriction))
 
     async def get_job(self, batch_id: str, owner: str | None = None) -> dict[str, Any] | None:
         async with self._tx() as tx:
@@ -408,6 +426,7 @@ def _job(r: Mapping[str, Any]) -> dict[str, Any]:
     d["metadata"] = _l(d["metadata"])
     d["errors"] = _l(d["errors"])
     d["stop_reason"] = _l(d.get("stop_reason"))
+    d["restriction"] = _l(d.get("restriction"))
     return d
 
 
@@ -483,6 +502,11 @@ class PostgresBatchStore(BatchStore):
 
     async def _migrate_lock(self, tx: Any) -> None:
         await tx.conn.execute("SELECT pg_advisory_xact_lock(hashtext($1))", f"gw_batch_migrate:{self.schema}")
+
+    async def _columns(self, tx: Any, table: str) -> set[str]:
+        rows = await tx.fetch("SELECT column_name FROM information_schema.columns WHERE table_schema = "
+                              "current_schema() AND table_name = ?", table)
+        return {r["column_name"] for r in rows}
 
     @asynccontextmanager
     async def _tx(self) -> AsyncIterator[_PgTx]:

@@ -1,12 +1,15 @@
 """Issue 35.2 end to end (the official SDK against a gateway process in front of a simulated fleet with one EEA
 engine that keeps nothing and one US engine that keeps data): a partner and its tenant, two partners of one
 tenant and two keys of one project with different restriction labels each see only their own files, batches and
-output files (list, get, content, delete, a batch over them, cancel: a foreign id is the 404 of an unknown one)."""
+output files (list, get, content, delete, a batch over them, cancel: a foreign id is the 404 of an unknown one),
+and a batch never runs looser than the decision its input file was uploaded under, whoever creates it: its
+lines reach only the EEA engine, its input is deleted when it ends, and no prompt of it is in the audit log."""
 from __future__ import annotations
 
 import io
 import json
 import time
+import uuid
 
 import httpx
 import pytest
@@ -167,3 +170,54 @@ def test_two_keys_of_one_project_with_different_restriction_labels_do_not_share(
     # another key of the project with the same restriction labels (and other labels) shares the scope
     eea2 = key(base, **where, labels={"residency": "eea", "colour": "blue"})
     assert eea2.files.retrieve(fe.id).id == fe.id and eea2.batches.retrieve(be.id).id == be.id
+
+
+def _audit(tmp, bid: str, n: int) -> tuple[list[dict], str]:
+    deadline = time.monotonic() + 10
+    while True:
+        text = (tmp / "audit.jsonl").read_text() if (tmp / "audit.jsonl").exists() else ""
+        recs = [json.loads(x) for x in text.splitlines() if x.strip()]
+        mine = [r for r in recs if (r.get("batch") or {}).get("batch_id") == bid]
+        if len(mine) >= n:
+            return mine, text
+        assert time.monotonic() < deadline, f"{len(mine)} of {n} audit records of {bid}"
+        time.sleep(0.1)
+
+
+def _check_never_looser(stack, creator: OpenAI, f, marker: str, n: int) -> None:
+    b = creator.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert b.model_extra["retention"]["zero_data_retention"] is True
+    done = wait_done(creator, b.id)
+    assert done.status == "completed" and done.request_counts.completed == n, done
+    recs, text = _audit(stack["tmp"], b.id, n)
+    for r in recs:  # every line decided within the file's decision and served in the EEA only
+        assert r["backend"] == EEA_ENGINE, r["backend"]
+        assert r["decision"]["jurisdiction"] == "EEA" and r["decision"]["retention"] == "zero", r["decision"]
+        assert r["zero_retention"] is True and "content" not in r
+    assert marker not in text  # no prompt of the file in the audit log
+    with pytest.raises(NotFoundError):  # the input is gone as soon as the batch ended
+        creator.files.retrieve(f.id)
+    assert len(creator.files.content(done.output_file_id).text.splitlines()) == n  # delivered, then deleted
+
+
+def test_a_batch_never_runs_looser_than_the_decision_its_file_was_uploaded_under(stack):
+    """Two keys of one project share its scope (same restriction labels), but policy restricts one of them by its
+    key scope: the file the EEA key uploaded keeps EEA + zero retention when the other key runs it."""
+    base = stack["base"]
+    where = {"team": "data", "project": "etl"}
+    eu_key, loose_key = key(base, **where, scopes=["eu-only"]), key(base, **where)
+    n, marker = 8, f"eu-secret-{uuid.uuid4().hex}"
+    f = eu_key.files.create(file=("in.jsonl", io.BytesIO(lines(n, marker))), purpose="batch")
+    assert loose_key.files.retrieve(f.id).id == f.id  # the same scope: it may run the file ...
+    _check_never_looser(stack, loose_key, f, marker, n)  # ... but only as the file's decision allows
+
+
+def test_a_file_uploaded_as_confidential_stays_confidential_in_its_batch(stack):
+    """The upload request's own headers are part of the decision the file keeps: a file uploaded with
+    `x-data-classification: confidential` runs EEA + zero retention though its lines carry no such header."""
+    base = stack["base"]
+    c = key(base)
+    n, marker = 6, f"confidential-{uuid.uuid4().hex}"
+    f = c.files.create(file=("in.jsonl", io.BytesIO(lines(n, marker))), purpose="batch",
+                       extra_headers={"x-data-classification": "confidential"})
+    _check_never_looser(stack, c, f, marker, n)
