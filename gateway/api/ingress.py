@@ -25,7 +25,7 @@ from gateway.api.wire.base import ClientWire
 from gateway.api.wire.openai import OPENAI
 from gateway.errors import GatewayError, retry_headers
 from gateway.pipeline import Lifecycle, RequestContext, RequestHeaders
-from gateway.proxy.forward import JsonResult, stream_body
+from gateway.proxy.forward import JsonResult, abandon, stream_body
 from gateway.server_protocol import direct_body, response_started, write_response
 
 log = logging.getLogger("gateway")
@@ -356,6 +356,9 @@ class InferenceEndpoint:
         except asyncio.CancelledError:
             ctx.status = ctx.status if ctx.status and ctx.status != 200 else 499
             ctx.error = ctx.error or "client_disconnected"
+            # the client left after the dispatch opened a stream and before its relay began (which closes it
+            # itself): the upstream request ends here, not when the engine finishes for nobody
+            await abandon(ctx.result)
             raise
         finally:
             await life.finish(shield=ctx.stream)

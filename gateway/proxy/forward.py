@@ -24,7 +24,7 @@ from gateway.pipeline import RequestContext, Usage
 from gateway.proxy import sse
 from gateway.proxy.dialects import Dialect, Exchange, StreamTranslator, dialect_for
 from gateway.proxy.health import Health
-from gateway.proxy.transport import UpstreamBroken, UpstreamConnectError, UpstreamResponse
+from gateway.proxy.transport import UpstreamBroken, UpstreamConnectError, UpstreamResponse, abort
 from gateway.proxy.upstream import Upstreams
 from gateway.routing.flowkey import flow_id
 from gateway.routing.plan import Candidate, RoutePlan
@@ -314,6 +314,14 @@ class Dispatcher:
             self.health.failure(b.name, str(e) or type(e).__name__)
             raise GatewayError(502, "Upstream failed before the first token.", code="upstream_error",
                                extra={"_retryable": True}) from None
+        except BaseException:
+            # Cancelled: the client left (gateway/api/ingress.py cancels the request's task at once), before the
+            # response headers, before the first token or during a JSON body. The upstream request ends now:
+            # its connection is closed, never handed back to the pool, so the engine sees the close and aborts
+            # the generation (vLLM aborts a request whose connection closes) instead of running on for nobody.
+            if resp is not None:
+                await abort(resp)
+            raise
 
     def _upstream_status(self, ctx: RequestContext, cand: Candidate, dialect: Dialect, status: int, body: bytes,
                          headers) -> JsonResult:
@@ -450,8 +458,19 @@ async def stream_body(ctx: RequestContext, start: StreamStart, on_end: Callable[
         aclose = getattr(it, "aclose", None)
         if aclose is not None:
             await aclose()
-        await start.response.aclose()
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():  # the client left mid-stream: the upstream request ends now
+            await abort(start.response)
+        else:
+            await start.response.aclose()
         await on_end()
+
+
+async def abandon(result: Any) -> None:
+    """A dispatch result that will not be relayed (the client left between the dispatch and the stream's
+    start): its upstream request ends now, its connection closed (a no-op for one already closed)."""
+    if isinstance(result, StreamStart):
+        await abort(result.response)
 
 
 def _push_handler(ctx: RequestContext, st: StreamState, splitter: sse.EventSplitter,

@@ -292,6 +292,16 @@ class _Response:
             self._timer = None
         self._conn.done_with(self, reusable=self._done and not self._chunks)
 
+    def abort(self) -> None:
+        """Close the connection whatever was read (gateway/proxy/transport.py `abort`); no-op once closed."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._conn.done_with(self, reusable=False)
+
 
 class _Conn(asyncio.Protocol):
     """One upstream connection: sends a request, parses the response into its _Response."""

@@ -37,6 +37,18 @@ class UpstreamResponse(Protocol):
     async def aclose(self) -> None: ...
 
 
+async def abort(resp: UpstreamResponse) -> None:
+    """End an upstream request now, however much of it was read (a client that left): its connection is
+    closed, never handed back to the pool, so the upstream sees the close (vLLM then aborts the request).
+    The native and aiohttp responses close synchronously (`abort()`: nothing to await while a cancellation
+    unwinds); httpx closes a response that was not read to its end (httpcore drops that connection)."""
+    hard = getattr(resp, "abort", None)
+    if hard is not None:
+        hard()
+    else:
+        await resp.aclose()
+
+
 class Transport(Protocol):
     # `path` is relative to the backend's URL; one with a leading '/' is relative to its server root instead
     # (BackendConfig.server_root: the URL without a trailing /v1, where vLLM serves /tokenize)
@@ -80,6 +92,9 @@ class _AiohttpResponse:
             self._r.release()  # fully read: the connection goes back to the pool
         else:
             self._r.close()  # abandoned mid-body: close the connection so the engine stops working on it
+
+    def abort(self) -> None:
+        self._r.close()
 
 
 class AiohttpTransport:
