@@ -4,7 +4,9 @@ so the upstream is never the bottleneck when measuring what the gateway adds.
 A streamed request gets `max_tokens` content events (16 when absent; at most 100,000), then a usage-only
 event and `data: [DONE]`, all in one write (bench/streaming.py asks for 20/200/1000-event streams); with
 `"x_bench_gap_ms": G` in the body, as a chunked response with one write (and one HTTP chunk) per event, G ms
-apart, the way an engine sends tokens as it generates them."""
+apart, the way an engine sends tokens as it generates them.
+`fast_upstream.py PORT [FIRST_MS [GAP_MS]]`: every answer waits FIRST_MS before its first token (a JSON answer:
+before it is sent), and a stream then sends its events GAP_MS apart: a partner API's shape (bench/harm.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -72,6 +74,30 @@ async def paced(t: asyncio.Transport, n: int, gap_s: float) -> None:
     t.write(b"0\r\n\r\n")
 
 
+FIRST_S = 0.0  # set from the command line: the time to the first token of every answer
+GAP_S = 0.0
+
+
+async def delayed(t: asyncio.Transport, data: bytes, delay_s: float) -> None:
+    await asyncio.sleep(delay_s)
+    if not t.is_closing():
+        t.write(data)
+
+
+async def partner_stream(t: asyncio.Transport, n: int, first_s: float, gap_s: float) -> None:
+    """Headers at once, the first event after first_s, the rest gap_s apart (one HTTP chunk each)."""
+    t.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+    events = sse_body(n).split(b"\n\n")[:-1]
+    await asyncio.sleep(first_s)
+    for i, ev in enumerate(events):
+        if i and gap_s:
+            await asyncio.sleep(gap_s)
+        if t.is_closing():
+            return
+        t.write(_chunk(ev + b"\n\n"))
+    t.write(b"0\r\n\r\n")
+
+
 class Proto(asyncio.Protocol):
     def connection_made(self, transport):
         self.t = transport
@@ -93,6 +119,12 @@ class Proto(asyncio.Protocol):
             self.buf = self.buf[i + 4 + n:]
             if head.startswith(b"get"):
                 self.t.write(HEALTH_RESP)
+            elif FIRST_S and b'"stream":true' in body:
+                n, _ = stream_params(body)
+                self.task = asyncio.ensure_future(partner_stream(self.t, n, FIRST_S, GAP_S))
+            elif FIRST_S:
+                n, _ = stream_params(body)
+                self.task = asyncio.ensure_future(delayed(self.t, JSON_RESP, FIRST_S + GAP_S * max(0, n - 1)))
             elif b'"stream":true' in body:
                 n, gap = stream_params(body)
                 if gap > 0:
@@ -117,4 +149,8 @@ if __name__ == "__main__":
         uvloop.install()
     except ImportError:
         pass
+    if len(sys.argv) > 2:
+        FIRST_S = float(sys.argv[2]) / 1000
+    if len(sys.argv) > 3:
+        GAP_S = float(sys.argv[3]) / 1000
     asyncio.run(main(int(sys.argv[1])))

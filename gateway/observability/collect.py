@@ -30,6 +30,7 @@ class GatewayStateCollector(Collector):
             yield from self._telemetry()
             yield from self._router()
             yield from self._flow()
+            yield from self._modes()
             yield from self._peers()
         except Exception:  # a broken source must not break /metrics
             log.exception("collecting gateway state metrics failed")
@@ -77,6 +78,11 @@ class GatewayStateCollector(Collector):
                                 "Predicted vs actual cached tokens: sum(min)/max(sums), all time", labels=["engine"])
         win = GaugeMetricFamily("gateway_kv_index_window_token_agreement_ratio",
                                 "Token agreement over the recent window", labels=["engine"])
+        err = GaugeMetricFamily("gateway_kv_index_error_agreement_ratio",
+                                "1 - sum|predicted - actual| / sum actual cached tokens, all time (a client's count)",
+                                labels=["engine"])
+        aerr = CounterMetricFamily("gateway_kv_abs_error_cached_tokens", "|predicted - actual| cached tokens",
+                                   labels=["engine"])
         req = GaugeMetricFamily("gateway_kv_index_request_agreement_ratio",
                                 "Share of requests whose predicted cached tokens matched exactly", labels=["engine"])
         # the agreement's all-time sums as counters (rate() over them gives the agreement of any range)
@@ -110,6 +116,7 @@ class GatewayStateCollector(Collector):
             apred.add_metric([name], float(a.get("predicted_tokens") or 0))
             aact.add_metric([name], float(a.get("actual_tokens") or 0))
             aagr.add_metric([name], float(a.get("agreed_tokens") or 0))
+            aerr.add_metric([name], float(a.get("abs_error_tokens") or 0))
             exact = float(a.get("requests_exact") or 0)
             areq.add_metric([name, "exact"], exact)
             areq.add_metric([name, "differ"], float(a.get("requests") or 0) - exact)
@@ -117,8 +124,9 @@ class GatewayStateCollector(Collector):
                 tok.add_metric([name], float(a["token_agreement"]))
                 win.add_metric([name], float(a["window_token_agreement"]))
                 req.add_metric([name], float(a["request_agreement"]))
+                err.add_metric([name], float(a["error_agreement"]))
         yield from (running, waiting, kv, inflight, blocks, stale, sstale, sbatches, sother, sage, tok, win, req,
-                    apred, aact, aagr, areq)
+                    err, apred, aact, aagr, aerr, areq)
 
     def _router(self) -> Iterator[Metric]:
         router = getattr(self.gw, "router", None)
@@ -166,7 +174,29 @@ class GatewayStateCollector(Collector):
                 refused.add_metric([flow, reason], float(n))
         for cls, ms in snap["mean_wait_ms"].items():
             wait.add_metric([cls], ms / 1000)
-        yield from (served, depth, refused, wait)
+        holds = CounterMetricFamily("gateway_flow_harmful_holds", "Times the model held requests for an engine "
+                                    "that had room (the harmful-hold check released them; gateway/routing/room.py)")
+        holds.add_metric([], float(snap["stats"].get("harmful_holds", 0)))
+        holding = GaugeMetricFamily("gateway_flow_holding_with_room", "1 while the model calls this engine closed "
+                                    "although it has room (the check keeps it open)", labels=["engine"])
+        for e in snap.get("holding_with_room", ()):
+            holding.add_metric([e], 1.0)
+        yield from (served, depth, refused, wait, holds, holding)
+
+    def _modes(self) -> Iterator[Metric]:
+        """Each upstream's mode (gateway/routing/mode.py): 1 for the mode it is in, 0 for the other."""
+        router = getattr(self.gw, "router", None)
+        book = getattr(router, "modes", None)
+        if book is None:
+            return
+        g = GaugeMetricFamily("gateway_upstream_mode", "1 for the mode each upstream is in: modelled (prediction, "
+                              "admission, flow control act on it) or pass_through", labels=["backend", "mode"])
+        for name, m in book.snapshot().items():
+            g.add_metric([name, "modelled"], 1.0 if m["mode"] == "modelled" else 0.0)
+            g.add_metric([name, "pass_through"], 1.0 if m["mode"] == "pass_through" else 0.0)
+        changes = CounterMetricFamily("gateway_upstream_mode_changes", "Changes of an upstream's mode")
+        changes.add_metric([], float(book.changes))
+        yield from (g, changes)
 
     def _peers(self) -> Iterator[Metric]:
         """The peer bus (gateway/routing/peers.py): replicas heard, the other replicas' flights per engine, events

@@ -108,6 +108,8 @@ async def dashboard_data(gw: Any, recent_ids: Callable[[], list[str]], limit: in
             if isinstance(c, dict) and isinstance(c.get("predicted_ttft_ms"), (int, float)) and c.get("backend"):
                 last_pred[c["backend"]] = c["predicted_ttft_ms"]
     engines = []
+    modes = routing.get("modes", {}) if isinstance(routing, dict) else {}
+    holding = set((routing.get("flow") or {}).get("holding_with_room", ())) if isinstance(routing, dict) else set()
     fe = fleet.get("engines", {}) if isinstance(fleet, dict) else {}
     for b in cfg.backends:
         e = fe.get(b.name, {})
@@ -130,6 +132,9 @@ async def dashboard_data(gw: Any, recent_ids: Callable[[], list[str]], limit: in
             "chunk_budget_source": (lr.get("facts") or {}).get("chunk_budget_source"),
             "guard_resets": (lr.get("guard") or {}).get("resets"),
             "predicted_ttft_ms": last_pred.get(b.name),
+            # what the gateway models of it (gateway/routing/mode.py) and whether the harmful-hold check fired
+            "mode": (modes.get(b.name) or {}).get("mode"), "mode_reason": (modes.get(b.name) or {}).get("reason"),
+            "holding_with_room": b.name in holding,
         })
     decisions = [_decision(r) for r in records]
     series = [{"request_id": d["request_id"], "backend": d["backend"], "ts": d["ts"],

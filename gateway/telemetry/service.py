@@ -43,6 +43,7 @@ class Agreement:
     predicted_tokens: int = 0
     actual_tokens: int = 0
     agreed_tokens: int = 0  # sum of min(predicted, actual)
+    abs_error_tokens: int = 0  # sum of |predicted - actual|
     window: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=200))
 
     @staticmethod
@@ -54,6 +55,14 @@ class Agreement:
     def token_agreement(self) -> float:
         return self.ratio(self.agreed_tokens, self.predicted_tokens, self.actual_tokens)
 
+    def error_agreement(self) -> float:
+        """1 - sum |predicted - actual| / sum actual: how a client measures the index against the engines'
+        `usage.prompt_tokens_details.cached_tokens` (an over- and an under-prediction both count against it;
+        1.0 when nothing was cached and nothing predicted)."""
+        if self.actual_tokens == 0:
+            return 1.0 if self.abs_error_tokens == 0 else 0.0
+        return 1.0 - self.abs_error_tokens / self.actual_tokens
+
     def window_agreement(self) -> float:
         p = sum(x for x, _ in self.window)
         a = sum(y for _, y in self.window)
@@ -64,6 +73,7 @@ class Agreement:
                 "request_agreement": round(self.requests_exact / self.requests, 4) if self.requests else None,
                 "predicted_tokens": self.predicted_tokens, "actual_tokens": self.actual_tokens,
                 "agreed_tokens": self.agreed_tokens, "token_agreement": round(self.token_agreement(), 4),
+                "abs_error_tokens": self.abs_error_tokens, "error_agreement": round(self.error_agreement(), 4),
                 "window_token_agreement": round(self.window_agreement(), 4)}
 
 
@@ -289,6 +299,7 @@ class TelemetryService:
         a.predicted_tokens += predicted
         a.actual_tokens += actual
         a.agreed_tokens += min(predicted, actual)
+        a.abs_error_tokens += abs(predicted - actual)
         a.window.append((predicted, actual))
         sub = self.subscribers.get(engine)
         if sub is not None and sub.stale:
@@ -309,6 +320,7 @@ class TelemetryService:
             tot.predicted_tokens += a.predicted_tokens
             tot.actual_tokens += a.actual_tokens
             tot.agreed_tokens += a.agreed_tokens
+            tot.abs_error_tokens += a.abs_error_tokens
         d = tot.to_dict()
         d.pop("window_token_agreement")
         return d

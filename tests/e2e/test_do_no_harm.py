@@ -83,6 +83,8 @@ def test_a_partner_like_upstream_is_passed_through_at_64_and_256_streams(tmp_pat
         assert rec["route"]["mode"] == "pass_through"
         assert rec["candidates"][0]["mode"] == "pass_through" and "kind openai" in rec["candidates"][0]["mode_reason"]
         assert {"queue_wait_us", "tokenize_us", "compute_us"} <= set(rec["route"])
+        metrics = httpx.get(base + "/metrics", headers={"authorization": f"Bearer {ADMIN}"}, timeout=10).text
+        assert 'gateway_upstream_mode{backend="partner",mode="pass_through"} 1.0' in metrics
     finally:
         if gw is not None:
             gw.stop()
@@ -109,3 +111,41 @@ def test_a_simulated_engine_whose_model_is_not_learned_is_passed_through(tmp_pat
         if gw is not None:
             gw.stop()
         fleet.stop()
+
+
+def test_an_operators_inflight_limit_is_the_one_hold_for_a_pass_through_upstream(tmp_path):
+    """backends[].max_inflight: past it a request without a target waits for a slot (and is served), one with a
+    target is refused at once with 429 backend_inflight_limit; the evidence names the limit."""
+    up, up_port = start_upstream(tmp_path)
+    gw = None
+    try:
+        gw, base = _gateway(tmp_path, {"name": "partner", "kind": "openai", "url": f"http://127.0.0.1:{up_port}/v1",
+                                       "models": ["mock-model"], "location": {"country": "DE"},
+                                       "retention": "zero", "max_inflight": 2})
+
+        async def run() -> tuple[list[tuple[int, bool]], httpx.Response]:
+            slow = asyncio.create_task(_burst(base, "mock-model", 6, {"x_test_latency": {"first_s": 0.5}}))
+            async with httpx.AsyncClient(timeout=30) as c:
+                for _ in range(200):  # until both slots are taken
+                    if _routing(base)["inflight_limits"]["in_use"].get("partner") == 2:
+                        break
+                    await asyncio.sleep(0.01)
+                r = await c.post(base + "/v1/chat/completions",
+                                 headers={"authorization": f"Bearer {KEY}", "x-ttft-slo-ms": "5000",
+                                          "x-request-id": "harm-limit-1"},
+                                 json={"model": "mock-model", "messages": [{"role": "user", "content": "hi"}]})
+            return await slow, r
+
+        res, refused = asyncio.run(run())
+        assert all(s == 200 and done for s, done in res), res
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "backend_inflight_limit"
+        assert "retry-after" in refused.headers
+        snap = _routing(base)
+        assert snap["inflight_limits"]["waited"] >= 1 and snap["inflight_limits"]["refused"] == 1
+        assert snap["admission"]["rejected_inflight_limit"] == 1
+        rec = audit_record(base, "harm-limit-1", ADMIN)
+        assert rec["route"]["inflight_limit"] == {"partner": 2}
+    finally:
+        if gw is not None:
+            gw.stop()
+        up.stop()

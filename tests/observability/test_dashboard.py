@@ -151,6 +151,7 @@ def test_dashboard_in_headless_chromium(tmp_path: Path) -> None:
         for e in data["engines"]:
             n = e["name"]
             assert page.cells[(n, "circuit")] == e["circuit"] == "closed"
+            assert page.cells[(n, "mode")].startswith(e["mode"]) and e["mode_reason"], e  # issue 34
             assert page.cells[(n, "running")] == fmt(e["running"], 0)
             assert page.cells[(n, "waiting")] == fmt(e["waiting"], 0)
             assert page.cells[(n, "cached_blocks")] == tiers(e["cached_blocks"])

@@ -57,6 +57,9 @@ async def test_steady_shared_prefix_agreement_and_recovery_after_loss():
                 ag = svc.agreement()
                 assert ag["actual_tokens"] > 5000
                 assert ag["token_agreement"] >= 0.99, ag
+                # the client's count (issue 34): 1 - sum|predicted - actual| / sum actual
+                assert ag["error_agreement"] == round(1 - ag["abs_error_tokens"] / ag["actual_tokens"], 4)
+                assert ag["error_agreement"] >= 0.99, ag
                 # 1% batch loss on the wire: gaps are repaired through replay, agreement stays/returns >= 99%
                 for s in fleet.servers:
                     s.engine.publisher.loss = 0.01
