@@ -24,6 +24,7 @@ from gateway.pipeline import RequestContext, Usage
 from gateway.proxy import sse
 from gateway.proxy.dialects import Dialect, Exchange, StreamTranslator, dialect_for
 from gateway.proxy.health import Health
+from gateway.proxy.scrub import GENERIC, Scrubber
 from gateway.proxy.transport import UpstreamBroken, UpstreamConnectError, UpstreamResponse, abort
 from gateway.proxy.upstream import Upstreams
 from gateway.routing.flowkey import flow_id
@@ -78,6 +79,7 @@ class StreamStart:
     health: Health | None = None  # a break or stall after the first token counts against the backend too
     translator: StreamTranslator | None = None  # upstream events -> the client's API (None: the same API)
     rest: bytes = b""  # complete events of the first reads after the first token, not yet split (no translator)
+    scrub: Scrubber = GENERIC  # error events of the upstream's reach the client through it (gateway/proxy/scrub.py)
 
 
 @dataclass(slots=True)
@@ -85,6 +87,7 @@ class JsonResult:
     status: int
     body: bytes
     candidate: Candidate | None
+    upstream_message: str | None = None  # an upstream 4xx's own message, secrets masked: the audit's, not the client's
 
 
 def exchange_for(ctx: RequestContext, cand: Candidate) -> Exchange | None:
@@ -100,19 +103,17 @@ def upstream_body(ctx: RequestContext, cand: Candidate) -> bytes:
     return ex.body(ctx, cand)
 
 
-def client_error_body(status: int, body: bytes, dialect: Dialect | None = None, ctx: RequestContext | None = None
-                      ) -> bytes:
+def client_error_body(status: int, body: bytes, dialect: Dialect | None = None, ctx: RequestContext | None = None,
+                      scrub: Scrubber = GENERIC) -> bytes:
     """An upstream 4xx the client must fix, in the client API's error shape whatever the upstream sent: its
-    message (at most 500 chars), type and param when they are strings, and a string code (vLLM sends the HTTP
-    status as a number in `code`; partners add fields of their own, which are not passed on)."""
+    message, type and param when they are strings, and a string code (vLLM sends the HTTP status as a number in
+    `code`; partners add fields of their own, which are not passed on); each through `scrub.client_text` (no
+    secret, URL, host or traceback of the upstream's; the message at most 500 chars, the others 64)."""
     d = dialect or dialect_for("openai")
     err = d.error_fields(body)
-
-    def short(v: Any) -> str | None:
-        return v if isinstance(v, str) and 0 < len(v) <= 64 else None
-
-    e = GatewayError(status, d.error_message(status, body), code=short(err.get("code")) or "upstream_rejected",
-                     param=short(err.get("param")), type=short(err.get("type")))
+    msg = scrub.client_text(d.error_message(status, body), fallback=f"The upstream refused the request (HTTP {status}).")
+    e = GatewayError(status, msg, code=scrub.field(err.get("code")) or "upstream_rejected",
+                     param=scrub.field(err.get("param")), type=scrub.field(err.get("type")))
     return ctx.ep.wire.error_body(e) if ctx is not None and ctx.ep is not None else e.to_bytes()
 
 
@@ -223,12 +224,22 @@ class Dispatcher:
                 if obs is not None:
                     obs.attempt_failed(ctx, cand)
                 retryable = bool(e.extra.pop("_retryable", False))
-                ctx.attempts.append({"backend": name, "error": e.code, "status": e.status})
+                attempt: dict[str, Any] = {"backend": name, "error": e.code, "status": e.status}
+                upstream_message = e.extra.pop("_upstream_message", None)
+                if upstream_message is not None:
+                    attempt["upstream_status"], attempt["upstream_message"] = upstream_message
+                ctx.attempts.append(attempt)
                 last_error = e
                 if retryable:
                     continue
                 raise
-            ctx.attempts.append({"backend": name, "status": 200 if isinstance(result, StreamStart) else result.status})
+            if isinstance(result, StreamStart):
+                ctx.attempts.append({"backend": name, "status": 200})
+            elif result.upstream_message is not None:
+                ctx.attempts.append({"backend": name, "status": result.status,
+                                     "upstream_message": result.upstream_message})
+            else:
+                ctx.attempts.append({"backend": name, "status": result.status})
             ctx.backend = name
             ctx.backend_model = cand.model
             return result
@@ -258,7 +269,8 @@ class Dispatcher:
                     body = await resp.aread()
                     await resp.aclose()
                     self.health.success(b.name)
-                    return JsonResult(200, ex.response(body) if ex.translates else body, cand)
+                    scrub = self._upstreams().scrubber
+                    return JsonResult(200, scrub.json_body(ex.response(body) if ex.translates else body), cand)
                 splitter = sse.EventSplitter()
                 tr = ex.stream()
                 it = resp.aiter_raw()
@@ -296,7 +308,7 @@ class Dispatcher:
                     raise UpstreamBroken("upstream closed the stream before any event")
                 self.health.success(b.name)
                 return StreamStart(resp, cand, first, splitter, it, t0, health=self.health, translator=tr,
-                                   rest=rest)
+                                   rest=rest, scrub=self._upstreams().scrubber)
         except TimeoutError:
             if resp is not None:
                 await resp.aclose()
@@ -326,12 +338,15 @@ class Dispatcher:
     def _upstream_status(self, ctx: RequestContext, cand: Candidate, dialect: Dialect, status: int, body: bytes,
                          headers) -> JsonResult:
         name = cand.backend.name
-        msg = dialect.error_message(status, body)
-        if status >= 500:
+        scrub = self._upstreams().scrubber
+        # the upstream's own words, credentials masked: for the audit record (attempts[].upstream_message) only
+        original = scrub.secrets(dialect.error_message(status, body))[:2000]
+        if status >= 500:  # the upstream's failure: its text (URLs, hosts, tracebacks) never reaches the client
             self.health.failure(name, f"HTTP {status}")
-            raise GatewayError(502, f"Upstream error: {msg}", code="upstream_error",
+            raise GatewayError(502, f"The upstream failed (HTTP {status}).", code="upstream_error",
                                extra={"_retryable": status in _RETRYABLE_STATUS or status == 500
-                                                  or status in dialect.retryable_statuses})
+                                                  or status in dialect.retryable_statuses,
+                                      "_upstream_message": (status, original)})
         if status == 429:
             ra = headers.get("retry-after")
             try:
@@ -339,14 +354,16 @@ class Dispatcher:
             except ValueError:
                 secs = 1.0
             raise GatewayError(429, "Upstream is rate limiting; retry later.", code="upstream_rate_limited",
-                               headers=retry_headers(secs), extra={"_retryable": True})
+                               headers=retry_headers(secs), extra={"_retryable": True,
+                                                                  "_upstream_message": (status, original)})
         if status in (401, 403):  # our credential for the upstream is wrong: the client cannot fix it
             self.health.failure(name, f"HTTP {status}")
             raise GatewayError(502, "Upstream rejected the gateway's credentials.", code="upstream_auth_error",
-                               extra={"_retryable": True})
+                               extra={"_retryable": True, "_upstream_message": (status, original)})
         self.health.success(name)
-        # 4xx about the request itself (context too long, bad parameter): the client's to fix.
-        return JsonResult(status, client_error_body(status, body, dialect, ctx), cand)
+        # 4xx about the request itself (context too long, bad parameter): the client's to fix, told in the
+        # upstream's words once scrubbed (gateway/proxy/scrub.py)
+        return JsonResult(status, client_error_body(status, body, dialect, ctx, scrub), cand, original)
 
 
 async def _read_limited(resp: UpstreamResponse, limit: int) -> bytes:
@@ -390,9 +407,10 @@ async def stream_body(ctx: RequestContext, start: StreamStart, on_end: Callable[
     try:
         observe_first_events(ctx, start)
         # Events that arrived in one upstream read leave in one write: same timing, far fewer sends.
-        out = _process_all(ctx, st, start.first)
+        scrub = start.scrub
+        out = _process_all(ctx, st, start.first, scrub)
         if start.rest and not ctx.cut_by_budget:
-            out += _process_region(ctx, st, start.rest)
+            out += _process_region(ctx, st, start.rest, scrub)
         if out:
             yield out
         if ctx.cut_by_budget:
@@ -405,7 +423,7 @@ async def stream_body(ctx: RequestContext, start: StreamStart, on_end: Callable[
                 if direct.paused:
                     await direct.drain()
                     continue
-                if await push(_push_handler(ctx, st, splitter, direct), idle_s, loop_deadline):
+                if await push(_push_handler(ctx, st, splitter, direct, scrub), idle_s, loop_deadline):
                     if ctx.cut_by_budget:
                         return
                     continue  # done, or the client's connection paused writing
@@ -420,7 +438,7 @@ async def stream_body(ctx: RequestContext, start: StreamStart, on_end: Callable[
                     chunk = None
             if chunk is None:
                 if tr is not None:
-                    out = _process_all(ctx, st, tr.end())
+                    out = _process_all(ctx, st, tr.end(), scrub)
                     if out:
                         yield out
                 break
@@ -428,9 +446,9 @@ async def stream_body(ctx: RequestContext, start: StreamStart, on_end: Callable[
             if not region:
                 continue
             if tr is not None:
-                out = _process_all(ctx, st, [e for ev in sse.split_events(region) for e in tr.feed(ev)])
+                out = _process_all(ctx, st, [e for ev in sse.split_events(region) for e in tr.feed(ev)], scrub)
             else:
-                out = _process_region(ctx, st, region)
+                out = _process_region(ctx, st, region, scrub)
             if out:
                 yield out
             if ctx.cut_by_budget:
@@ -474,7 +492,7 @@ async def abandon(result: Any) -> None:
 
 
 def _push_handler(ctx: RequestContext, st: StreamState, splitter: sse.EventSplitter,
-                  direct: DirectBody) -> Callable[[bytes], bool]:
+                  direct: DirectBody, scrub: Scrubber = GENERIC) -> Callable[[bytes], bool]:
     """What push mode runs in the upstream connection's callback for each read: the pull path's region
     processing, written straight to the client; False (hand back to the stream's task) once the stream is done
     or cut, or when the client's connection asks to pause writing or is gone."""
@@ -483,7 +501,7 @@ def _push_handler(ctx: RequestContext, st: StreamState, splitter: sse.EventSplit
             return False
         region = splitter.feed_region(chunk)
         if region:
-            out = _process_region(ctx, st, region)
+            out = _process_region(ctx, st, region, scrub)
             if out:
                 direct.write(out)
             if ctx.cut_by_budget or st.done:
@@ -499,20 +517,27 @@ def _mid_stream_failure(start: StreamStart, reason: str) -> None:
         start.health.failure(start.candidate.backend.name, reason)
 
 
-def _process_region(ctx: RequestContext, st: StreamState, region: bytes) -> bytes:
+def _process_region(ctx: RequestContext, st: StreamState, region: bytes, scrub: Scrubber = GENERIC) -> bytes:
     """A region of complete events (no translator): its leading events that need no look of their own leave as
-    they came (the wire's `relay`, one pass over the bytes), the rest event by event."""
+    they came (the wire's `relay`, one pass over the bytes), the rest event by event. A region that may hold
+    an upstream error event (one scan for `"error"`) goes event by event, each through the scrub."""
+    if b'"error"' in region:
+        return _process_all(ctx, st, sse.split_events(region), scrub)
     k = ctx.ep.wire.relay(ctx, st, region)
     if k == len(region):
         return region
-    out = _process_all(ctx, st, sse.split_events(region[k:] if k else region))
+    out = _process_all(ctx, st, sse.split_events(region[k:] if k else region), scrub)
     return region[:k] + out if k else out
 
 
-def _process_all(ctx: RequestContext, st: StreamState, events: list[bytes]) -> bytes:
+def _process_all(ctx: RequestContext, st: StreamState, events: list[bytes], scrub: Scrubber = GENERIC) -> bytes:
+    """Events on their way to the client (the wire's `process`); an upstream error event's message is scrubbed
+    or replaced first (gateway/proxy/scrub.py `Scrubber.event`)."""
     process = ctx.ep.wire.process
     outs = []
     for ev in events:
+        if b'"error"' in ev:
+            ev = scrub.event(ev)
         out = process(ctx, st, ev)
         if out is not None:
             outs.append(out)

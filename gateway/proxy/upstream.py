@@ -7,6 +7,7 @@ import logging
 import httpx
 
 from gateway.config import BackendConfig, Config, read_secret
+from gateway.proxy.scrub import Scrubber
 from gateway.proxy.transport import Transport, make_transport, uses_proxy
 
 log = logging.getLogger("gateway.upstream")
@@ -21,6 +22,7 @@ class Upstreams:
         self._auth: dict[str, str | None] = {}
         self._retired: list[Transport] = []
         self._probe_clients: dict[tuple, httpx.AsyncClient] = {}
+        self.scrubber = Scrubber()  # what of an upstream's error text a client may see (gateway/proxy/scrub.py)
         self.swap_config(config)
 
     @staticmethod
@@ -30,6 +32,7 @@ class Upstreams:
     def swap_config(self, config: Config) -> None:
         new: dict[str, tuple[tuple, Transport]] = {}
         kind = config.server.upstream_client
+        secrets: list[str | None] = []
         for b in config.backends:
             ident = self._identity(b, kind)
             old = self._clients.get(b.name)
@@ -41,6 +44,9 @@ class Upstreams:
                     self._retired.append(old[1])
             key = read_secret(b.api_key_env, b.api_key_file, config.base_dir)
             self._auth[b.name] = f"Bearer {key}" if key else None
+            secrets.append(key)
+        # every backend's credential and hosts, as this config sends them: masked in any upstream error text
+        self.scrubber = Scrubber.for_backends(config.backends, secrets)
         for name, (_, c) in self._clients.items():
             if name not in new:
                 self._retired.append(c)

@@ -289,6 +289,8 @@ async def test_stream_body_idle_timeout_through_the_native_client() -> None:
 
 
 class _OneRead:
+    from gateway.proxy.scrub import GENERIC as scrubber  # Upstreams.scrubber: no configured secret
+
     def __init__(self, reads: list[bytes]) -> None:
         self.reads = reads
 

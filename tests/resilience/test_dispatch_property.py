@@ -98,6 +98,8 @@ class ScriptedTransport:
 
 
 class ScriptedUpstreams:
+    from gateway.proxy.scrub import GENERIC as scrubber  # Upstreams.scrubber: no configured secret
+
     def __init__(self, transports: dict[str, ScriptedTransport]) -> None:
         self._t = transports
 

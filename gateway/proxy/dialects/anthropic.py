@@ -250,7 +250,8 @@ class MessagesToChatStream(StreamTranslator):
             return out + [sse.sse(sse.DONE)]
         if t == "error":
             err = _obj(obj, "error")
-            body = {"error": {"message": str(err.get("message") or "upstream stream error")[:500],
+            # the upstream's message whole: the dispatcher scrubs and bounds it (gateway/proxy/scrub.py)
+            body = {"error": {"message": str(err.get("message") or "upstream stream error"),
                               "type": str(err.get("type") or "api_error")[:64], "param": None,
                               "code": "upstream_error"}}
             return [sse.sse(orjson.dumps(body)), sse.sse(sse.DONE)]
@@ -304,7 +305,7 @@ class AnthropicDialect(Dialect):
     def error_message(self, status: int, body: bytes) -> str:
         err = self.error_fields(body)
         msg = err.get("message")
-        return msg[:500] if isinstance(msg, str) else super().error_message(status, body)
+        return msg if isinstance(msg, str) else super().error_message(status, body)
 
     def error_fields(self, body: bytes) -> dict[str, Any]:
         """Anthropic's error object: its `type` (invalid_request_error, ...) and message; no OpenAI `code`."""
@@ -432,7 +433,7 @@ class ChatToMessagesStream(StreamTranslator):
         if obj is None:
             return []
         if isinstance(obj.get("error"), dict):
-            msg = str(obj["error"].get("message") or "upstream stream error")[:500]
+            msg = str(obj["error"].get("message") or "upstream stream error")  # scrubbed by the dispatcher
             return [_event({"type": "error", "error": {"type": "api_error", "message": msg}})]
         out: list[bytes] = []
         if not self.started:

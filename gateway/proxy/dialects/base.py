@@ -96,13 +96,14 @@ class Dialect:
         return {"authorization": bearer} if bearer else {}
 
     def error_message(self, status: int, body: bytes) -> str:
-        """The message of an OpenAI-style (or bare `message`) error body, at most 500 characters."""
+        """The message of an OpenAI-style (or bare `message`) error body, whole: the upstream's own text, which
+        reaches a client only through gateway/proxy/scrub.py (which also bounds it, after scrubbing)."""
         try:
             obj = orjson.loads(body)
             err = obj.get("error")
             msg = err.get("message") if isinstance(err, dict) else obj.get("message")
             if isinstance(msg, str):
-                return msg[:500]
+                return msg
         except (orjson.JSONDecodeError, AttributeError):
             pass
         return f"upstream answered HTTP {status}"
