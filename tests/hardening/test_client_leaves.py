@@ -5,7 +5,9 @@ The real gateway process (each upstream client: native, aiohttp, httpx) in front
 holds the connection open, sending nothing. The client leaves before the response headers, before the first
 token, mid-stream, or during a JSON body; the upstream must see the gateway's side of that connection closed.
 The backend's own timeouts are minutes long, so only the client's leaving can close it; the test waits for
-the close (the bound below is only there to fail instead of hanging, far under those timeouts).
+the close (the bound below is only there to fail instead of hanging, far under those timeouts). And an
+engine (the simulator, which like vLLM aborts a request whose connection closes) slowed so that its first
+token is minutes away: the client leaves after the engine's headers and the engine must count the abort.
 
 Before the fix the dispatcher closed the upstream response on a timeout or a broken connection, never on a
 cancellation: a client that left after the headers left the upstream connection open (and its engine
@@ -17,10 +19,12 @@ import socket
 import time
 import uuid
 
+import httpx
 import orjson
 import pytest
 
-from tests.resilience.stack import GW_KEY, write_config
+from backends.sim.fleet import manifest_backends
+from tests.resilience.stack import GW_KEY, set_faults, start_fleet_proc, write_config
 from tests.support.hostile import HostileUpstream, Seen
 from tests.support.procs import start_gateway
 
@@ -42,19 +46,28 @@ def chunked(data: bytes) -> bytes:
 def stack(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"leaves-{request.param}")
     up = HostileUpstream()
+    fleet, manifest = start_fleet_proc(tmp, 1, "DE")
+    common = {"location": {"country": "DE"}, "retention": "zero", "capabilities": ["chat", "completions"],
+              "health": {"enabled": False},
+              "timeouts": {"connect_s": 5, "first_token_s": 300, "idle_s": 300, "total_s": 600}}
     backends = [{"name": "hostile", "kind": "openai", "url": f"http://127.0.0.1:{up.port}/v1", "models": ["m"],
-                 "api_key_env": "UP_KEY", "location": {"country": "DE"}, "retention": "zero",
-                 "capabilities": ["chat", "completions"], "health": {"enabled": False},
-                 "timeouts": {"connect_s": 5, "first_token_s": 300, "idle_s": 300, "total_s": 600}}]
+                 "api_key_env": "UP_KEY", **common},
+                *({**b, **common} for b in manifest_backends(manifest, kind="sim"))]
     cfg = write_config(tmp, backends, server={"upstream_client": request.param})
-    gw, port = start_gateway(cfg, env={"UP_KEY": "upstream-secret-leaves"})
-    yield {"up": up, "port": port, "gw": gw}
+    try:
+        gw, port = start_gateway(cfg, env={"UP_KEY": "upstream-secret-leaves"})
+    except BaseException:
+        fleet.stop()
+        up.stop()
+        raise
+    yield {"up": up, "port": port, "gw": gw, "manifest": manifest}
     gw.stop()
+    fleet.stop()
     up.stop()
 
 
-def send(port: int, tag: str, stream: bool) -> socket.socket:
-    body = orjson.dumps({"model": "m", "stream": stream, "max_tokens": 64,
+def send(port: int, tag: str, stream: bool, model: str = "m") -> socket.socket:
+    body = orjson.dumps({"model": model, "stream": stream, "max_tokens": 64,
                          "messages": [{"role": "user", "content": f"hello {tag}"}]})
     s = socket.create_connection(("127.0.0.1", port))
     s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\nauthorization: Bearer " + GW_KEY.encode()
@@ -104,3 +117,28 @@ def test_client_leaves_during_a_json_body(stack):
     assert seen.received.wait(GUARD_S)
     time.sleep(SETTLE_S)
     leave_and_check(stack, tag, seen, s)
+
+
+def engine_metric(manifest: dict, name: str) -> float:
+    text = httpx.get(manifest["engines"][0]["metrics"], timeout=5).text
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith(name))
+
+
+def test_the_engine_aborts_the_request_of_a_client_that_left(stack):
+    m = stack["manifest"]
+    aborted = 'vllm:request_success_total{engine="0",finished_reason="abort"'
+    before = engine_metric(m, aborted)
+    set_faults(m, 0, slow_factor=100000.0)  # a 2 ms step takes minutes: the first token never comes in time
+    try:
+        s = send(stack["port"], f"probe-engine-{uuid.uuid4().hex[:8]}", stream=True, model="sim-model")
+        deadline = time.monotonic() + GUARD_S
+        while engine_metric(m, "vllm:num_requests_running") + engine_metric(m, "vllm:num_requests_waiting") < 1:
+            assert time.monotonic() < deadline, "the engine never got the request"
+            time.sleep(0.05)
+        time.sleep(SETTLE_S)  # the engine's response headers reach the gateway
+        s.close()  # the client leaves before the first token
+        while engine_metric(m, aborted) <= before:  # the engine saw the connection close and aborted
+            assert time.monotonic() < deadline + GUARD_S, "the engine is still generating for a client that left"
+            time.sleep(0.05)
+    finally:
+        set_faults(m, 0, slow_factor=1.0)
