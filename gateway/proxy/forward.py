@@ -340,7 +340,7 @@ class Dispatcher:
         name = cand.backend.name
         scrub = self._upstreams().scrubber
         # the upstream's own words, credentials masked: for the audit record (attempts[].upstream_message) only
-        original = scrub.secrets(dialect.error_message(status, body))[:2000]
+        original = scrub.secrets(scrub.bound(dialect.error_message(status, body), 4000))[:2000]
         if status >= 500:  # the upstream's failure: its text (URLs, hosts, tracebacks) never reaches the client
             self.health.failure(name, f"HTTP {status}")
             raise GatewayError(502, f"The upstream failed (HTTP {status}).", code="upstream_error",

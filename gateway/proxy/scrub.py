@@ -119,15 +119,17 @@ class Scrubber:
     """The scrub of one configuration's backends (built by gateway/proxy/upstream.py `Upstreams` from the same
     secret values it sends); `Scrubber()` knows no configured value and applies the generic patterns only."""
 
-    __slots__ = ("_secret_re", "_host_re", "_windows")
+    __slots__ = ("_secret_re", "_host_re", "_windows", "_tail")
 
     def __init__(self, secrets: Iterable[str | None] = (), hosts: Iterable[str] = ()) -> None:
         pats: set[str] = set()
         # every PARTIAL-character window of every secret -> (the secret, where the window starts in it)
         self._windows: dict[str, tuple[str, int]] = {}
+        self._tail = 0  # what `bound` drops after its cut: room for the longest secret in its longest encoding
         for s in secrets:
             if not s:
                 continue
+            self._tail = max(self._tail, 3 * len(s.encode()) + 16)
             for i in range(len(s) - PARTIAL + 1):
                 self._windows.setdefault(s[i:i + PARTIAL], (s, i))
             pats.add("".join(_char(c) for c in s))
@@ -163,7 +165,8 @@ class Scrubber:
     def _partials(self, text: str) -> str:
         """Mask every run of at least PARTIAL consecutive characters of a secret (a prefix cut by an upstream's
         own bound, a fragment): found by its first window, extended while it goes on matching the secret."""
-        windows, out, start, k = self._windows, [], 0, 0
+        windows, start, k = self._windows, 0, 0
+        out: list[str] = []
         while k <= len(text) - PARTIAL:
             hit = windows.get(text[k:k + PARTIAL])
             if hit is None:
@@ -178,11 +181,18 @@ class Scrubber:
         out.append(text[start:])
         return "".join(out)
 
+    def bound(self, text: str, n: int) -> str:
+        """`text` cut to about `n` characters before scrubbing (the scan is per character): when it is cut, the
+        last stretch that could hold the start of a secret cut in two goes too, so no fragment survives it."""
+        if len(text) <= n:
+            return text
+        return text[:max(0, n - self._tail)]
+
     def client_text(self, text: str, limit: int = MAX_MESSAGE, fallback: str = "The upstream refused the request."
                     ) -> str:
         """An upstream's error text as a client may see it (see the module docstring): no secret, traceback,
         URL, host or address of the upstream's; at most `limit` characters; `fallback` when nothing is left."""
-        text = self.secrets(text)
+        text = self.secrets(self.bound(text, max(4 * limit, 2048)))
         text = _TRACEBACK.sub("[traceback removed]", text)
         text = _FRAME.sub("[frame removed]", text)
         text = _URL.sub("[url]", text)

@@ -125,3 +125,11 @@ def test_a_secret_never_survives_in_any_encoding(secret, before, after, how):
     assert b64(secret).rstrip("=") not in out
     assert secret.encode() not in _decodes(out)
     assert not any(secret[i:i + 12] in out for i in range(len(secret) - 11))
+
+
+def test_a_secret_cut_by_the_pre_scrub_bound_leaves_no_fragment():
+    urls = ("http://h/" + "p" * 45 + " ") * 37  # 2035 characters that scrub down to 222: the cut region shows
+    for pad in range(0, 30):  # the secret straddles the 2048-character cut at every offset
+        out = S.client_text(urls + "x" * pad + SECRET + " tail")
+        assert out.startswith("[url] [url]") and len(out) < 500
+        assert not any(SECRET[i:i + 4] in out for i in range(len(SECRET) - 3)), (pad, out[-40:])
