@@ -112,7 +112,8 @@ class BackendConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     priority_scheduling: bool = False
     # an inference_gateway upstream's endpoint picker then queues by the same flows (gateway/routing/flowkey.py)
     # and priorities as the gateway's own fair queue (docs/routing.md, "Inference gateway upstreams")
-    inference_gateway: bool = False  # the upstream is itself a Gateway API Inference Extension / llm-d gateway: it is sent the flow as x-gateway-inference-fairness-id and the policy priority as x-gateway-inference-objective
+    inference_gateway: bool = False  # the upstream is itself a Gateway API Inference Extension / llm-d gateway: it is sent the flow (x-llm-d-inference-fairness-id / x-gateway-inference-fairness-id), the policy priority (x-llm-d-inference-objective / x-gateway-inference-objective) and the policy TTFT target (x-llm-d-slo-ttft-ms / x-slo-ttft-ms)
+    inference_gateway_headers: Literal["both", "llm-d", "gie"] = "both"  # which spelling of those headers an inference_gateway upstream is sent: both, llm-d (x-llm-d-*) or gie (x-gateway-inference-*, x-slo-*); docs/routing.md
     # upstream model names that are LoRA adapters (vLLM --lora-modules NAME=PATH): their KV blocks are keyed by
     # the adapter name, so the KV-index lookup for a request to one uses that name (else it would match base
     # blocks the adapter cannot reuse)

@@ -117,19 +117,45 @@ def client_error_body(status: int, body: bytes, dialect: Dialect | None = None, 
     return ctx.ep.wire.error_body(e) if ctx is not None and ctx.ep is not None else e.to_bytes()
 
 
-# The request headers a Gateway API Inference Extension endpoint picker (EPP) reads for flow control
-# (https://llm-d.ai/docs/api-reference/epp-http-headers; llm-d 0.8 spelled them x-llm-d-inference-*): the
-# fairness id groups requests that share capacity under the fairness policy, the objective names the
-# InferenceObjective resource whose priority applies (so that cluster defines objectives named after the
-# priorities: realtime, standard, batch).
+# The request headers a Gateway API Inference Extension / llm-d endpoint picker (EPP) reads for flow control
+# (https://llm-d.ai/docs/api-reference/epp-http-headers): the fairness id groups requests that share capacity
+# under the fairness policy, the objective names the InferenceObjective resource whose priority applies (so that
+# cluster defines objectives named after the priorities: realtime, standard, batch), the SLO headers are the
+# latency targets its admission and SLO-aware scoring use. llm-d's router spells them x-llm-d-* (its 0.8 docs and
+# guides); the Gateway API Inference Extension's EPP (and llm-d's unversioned docs page) x-gateway-inference-* and
+# x-slo-*, which GIE deployments read.
+# A backend's `inference_gateway_headers` picks which it is sent: both (default), llm-d or gie.
 FAIRNESS_ID_HEADER = "x-gateway-inference-fairness-id"
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
+EPP_SPELLINGS: dict[str, tuple[str, str, str, str]] = {  # (fairness id, objective, TTFT target, TPOT target)
+    "llm-d": ("x-llm-d-inference-fairness-id", "x-llm-d-inference-objective", "x-llm-d-slo-ttft-ms",
+              "x-llm-d-slo-tpot-ms"),
+    "gie": (FAIRNESS_ID_HEADER, OBJECTIVE_HEADER, "x-slo-ttft-ms", "x-slo-tpot-ms"),
+}
+# Never forwarded as a client sent them, to any backend: an EPP trusts them for who the request is and what it
+# may have (its fairness flow, priority, latency targets; a model-name rewrite would swap the model policy
+# allowed). The gateway sets the first four kinds from the authenticated identity and policy, and only to an
+# inference_gateway backend.
+EPP_HEADERS: frozenset[str] = frozenset(
+    [h for hs in EPP_SPELLINGS.values() for h in hs] + ["x-llm-d-model-name-rewrite", "x-gateway-model-name-rewrite"])
 
 
-def inference_gateway_headers(ctx: RequestContext) -> dict[str, str]:
-    """What an `inference_gateway: true` backend is told: the request's flow and its policy priority."""
-    return {FAIRNESS_ID_HEADER: flow_id(ctx.principal, ctx.decision),
-            OBJECTIVE_HEADER: ctx.decision.priority if ctx.decision is not None else "standard"}
+def inference_gateway_headers(ctx: RequestContext, spelling: str = "both") -> dict[str, str]:
+    """What an `inference_gateway: true` backend is told, in `spelling` (both, llm-d, gie): the request's flow, its
+    policy priority and the policy decision's TTFT target (none without one: the client's own x-ttft-slo-ms is
+    the gateway's to judge, never an EPP's to trust). Decision has no TPOT target, so none is sent."""
+    d = ctx.decision
+    flow = flow_id(ctx.principal, d)
+    objective = d.priority if d is not None else "standard"
+    ttft = d.ttft_slo_ms if d is not None and d.ttft_slo_ms is not None and d.ttft_slo_ms > 0 else None
+    out: dict[str, str] = {}
+    for name in (("llm-d", "gie") if spelling == "both" else (spelling,)):
+        fair_h, obj_h, ttft_h, _ = EPP_SPELLINGS[name]
+        out[fair_h] = flow
+        out[obj_h] = objective
+        if ttft is not None:
+            out[ttft_h] = str(max(1, round(ttft)))  # whole milliseconds: what the EPP parses
+    return out
 
 
 class DispatchStage:
@@ -179,9 +205,10 @@ class Dispatcher:
         tp = ctx.headers.get("traceparent")
         if tp:
             h["traceparent"] = tp
-        h.update(ctx.upstream_headers)
+        if ctx.upstream_headers:  # the gateway's own (a trace context): never an EPP header, whoever set it
+            h.update({k: v for k, v in ctx.upstream_headers.items() if k.lower() not in EPP_HEADERS})
         if cand.backend.inference_gateway:
-            h.update(inference_gateway_headers(ctx))
+            h.update(inference_gateway_headers(ctx, cand.backend.inference_gateway_headers))
         return h
 
     async def open(self, ctx: RequestContext) -> StreamStart | JsonResult:
