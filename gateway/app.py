@@ -358,6 +358,8 @@ def build_app(gw: Gateway) -> GatewayApp:
         err = GatewayError(500, "Internal gateway error.", code="internal_error")
         return JSONResponse(err.body(), status_code=500, headers={"x-request-id": request_id(request.headers)})
 
+    from gateway.api.unserved import routes as unserved_routes
+
     data_plane = {ep.path: InferenceEndpoint(gw, ep) for ep in ENDPOINTS}
     routes = [
         *(Route(path, ep, methods=None) for path, ep in data_plane.items()),
@@ -367,6 +369,7 @@ def build_app(gw: Gateway) -> GatewayApp:
         Route("/openapi.json", openapi, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         gateway_guard(gw).route("/admin/reload", admin_reload, ["POST"], (PLATFORM_ADMIN,)),
+        *unserved_routes(gw),  # OpenAI's routes for stored state the gateway does not keep: 404 saying so
         *gw.extra_routes,
     ]
 

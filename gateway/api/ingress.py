@@ -21,6 +21,7 @@ from starlette.datastructures import Headers
 
 from gateway.api.endpoints import Endpoint, prepare
 from gateway.api.parse import decode_json
+from gateway.api.unserved import ON_SERVED_PATHS, answer as unserved_answer
 from gateway.api.wire.base import ClientWire
 from gateway.api.wire.openai import OPENAI
 from gateway.errors import GatewayError, retry_headers
@@ -172,6 +173,11 @@ class InferenceEndpoint:
         cid = client_request_id(headers)
         rid = cid or new_request_id()
         if scope["method"] != "POST":
+            other = ON_SERVED_PATHS.get(scope["path"])  # OpenAI's GET /v1/chat/completions lists stored ones
+            if other is not None and scope["method"] in other.methods:
+                await send_error(send, await unserved_answer(gw, other, scope, headers, rid), rid,
+                                 {"server-timing": server_timing(None, t0)}, wire)
+                return
             await send_error(send, GatewayError(405, "Method not allowed; use POST.", code="method_not_allowed"), rid,
                              {"allow": "POST", "server-timing": server_timing(None, t0)}, wire)
             return

@@ -198,8 +198,11 @@ def test_body_over_limit_is_413_and_wrong_content_type_415(stack):
 def test_unknown_route_and_method(stack):
     r = httpx.get(stack["base"] + "/v1/nothing-here")
     assert_openai_error(r, 404)
-    r = httpx.get(stack["base"] + "/v1/chat/completions", headers={"authorization": f"Bearer {GW_KEY}"})
+    r = httpx.put(stack["base"] + "/v1/chat/completions", headers={"authorization": f"Bearer {GW_KEY}"})
     assert_openai_error(r, 405)
+    # GET is OpenAI's list of stored completions, which the gateway does not keep (tests/e2e/test_unserved_routes.py)
+    r = httpx.get(stack["base"] + "/v1/chat/completions", headers={"authorization": f"Bearer {GW_KEY}"})
+    assert_openai_error(r, 404, "stored_completions_not_supported")
 
 
 def test_request_id_taken_from_client_when_valid_else_generated(stack):
