@@ -20,11 +20,17 @@ def decode_json(raw: bytes) -> dict[str, Any]:
                           code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request(f"Request body must be a JSON object, got {type(body).__name__}.", code="invalid_json")
-    # a body nests at most as deep as it has opening brackets (those inside strings counted too: an upper
-    # bound), so the walk is needed only past MAX_DEPTH of them; two C-speed counts, not a Python walk
+    check_nesting(body, raw)
+    return body
+
+
+def check_nesting(body: Any, raw: bytes) -> None:
+    """400 when `body` nests deeper than MAX_DEPTH levels. `raw` is the JSON text it was decoded from (or text
+    containing it, as a batch line contains its body): a body nests at most as deep as it has opening brackets
+    (those inside strings counted too: an upper bound), so the walk is needed only past MAX_DEPTH of them; two
+    C-speed counts, not a Python walk. Shared by the realtime endpoints and batch lines (gateway/batch/jsonl.py)."""
     if raw.count(b"{") + raw.count(b"[") > MAX_DEPTH and _too_deep(body, MAX_DEPTH):
         raise bad_request(f"Request body is nested deeper than {MAX_DEPTH} levels.", code="invalid_json")
-    return body
 
 
 MAX_DEPTH = 64

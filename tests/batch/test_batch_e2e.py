@@ -89,9 +89,11 @@ def lines(n: int, prefix: str = "Summarise clause", endpoint: str = "/v1/chat/co
           max_tokens: int = 3) -> bytes:
     out = []
     for i in range(n):
+        # a body the realtime endpoint at `endpoint` accepts (uploads are checked as realtime checks bodies)
+        prompt = ({"prompt": f"{prefix} {i}"} if endpoint == "/v1/completions"
+                  else {"messages": [{"role": "user", "content": f"{prefix} {i}"}]})
         out.append(json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": endpoint,
-                               "body": {"model": "sim-model", "max_tokens": max_tokens,
-                                        "messages": [{"role": "user", "content": f"{prefix} {i}"}]}}))
+                               "body": {"model": "sim-model", "max_tokens": max_tokens, **prompt}}))
     return ("\n".join(out) + "\n").encode()
 
 
