@@ -6,8 +6,6 @@ Another principal asking for an id it does not own gets 404, the same answer as 
 """
 from __future__ import annotations
 
-import email.parser
-import email.policy
 import logging
 import os
 import time
@@ -17,7 +15,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway.batch.jsonl import ENDPOINTS, parse_input
+from gateway.batch.jsonl import ENDPOINTS
+from gateway.batch.upload import create_file
 from gateway.errors import GatewayError
 from gateway.types import Principal
 
@@ -105,38 +104,7 @@ def _limit(request: Request, default: int = 20, most: int = 100) -> int:
     return int(raw)
 
 
-async def _read_limited(request: Request, limit: int) -> bytes:
-    cl = request.headers.get("content-length")
-    if cl is not None and cl.isdigit() and int(cl) > limit:
-        raise GatewayError(413, f"The upload is larger than the limit of {limit} bytes.", code="file_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise GatewayError(413, f"The upload is larger than the limit of {limit} bytes.", code="file_too_large")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def parse_multipart(ctype: str, body: bytes) -> dict[str, tuple[str | None, bytes]]:
-    """multipart/form-data -> {field: (filename, bytes)} with the standard library's MIME parser."""
-    msg = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
-        b"Content-Type: " + ctype.encode("latin-1") + b"\r\nMIME-Version: 1.0\r\n\r\n" + body)
-    if not msg.is_multipart():
-        raise GatewayError(400, "The upload must be multipart/form-data with fields 'file' and 'purpose'.",
-                           code="invalid_request")
-    out: dict[str, tuple[str | None, bytes]] = {}
-    for part in msg.iter_parts():
-        name = part.get_param("name", header="content-disposition")
-        if not name:
-            continue
-        data = part.get_payload(decode=True)  # a non-multipart part decodes to bytes (None when empty)
-        out[str(name)] = (part.get_filename(), data if isinstance(data, bytes) else b"")
-    return out
-
-
 def batch_routes(svc: "BatchService") -> list[Route]:
-    cfg = lambda: svc.gw.config.raw.batch  # noqa: E731
 
     async def principal(request: Request) -> Principal:
         client = request.client.host if request.client else ""
@@ -159,30 +127,12 @@ def batch_routes(svc: "BatchService") -> list[Route]:
 
     # ------------------------------------------------------------------ files
     async def files_create(request: Request, p: Principal) -> Response:
-        c = cfg()
-        ctype = request.headers.get("content-type", "")
-        if not ctype.lower().startswith("multipart/form-data"):
-            raise GatewayError(415, "Upload files as multipart/form-data with fields 'file' and 'purpose'.",
-                               code="unsupported_media_type")
-        raw = await _read_limited(request, c.max_file_bytes + 65536)
-        form = parse_multipart(ctype, raw)
-        purpose = form.get("purpose", (None, b""))[1].decode("utf-8", "replace").strip()
-        if purpose != "batch":
-            raise GatewayError(400, "purpose must be 'batch' (the only purpose this gateway stores files for).",
-                               code="invalid_request", param="purpose")
-        if "file" not in form:
-            raise GatewayError(400, "The upload has no 'file' field.", code="invalid_request", param="file")
-        filename, data = form["file"]
-        if len(data) > c.max_file_bytes:
-            raise GatewayError(413, f"The file is {len(data)} bytes, over the limit of {c.max_file_bytes} bytes.",
-                               code="file_too_large", param="file")
-        lines = parse_input(data, c.max_lines, svc.line_limit())  # 400 naming the first bad line
-        # the decision it is uploaded under: every batch over it runs within it, whoever creates the batch
-        restriction = await svc.file_restriction(p, (ln.body["model"] for ln in lines), request.headers)
-        row = {"id": new_id("file-"), "owner": svc.owner(p), "tenant": p.tenant, "purpose": "batch",
-               "filename": (filename or "input.jsonl")[:256], "bytes": len(data), "created_at": time.time(),
-               "content": data, "restriction": restriction}
-        await svc.store.insert_file(row)
+        async def decide(models: set[str]) -> dict[str, Any]:
+            # the decision it is uploaded under: every batch over it runs within it, whoever creates the batch
+            return {"restriction": await svc.file_restriction(p, models, request.headers)}
+
+        # streamed to disk, its lines checked in a worker thread and stored as scanned (gateway/batch/upload.py)
+        row = await create_file(svc, request, p, svc.owner(p), decide)
         return JSONResponse(file_object(row))
 
     async def files_list(request: Request, p: Principal) -> Response:

@@ -24,18 +24,24 @@ class BatchConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tick_s: float = 0.05  # scheduler period
     zero_retention_delete_after_s: float = 3600.0  # a zero-retention batch's files are deleted this long after it ends
     prefix_chars: int = 256  # lines whose prompts share this many leading characters are dispatched together
+    max_stored_bytes_per_tenant: int = 10737418240  # bytes of files (inputs, outputs, error files) one tenant may keep, all replicas together; an upload past it is 413 storage_limit_exceeded (10 GiB: 100 uploads at max_file_bytes; docs/batch.md)
+    max_files_per_tenant: int = 10000  # files one tenant may keep, all replicas together; an upload past it is 429 file_limit_exceeded (10000: one page of GET /v1/files lists them all)
+    max_concurrent_uploads: int = 4  # uploads this process takes at once (each spooled to a temporary file, their lines checked one upload at a time in one thread); more are 429 too_many_uploads
+    max_concurrent_uploads_per_tenant: int = 2  # of which one tenant's, so one tenant cannot take every upload slot
+    upload_timeout_s: float = 600.0  # an upload's body must arrive within this (408), so a slow client does not hold a slot
 
 
 def batch_error(bc: BatchConfig) -> tuple[str, str] | None:
     """(field, why) for the first value of `batch:` that cannot work, else None (gateway.config reports it
     with file:line)."""
     for name in ("max_file_bytes", "max_lines", "max_line_bytes", "max_attempts", "min_concurrency", "prefix_chars",
-                 "max_prefilling_per_engine"):
+                 "max_prefilling_per_engine", "max_stored_bytes_per_tenant", "max_files_per_tenant",
+                 "max_concurrent_uploads", "max_concurrent_uploads_per_tenant"):
         if getattr(bc, name) < 1:
             return name, "must be >= 1"
     if bc.max_concurrency < bc.min_concurrency:
         return "max_concurrency", f"must be >= min_concurrency ({bc.min_concurrency})"
-    for name in ("lease_s", "tick_s", "headroom"):
+    for name in ("lease_s", "tick_s", "headroom", "upload_timeout_s"):
         if not getattr(bc, name) > 0:
             return name, "must be > 0"
     if bc.clear_engines < 0:

@@ -9,6 +9,7 @@ realtime request, and the evidence recorder writes one audit record per line nam
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import logging
@@ -23,6 +24,7 @@ from gateway.batch.jsonl import ENDPOINTS, parse_input, prompt_prefix
 from gateway.batch.scheduler import Pacer, pick_jobs
 from gateway.batch.scope import ALWAYS_RESTRICTED, InputFileDecision, RetentionGuard, owner_of, record_decisions
 from gateway.batch.store import BatchStore, Line, PostgresBatchStore, SqliteBatchStore
+from gateway.batch.upload import UploadSlots
 from gateway.errors import GatewayError
 from gateway.pipeline import Lifecycle, RequestContext, RequestHeaders
 
@@ -33,6 +35,23 @@ DEFER_CODES = {"ttft_slo_unattainable", "request_shed", "rate_limit_exceeded", "
                "auth_rate_limited", "flow_queue_timeout", "flow_queue_full"}
 RETRY_STATUSES = {502, 503, 504}
 STOP_CODES = {"revoked_api_key", "expired_api_key", "invalid_api_key", "wrong_plane"}
+TRANSIENT_SQLSTATE = ("08", "40", "53", "57", "58", "XX")  # connection, rollback, resources, operator, system
+
+
+def store_unavailable(e: BaseException) -> bool:
+    """The store itself failed (connection gone, database locked or busy, disk trouble): a condition of the
+    store, not of one job, so the lane tries again later. Anything else the lane hits on a job (a row it cannot
+    read or write, a value a serializer refuses, a bug) is that job's failure: the job fails, the others go on."""
+    import sqlite3
+
+    if isinstance(e, (ValueError, TypeError, KeyError, AttributeError)):
+        return False  # data the job holds (asyncpg's client-side DataError is a ValueError too)
+    if isinstance(e, (OSError, TimeoutError, sqlite3.OperationalError)):
+        return True
+    if type(e).__module__.split(".")[0] == "asyncpg":
+        state = getattr(e, "sqlstate", None)
+        return state is None or str(state)[:2] in TRANSIENT_SQLSTATE
+    return False
 
 
 def make_store(config: Any) -> BatchStore:
@@ -78,7 +97,13 @@ class BatchService:
         self._closing = False
         self._rr = 0
         self._hold: dict[str, float] = {}  # batch id -> monotonic time before which it gets no new lines
-        self.stats = {"dispatched": 0, "completed": 0, "failed": 0, "deferred": 0, "retried": 0, "discarded": 0}
+        self.jobs: list[dict[str, Any]] = []  # in-progress jobs that may get lines (set by _maintain)
+        self.upload_slots = UploadSlots()
+        # one thread checks uploads, one at a time: Python code holds the GIL, so more threads would check no
+        # faster, only take the GIL from the event loop more often (bench/uploads.py)
+        self.upload_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="batch-upload")
+        self.stats = {"dispatched": 0, "completed": 0, "failed": 0, "deferred": 0, "retried": 0, "discarded": 0,
+                      "jobs_failed": 0}
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -103,6 +128,7 @@ class BatchService:
             if n:
                 log.info("batch lane stopped: %d line(s) in flight returned to pending", n)
         await self.store.close()
+        self.upload_pool.shutdown(wait=False, cancel_futures=True)
 
     def kick(self) -> None:
         self._wake.set()
@@ -149,21 +175,33 @@ class BatchService:
                 decisions[model] = d
         return record_decisions(decisions, zero_label=p.labels.get("retention") == "zero")
 
-    async def zero_retention(self, p: Any, file_id: str, owner: str) -> bool:
-        """Whether policy says zero retention for this owner and any model the input file names."""
+    async def input_models(self, file_id: str, owner: str) -> list[str] | None:
+        """The models an input file names: from its upload's scan (nothing parsed again), or, for a file stored
+        whole before uploads were scanned, from its content parsed in a worker thread. None: no such file, or
+        (old files only) content that does not validate."""
+        models = await self.store.file_models(file_id, owner)
+        if models is not None:
+            return models
         data = await self.store.file_content(file_id, owner)
-        policy = getattr(self.gw, "policy", None)
-        if data is None or policy is None:
-            return False
+        if data is None:
+            return None
         bc = self.gw.config.raw.batch
         try:
-            lines = parse_input(data, bc.max_lines, self.line_limit())
+            lines = await asyncio.to_thread(parse_input, data, bc.max_lines, self.line_limit())
         except GatewayError:
+            return None
+        return sorted({ln.body["model"] for ln in lines})
+
+    async def zero_retention(self, p: Any, file_id: str, owner: str) -> bool:
+        """Whether policy says zero retention for this owner and any model the input file names."""
+        models = await self.input_models(file_id, owner)
+        policy = getattr(self.gw, "policy", None)
+        if models is None or policy is None:
             return False
         from gateway.policy.model import RequestAttrs
 
         prov = policy.provider()
-        for model in sorted({ln.body["model"] for ln in lines}):
+        for model in models:
             attrs = RequestAttrs(model=model, headers={}, max_tokens=None, stream=False, now=time.time())
             adecide = getattr(prov, "adecide", None)
             d = await adecide(p, attrs) if adecide is not None else prov.decide(p, attrs)
@@ -195,26 +233,74 @@ class BatchService:
                 await asyncio.wait_for(self._wake.wait(), bc.tick_s)
 
     async def _maintain(self, now: float) -> None:
+        """Validate, expire and finalize the open jobs, each on its own: whatever fails on one job fails that job
+        (`_job_failed`) and the step goes on with the next, so no job can stop the lane for the others."""
         bc = self.gw.config.raw.batch
-        self.jobs = await self.store.jobs_in(("validating", "in_progress", "cancelling"))
-        ended: set[str] = set()
-        for job in self.jobs:
-            if job["status"] == "validating":
-                await self._validate(job, now)
-            elif job["status"] == "in_progress" and now >= job["expires_at"] and not job["stop_reason"]:
-                await self.store.expire(job["id"], now)
-                for key, t in list(self.inflight.items()):
-                    if key[0] == job["id"]:
-                        t.cancel()
-            if job["status"] in ("in_progress", "cancelling"):
+        jobs = await self.store.jobs_in(("validating", "in_progress", "cancelling"))
+        keep: list[dict[str, Any]] = []
+        for job in jobs:
+            phase = "reading"
+            try:
+                if job.get("corrupt"):
+                    raise ValueError(f"its stored state cannot be read ({job['corrupt']})")
+                if job["status"] == "validating":
+                    phase = "validating"
+                    await self._validate(job, now)
+                    continue
+                if job["status"] == "in_progress" and now >= job["expires_at"] and not job["stop_reason"]:
+                    phase = "expiring"
+                    await self.store.expire(job["id"], now)
+                    self._cancel_lines(job["id"])
+                phase = "finalizing"
                 final = await self.store.finalize(job, now, lambda kind, data, j=job: self._file_row(j, kind, data),
                                                   bc.zero_retention_delete_after_s)
                 if final is not None:
-                    ended.add(job["id"])
                     log.info("batch %s %s", job["id"], final)
+                    continue
+                keep.append(job)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                await self._job_failed(job, phase, e, now)
         await self.store.purge_expired_files(now)
-        self.jobs = [j for j in self.jobs if j["status"] == "in_progress" and not j["stop_reason"]
-                     and j["id"] not in ended and now < j["expires_at"]]
+        self.jobs = [j for j in keep if j["status"] == "in_progress" and not j["stop_reason"]
+                     and now < j["expires_at"]]
+
+    def _cancel_lines(self, batch_id: str) -> None:
+        for key, t in list(self.inflight.items()):
+            if key[0] == batch_id:
+                t.cancel()
+
+    async def _job_failed(self, job: dict[str, Any], phase: str, e: BaseException, now: float) -> None:
+        """The lane failed on one job. If the store itself is unavailable the job is tried again later (held
+        back from dispatch a while); otherwise that job, and only it, fails with the reason: a validating job
+        at once; an in-progress one stops (its unanswered lines end `batch_failed`) and is finalized `failed`
+        with the answers it has; one whose finalizing failed ends `failed` without files."""
+        bid = job["id"]
+        self.jobs = [j for j in self.jobs if j["id"] != bid]
+        if store_unavailable(e):
+            log.warning("batch %s: the store failed while %s (%s); trying again", bid, phase, type(e).__name__)
+            self._hold[bid] = time.monotonic() + 1.0
+            return
+        log.error("batch %s failed while %s; the job is failed, the lane goes on", bid, phase, exc_info=e)
+        self.stats["jobs_failed"] += 1
+        msg = (f"The gateway failed while {phase} this batch ({type(e).__name__}); the batch was stopped so other "
+               "batches go on.")
+        err = {"code": "batch_failed", "message": msg, "param": None, "line": None}
+        self._cancel_lines(bid)
+        try:
+            if job["status"] == "validating":
+                await self.store.fail_job(bid, [err], now)
+            elif phase in ("finalizing", "reading"):
+                await self.store.abort_job(bid, [err], now)
+            else:
+                await self.store.fail_open_job(bid, now, "batch_failed", msg)
+                self.kick()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("batch %s: recording its failure failed; it is held back and tried again", bid)
+            self._hold[bid] = time.monotonic() + 30.0
 
     def _file_row(self, job: dict[str, Any], kind: str, data: bytes) -> dict[str, Any]:
         return {"id": "file-" + os.urandom(12).hex(), "owner": job["owner"], "tenant": job["tenant"],
@@ -222,14 +308,29 @@ class BatchService:
                 "created_at": time.time(), "content": data}
 
     async def _validate(self, job: dict[str, Any], now: float) -> None:
+        """validating -> in_progress: the lines the upload's scan stored are copied to the job (nothing is
+        parsed); a file stored whole before uploads were scanned is parsed in a worker thread, with the same
+        checks as an upload."""
         bc = self.gw.config.raw.batch
+        gone = [{"code": "file_not_found", "message": "The input file was deleted.", "param": "input_file_id",
+                 "line": None}]
+        if await self.store.get_file(job["input_file_id"], job["owner"]) is None:
+            await self.store.fail_job(job["id"], gone, now)
+            return
+        state, errs = await self.store.start_job_from_file(job["id"], job["input_file_id"], job["endpoint"], now)
+        if state == "mismatched":
+            await self.store.fail_job(job["id"], errs, now)
+            return
+        if state == "started":
+            log.info("batch %s in progress", job["id"])
+        if state != "not_scanned":
+            return
         data = await self.store.file_content(job["input_file_id"], job["owner"])
         if data is None:
-            await self.store.fail_job(job["id"], [{"code": "file_not_found", "message": "The input file was deleted.",
-                                                   "param": "input_file_id", "line": None}], now)
+            await self.store.fail_job(job["id"], gone, now)
             return
         try:
-            lines = parse_input(data, bc.max_lines, self.line_limit())
+            lines = await asyncio.to_thread(parse_input, data, bc.max_lines, self.line_limit())
         except GatewayError as e:
             await self.store.fail_job(job["id"], [{"code": e.code, "message": e.message, "param": "input_file_id",
                                                    "line": e.extra.get("line")}], now)
@@ -270,7 +371,14 @@ class BatchService:
                 want = min(room, left[job["tenant"]]) if first_pass else room
                 while want > 0:  # a tenant's earliest-deadline job takes its part before its next job gets any
                     ask = min(want, 32)
-                    lines = await self.store.claim(job["id"], self.worker, now, bc.lease_s, ask)
+                    try:
+                        lines = await self.store.claim(job["id"], self.worker, now, bc.lease_s, ask)
+                    except asyncio.CancelledError:
+                        raise
+                    except Exception as e:  # this job's failure, not the lane's: the other jobs still get lines
+                        await self._job_failed(job, "dispatching", e, now)
+                        dry.add(job["id"])
+                        break
                     for ln in lines:
                         key = (ln.batch_id, ln.line_no)
                         if key in self.inflight:  # our own lapsed lease taken again: the running task records
@@ -297,8 +405,24 @@ class BatchService:
             await self._run_line_once(job, ln)
         except asyncio.CancelledError:
             raise
-        except Exception:  # the store failed after the engine answered: the lease lapses and the line runs again
-            log.exception("batch %s line %d: recording its result failed", ln.batch_id, ln.line_no)
+        except Exception as e:
+            if store_unavailable(e):  # the store failed after the engine answered: the lease lapses, it runs again
+                log.exception("batch %s line %d: recording its result failed", ln.batch_id, ln.line_no)
+                return
+            # a result the store cannot take (it would fail the same way every time the line ran): the line ends
+            # with a 500 of the gateway's own instead, and if even that cannot be recorded the job fails
+            log.exception("batch %s line %d: its result cannot be recorded; it ends internal_error", ln.batch_id,
+                          ln.line_no)
+            err = GatewayError(500, "The gateway could not record this request's result.", code="internal_error")
+            result = {"id": "batch_req_" + os.urandom(12).hex(), "custom_id": ln.custom_id,
+                      "response": {"status_code": 500, "request_id": None, "body": err.body()}, "error": None}
+            try:
+                if await self.store.record(ln, self.worker, False, result, time.time()):
+                    self.stats["failed"] += 1
+            except asyncio.CancelledError:
+                raise
+            except Exception as e2:
+                await self._job_failed(job, "dispatching", e2, time.time())
 
     async def _run_line_once(self, job: dict[str, Any], ln: Line) -> None:
         bc = self.gw.config.raw.batch
@@ -398,4 +522,5 @@ class BatchService:
             await life.finish()
 
     def snapshot(self) -> dict[str, Any]:
-        return {"worker": self.worker, "inflight": len(self.inflight), **self.pacer.snapshot(), **self.stats}
+        return {"worker": self.worker, "inflight": len(self.inflight), **self.pacer.snapshot(), **self.stats,
+                "uploads": self.upload_slots.total, "uploads_parsing": self.upload_slots.parsing}

@@ -23,6 +23,19 @@ from gateway.stores.sql import to_dollar
 
 OPEN_STATES = ("validating", "in_progress", "finalizing", "cancelling")
 TERMINAL_STATES = ("completed", "failed", "expired", "cancelled")
+# batch_files.deleted: 0 visible, 1 deleted, 2 an upload still being stored (invisible, but counted against the
+# tenant's quota, so concurrent uploads on any worker or replica cannot pass it together)
+UPLOADING = 2
+STALE_UPLOAD_S = 3600.0  # an upload row left this long unfinished (its process died) is removed
+
+
+class QuotaExceeded(Exception):
+    """A tenant's stored files would pass `batch.max_files_per_tenant` ("files") or
+    `batch.max_stored_bytes_per_tenant` ("bytes")."""
+
+    def __init__(self, kind: str, used: int, limit: int) -> None:
+        super().__init__(kind)
+        self.kind, self.used, self.limit = kind, used, limit
 
 
 def _schema(blob: str) -> list[str]:
@@ -32,6 +45,13 @@ def _schema(blob: str) -> list[str]:
             filename TEXT NOT NULL, bytes BIGINT NOT NULL, created_at DOUBLE PRECISION NOT NULL,
             expires_at DOUBLE PRECISION, deleted INTEGER NOT NULL DEFAULT 0, content {blob})""",
         "CREATE INDEX IF NOT EXISTS batch_files_owner ON batch_files (owner, created_at)",
+        "CREATE INDEX IF NOT EXISTS batch_files_tenant ON batch_files (tenant, deleted)",
+        # an uploaded input file, one row per line as the upload's scan validated it (blank lines too, so the
+        # content is these lines joined by newlines, byte for byte): a batch's lines are copied from here without
+        # parsing the file again, and the models it names are read from here
+        """CREATE TABLE IF NOT EXISTS batch_file_lines (
+            file_id TEXT NOT NULL, line_no INTEGER NOT NULL, raw TEXT NOT NULL, custom_id TEXT, url TEXT,
+            model TEXT, prefix_key TEXT, PRIMARY KEY (file_id, line_no))""",
         """CREATE TABLE IF NOT EXISTS batch_jobs (
             id TEXT PRIMARY KEY, owner TEXT NOT NULL, tenant TEXT NOT NULL, principal TEXT NOT NULL,
             principal_valid_until DOUBLE PRECISION, endpoint TEXT NOT NULL, input_file_id TEXT NOT NULL,
@@ -154,7 +174,72 @@ class BatchStore:
         async with self._tx() as tx:
             rows = await tx.fetch("SELECT content FROM batch_files WHERE id = ? AND owner = ? AND deleted = 0",
                                   file_id, owner)
-        return bytes(rows[0]["content"]) if rows and rows[0]["content"] is not None else None
+            if not rows:
+                return None
+            if rows[0]["content"] is not None:  # output and error files, and inputs stored before batch_file_lines
+                return bytes(rows[0]["content"])
+            lines = await tx.fetch("SELECT raw FROM batch_file_lines WHERE file_id = ? ORDER BY line_no", file_id)
+        return "\n".join(r["raw"] for r in lines).encode() if lines else None
+
+    # ------------------------------------------------------------------ uploads and quotas
+    async def usage(self, tenant: str) -> tuple[int, int]:
+        """(files, bytes) the tenant stores: inputs, outputs and error files, uploads being stored included."""
+        async with self._tx() as tx:
+            return await self._usage(tx, tenant)
+
+    async def _usage(self, tx: Any, tenant: str) -> tuple[int, int]:
+        rows = await tx.fetch("SELECT COUNT(*) AS n, COALESCE(SUM(bytes), 0) AS b FROM batch_files WHERE tenant = ? "
+                              f"AND deleted IN (0, {UPLOADING})", tenant)
+        return int(rows[0]["n"]), int(rows[0]["b"])
+
+    async def _quota_lock(self, tx: Any, tenant: str) -> None:
+        """Serialise the quota checks of one tenant (SQLite: BEGIN IMMEDIATE serialises every writer already)."""
+        return None
+
+    async def reserve_file(self, row: dict[str, Any], max_files: int, max_bytes: int) -> None:
+        """Insert an upload's file row, invisible until `commit_file`, if the tenant stays within its quota, else
+        raise QuotaExceeded. The check and the insert are one transaction serialised per tenant, and the row
+        counts from then on, so uploads racing on several workers or replicas cannot pass the quota together."""
+        async with self._tx() as tx:
+            await self._quota_lock(tx, row["tenant"])
+            files, used = await self._usage(tx, row["tenant"])
+            if files + 1 > max_files:
+                raise QuotaExceeded("files", files, max_files)
+            if used + int(row["bytes"]) > max_bytes:
+                raise QuotaExceeded("bytes", used, max_bytes)
+            await tx.execute("INSERT INTO batch_files (id, owner, tenant, purpose, filename, bytes, created_at, "
+                             "expires_at, deleted, content, restriction) VALUES (?, ?, ?, ?, ?, ?, ?, NULL, "
+                             f"{UPLOADING}, NULL, ?)", row["id"], row["owner"], row["tenant"], row["purpose"],
+                             row["filename"], row["bytes"], row["created_at"], _j(row.get("restriction")))
+
+    async def add_file_lines(self, file_id: str, rows: Sequence[tuple[Any, ...]]) -> None:
+        """Lines of an upload being stored: (line_no, raw text, custom_id, url, model, prefix_key), a blank line
+        with custom_id None."""
+        async with self._tx() as tx:
+            await tx.executemany("INSERT INTO batch_file_lines (file_id, line_no, raw, custom_id, url, model, "
+                                 "prefix_key) VALUES (?, ?, ?, ?, ?, ?, ?)", [(file_id, *r) for r in rows])
+
+    async def commit_file(self, file_id: str) -> bool:
+        """The upload is stored: the file becomes visible."""
+        async with self._tx() as tx:
+            rows = await tx.fetch(f"UPDATE batch_files SET deleted = 0 WHERE id = ? AND deleted = {UPLOADING} "
+                                  "RETURNING id", file_id)
+        return bool(rows)
+
+    async def drop_upload(self, file_id: str) -> None:
+        """An upload that failed while being stored: its row and lines go."""
+        async with self._tx() as tx:
+            await tx.execute(f"UPDATE batch_files SET deleted = 1 WHERE id = ? AND deleted = {UPLOADING}", file_id)
+            await tx.execute("DELETE FROM batch_file_lines WHERE file_id = ?", file_id)
+
+    async def file_models(self, file_id: str, owner: str) -> list[str] | None:
+        """The models an uploaded input file names, from its scanned lines; None for a file stored without them
+        (before batch_file_lines), whose content is read instead."""
+        async with self._tx() as tx:
+            rows = await tx.fetch("SELECT DISTINCT l.model AS model FROM batch_file_lines l JOIN batch_files f ON "
+                                  "f.id = l.file_id WHERE l.file_id = ? AND f.owner = ? AND f.deleted = 0 AND "
+                                  "l.custom_id IS NOT NULL", file_id, owner)
+        return sorted(r["model"] for r in rows) if rows else None
 
     async def list_files(self, owner: str, purpose: str | None, after: str | None, limit: int) -> list[dict[str, Any]]:
         async with self._tx() as tx:
@@ -177,6 +262,8 @@ class BatchStore:
         async with self._tx() as tx:
             rows = await tx.fetch("UPDATE batch_files SET deleted = 1, content = NULL WHERE id = ? AND owner = ? "
                                   "AND deleted = 0 RETURNING id", file_id, owner)
+            if rows:
+                await tx.execute("DELETE FROM batch_file_lines WHERE file_id = ?", file_id)
         return bool(rows)
 
     # ------------------------------------------------------------------ jobs (API side)
@@ -231,6 +318,8 @@ class BatchStore:
 
     # ------------------------------------------------------------------ jobs (runner side)
     async def jobs_in(self, states: Sequence[str]) -> list[dict[str, Any]]:
+        """The jobs in these states. A row whose JSON columns cannot be read comes back with `corrupt` set
+        (`_job`) instead of failing the whole list: the lane fails that job alone."""
         marks = ", ".join("?" for _ in states)
         async with self._tx() as tx:
             rows = await tx.fetch(f"SELECT * FROM batch_jobs WHERE status IN ({marks}) ORDER BY expires_at, id",
@@ -249,6 +338,60 @@ class BatchStore:
                 "VALUES (?, ?, ?, ?, ?, 'pending')",
                 [(batch_id, n, cid, _j(body), pk) for n, cid, body, pk in lines])
         return True
+
+    async def start_job_from_file(self, batch_id: str, file_id: str, endpoint: str,
+                                  now: float) -> tuple[str, list[dict[str, Any]]]:
+        """validating -> in_progress with the lines the upload scan stored (batch_file_lines), copied in one
+        statement without parsing anything. Returns ("started" | "raced" | "not_scanned" | "mismatched", errors):
+        raced: another replica started it; not_scanned: the file was stored whole before batch_file_lines (the
+        caller parses its content); mismatched: lines whose url is not the batch's endpoint (up to 100)."""
+        async with self._tx() as tx:
+            n = await tx.fetch("SELECT COUNT(*) AS n FROM batch_file_lines WHERE file_id = ? AND custom_id IS NOT "
+                               "NULL", file_id)
+            total = int(n[0]["n"])
+            if not total:
+                return "not_scanned", []
+            bad = await tx.fetch("SELECT line_no, url FROM batch_file_lines WHERE file_id = ? AND custom_id IS NOT "
+                                 "NULL AND url <> ? ORDER BY line_no LIMIT 100", file_id, endpoint)
+            if bad:
+                return "mismatched", [
+                    {"code": "mismatched_endpoint", "message": f"Line {r['line_no']}: url {r['url']} does not match "
+                     f"the batch's endpoint {endpoint}.", "param": "url", "line": r["line_no"]} for r in bad]
+            rows = await tx.fetch("UPDATE batch_jobs SET status = 'in_progress', in_progress_at = ?, total = ? "
+                                  "WHERE id = ? AND status = 'validating' RETURNING id", now, total, batch_id)
+            if not rows:
+                return "raced", []
+            # `body` holds the whole input line here; `claim` hands out its `body` field (see _line_body)
+            await tx.execute("INSERT INTO batch_lines (batch_id, line_no, custom_id, body, prefix_key, state) "
+                             "SELECT ?, line_no, custom_id, raw, prefix_key, 'pending' FROM batch_file_lines "
+                             "WHERE file_id = ? AND custom_id IS NOT NULL", batch_id, file_id)
+        return "started", []
+
+    async def fail_open_job(self, batch_id: str, now: float, code: str, message: str) -> None:
+        """Stop an in-progress or cancelling job that cannot go on (the lane failed on it): every line not
+        answered, in flight included, ends with `code`; finalizing then writes the output and error files and
+        ends the job `failed` with the reason in `errors`."""
+        async with self._tx() as tx:
+            await self._end_pending(tx, batch_id, now, code, message, include_leased=True)
+            await tx.execute("UPDATE batch_jobs SET stop_reason = ? WHERE id = ?",
+                             _j({"code": code, "message": message, "status": "failed"}), batch_id)
+
+    async def abort_job(self, batch_id: str, errors: list[dict[str, Any]], now: float) -> bool:
+        """End a job `failed` at once, without output files (finalizing it failed): its open lines end, their
+        bodies are cleared."""
+        async with self._tx() as tx:
+            marks = ", ".join("?" for _ in OPEN_STATES)
+            rows = await tx.fetch(f"UPDATE batch_jobs SET status = 'failed', failed_at = ?, finalizing_at = ?, "
+                                  f"errors = ? WHERE id = ? AND status IN ({marks}) RETURNING id", now, now,
+                                  _j({"object": "list", "data": errors}), batch_id, *OPEN_STATES)
+            if rows:
+                n = await tx.fetch("SELECT COUNT(*) AS n FROM batch_lines WHERE batch_id = ? AND state IN "
+                                   "('pending', 'leased')", batch_id)
+                await tx.execute("UPDATE batch_lines SET state = 'failed', lease_owner = NULL, finished_at = ? "
+                                 "WHERE batch_id = ? AND state IN ('pending', 'leased')", now, batch_id)
+                await tx.execute("UPDATE batch_lines SET body = NULL, result = NULL WHERE batch_id = ?", batch_id)
+                await tx.execute("UPDATE batch_jobs SET failed = failed + ? WHERE id = ?", int(n[0]["n"]), batch_id)
+        return bool(rows)
 
     async def fail_job(self, batch_id: str, errors: list[dict[str, Any]], now: float,
                        from_states: Sequence[str] = ("validating",)) -> bool:
@@ -304,7 +447,8 @@ class BatchStore:
                 f"WHERE batch_id = ? AND line_no IN ({marks}) RETURNING line_no, custom_id, body, tries, dispatches",
                 owner, now + lease_s, batch_id, *[r["line_no"] for r in picked])
         rows.sort(key=lambda r: r["line_no"])
-        return [Line(batch_id, r["line_no"], r["custom_id"], _l(r["body"]), r["tries"], r["dispatches"]) for r in rows]
+        return [Line(batch_id, r["line_no"], r["custom_id"], _line_body(r["body"]), r["tries"], r["dispatches"])
+                for r in rows]
 
     async def renew(self, owner: str, now: float, lease_s: float, lines: Sequence[tuple[str, int]]) -> None:
         """Extend this worker's leases of the lines it is running (only those: a line whose task is gone lapses)."""
@@ -408,26 +552,44 @@ class BatchStore:
             if job["zero_retention"]:  # the input goes now; the output and error files at delete_files_at
                 await tx.execute("UPDATE batch_files SET deleted = 1, content = NULL WHERE id = ?",
                                  job["input_file_id"])
+                await tx.execute("DELETE FROM batch_file_lines WHERE file_id = ?", job["input_file_id"])
                 await tx.execute("UPDATE batch_files SET expires_at = ? WHERE id IN (?, ?)", delete_at,
                                  out_id or "", err_id or "")
         return final
 
     async def purge_expired_files(self, now: float) -> int:
-        """Delete files whose retention window ended (zero-retention batches' output and error files)."""
+        """Delete files whose retention window ended (zero-retention batches' output and error files), and
+        uploads left unfinished for STALE_UPLOAD_S (the process storing them died)."""
         async with self._tx() as tx:
-            rows = await tx.fetch("UPDATE batch_files SET deleted = 1, content = NULL WHERE deleted = 0 AND "
-                                  "expires_at IS NOT NULL AND expires_at <= ? RETURNING id", now)
+            rows = await tx.fetch("UPDATE batch_files SET deleted = 1, content = NULL WHERE (deleted = 0 AND "
+                                  "expires_at IS NOT NULL AND expires_at <= ?) OR (deleted = ? AND created_at < ?) "
+                                  "RETURNING id", now, UPLOADING, now - STALE_UPLOAD_S)
+            for r in rows:
+                await tx.execute("DELETE FROM batch_file_lines WHERE file_id = ?", r["id"])
         return len(rows)
 
 
 def _job(r: Mapping[str, Any]) -> dict[str, Any]:
+    """A job row with its JSON columns decoded. A column that cannot be decoded reads as None and the job
+    carries `corrupt` (why): its owner still gets the batch object, and the lane fails that job alone."""
     d = dict(r)
-    d["principal"] = _l(d["principal"])
-    d["metadata"] = _l(d["metadata"])
-    d["errors"] = _l(d["errors"])
-    d["stop_reason"] = _l(d.get("stop_reason"))
-    d["restriction"] = _l(d.get("restriction"))
+    for col in ("principal", "metadata", "errors", "stop_reason", "restriction"):
+        try:
+            d[col] = _l(d.get(col))
+        except (ValueError, TypeError) as e:
+            d[col] = None
+            d["corrupt"] = f"{col}: {type(e).__name__}"
     return d
+
+
+def _line_body(text: str | None) -> dict[str, Any]:
+    """A claimed line's request. `batch_lines.body` holds either the request itself (lines stored before
+    batch_file_lines, validated to have `model`) or the whole input line copied from batch_file_lines (validated
+    to have exactly custom_id, method, url and body, so never `model`): the one is told from the other by that."""
+    obj = _l(text)
+    if isinstance(obj, dict) and "model" not in obj and isinstance(obj.get("body"), dict):
+        return obj["body"]
+    return obj  # type: ignore[no-any-return]
 
 
 def error_line(custom_id: str, code: str, message: str, response: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -502,6 +664,9 @@ class PostgresBatchStore(BatchStore):
 
     async def _migrate_lock(self, tx: Any) -> None:
         await tx.conn.execute("SELECT pg_advisory_xact_lock(hashtext($1))", f"gw_batch_migrate:{self.schema}")
+
+    async def _quota_lock(self, tx: Any, tenant: str) -> None:
+        await tx.conn.execute("SELECT pg_advisory_xact_lock(hashtext($1))", f"gw_batch_quota:{self.schema}:{tenant}")
 
     async def _columns(self, tx: Any, table: str) -> set[str]:
         rows = await tx.fetch("SELECT column_name FROM information_schema.columns WHERE table_schema = "
