@@ -286,6 +286,9 @@ def _wire_batch(gw: Gateway) -> None:
         return JSONResponse(svc.snapshot())
 
     gw.extra_routes.append(gateway_guard(gw).route("/admin/batch", batch_admin, ["GET"], (PLATFORM_ADMIN,)))
+    from gateway.batch.admin import batch_admin_routes
+
+    gw.extra_routes.extend(batch_admin_routes(svc, gateway_guard(gw)))  # every tenant's batches: list, cancel
 
 
 def check_config(cfg: Config) -> None:

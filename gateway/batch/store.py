@@ -326,6 +326,29 @@ class BatchStore:
                                   *states)
         return [_job(r) for r in rows]
 
+    async def list_jobs_admin(self, tenant: str | None, status: str | None, after: str | None,
+                              limit: int) -> list[dict[str, Any]]:
+        """Every owner's jobs (of one tenant when given), newest first: the admin plane's view."""
+        async with self._tx() as tx:
+            where, args = ["1 = 1"], []
+            if tenant is not None:
+                where.append("tenant = ?")
+                args.append(tenant)
+            if status is not None:
+                where.append("status = ?")
+                args.append(status)
+            if after:
+                cur = await tx.fetch("SELECT created_at FROM batch_jobs WHERE id = ?" +
+                                     (" AND tenant = ?" if tenant is not None else ""),
+                                     after, *([tenant] if tenant is not None else []))
+                if not cur:
+                    raise LookupError(after)
+                where.append("(created_at < ? OR (created_at = ? AND id < ?))")
+                args += [cur[0]["created_at"], cur[0]["created_at"], after]
+            rows = await tx.fetch(f"SELECT * FROM batch_jobs WHERE {' AND '.join(where)} ORDER BY created_at DESC, "
+                                  "id DESC LIMIT ?", *args, limit)
+        return [_job(r) for r in rows]
+
     async def start_job(self, batch_id: str, lines: list[tuple[int, str, dict[str, Any], str]], now: float) -> bool:
         """validating -> in_progress with its lines, in one transaction (False: another replica did it)."""
         async with self._tx() as tx:

@@ -27,6 +27,8 @@ TABLE: dict[tuple[str, str], frozenset[str]] = {
     ("GET", "/admin/fleet"): PLATFORM,
     ("GET", "/admin/routing"): PLATFORM,
     ("GET", "/admin/batch"): PLATFORM,
+    ("GET", "/admin/batches"): BOTH,  # a tenant admin lists only its own tenant's batches
+    ("POST", "/admin/batches/{batch_id}/cancel"): BOTH,  # a tenant admin cancels only its own tenant's
     ("GET", "/admin/cost"): PLATFORM,
     ("DELETE", "/admin/cache"): BOTH,  # a tenant admin purges only its own tenant's entries
     ("GET", "/admin/ui"): frozenset({PUBLIC}),
@@ -61,7 +63,8 @@ TABLE: dict[tuple[str, str], frozenset[str]] = {
     ("POST", "/admin/keys/{key_id}/rotate"): BOTH,
 }
 # Routes a tenant admin of another tenant reaches with 200 because they list only its own records.
-LISTS = {("GET", "/admin/tenants"), ("GET", "/admin/keys"), ("GET", "/admin/partners"), ("GET", "/admin/projects")}
+LISTS = {("GET", "/admin/tenants"), ("GET", "/admin/keys"), ("GET", "/admin/partners"), ("GET", "/admin/projects"),
+         ("GET", "/admin/batches")}
 # Bodies for the routes that take one (harmless: names, labels within the tenant, a project in ta).
 BODIES: dict[tuple[str, str], dict[str, Any]] = {
     ("POST", "/admin/tenants/{tenant}/teams"): {"id": "newteam"},
