@@ -277,11 +277,16 @@ def summarize(client: list[dict], audit: dict[str, dict], phase_of, dump=None) -
     for c in client:
         ph = phase_of(c["rid"])
         p = phases.setdefault(ph, {"ttft": [], "reject_ms": [], "reject_ev_ms": [], "route_us": [], "n": 0,
-                                   "rejected": 0, "errors": 0, "met": 0, "rejected_by_slo": {}})
+                                   "rejected": 0, "errors": 0, "met": 0, "rejected_by_slo": {}, "compute_us": [],
+                                   "tokenize_us": []})
         p["n"] += 1
         a = audit.get(c["rid"])
         if a is not None and (a.get("stage_timings_us") or {}).get("route") is not None:
             p["route_us"].append(a["stage_timings_us"]["route"])
+        r = (a or {}).get("route") or {}
+        if r.get("compute_us") is not None:  # the decision's own work, without waits (issue 34)
+            p["compute_us"].append(r["compute_us"])
+            p["tokenize_us"].append(r.get("tokenize_us") or 0.0)
         if c["status"] == 429:
             p["rejected"] += 1
             p["rejected_by_slo"][c["slo"]] = p["rejected_by_slo"].get(c["slo"], 0) + 1
@@ -297,12 +302,14 @@ def summarize(client: list[dict], audit: dict[str, dict], phase_of, dump=None) -
             p["met"] += 1
         if a is None or not a.get("backend"):
             continue
-        e = eng.setdefault(a["backend"], {"pred": 0, "act": 0, "agreed": 0, "ape": {}, "cal": [], "cal_ph": {}})
+        e = eng.setdefault(a["backend"], {"pred": 0, "act": 0, "agreed": 0, "abs": 0, "ape": {}, "cal": [],
+                                          "cal_ph": {}})
         ct = a.get("cached_tokens") or {}
         if ct.get("predicted") is not None and ct.get("actual") is not None:
             e["pred"] += ct["predicted"]
             e["act"] += ct["actual"]
             e["agreed"] += min(ct["predicted"], ct["actual"])
+            e["abs"] += abs(ct["predicted"] - ct["actual"])
         tt = a.get("ttft_ms") or {}
         if tt.get("predicted") and tt.get("actual"):
             e["ape"].setdefault(ph, []).append(abs(tt["actual"] - tt["predicted"]) / tt["actual"])
@@ -477,9 +484,10 @@ def print_tables(names: list[str], results: dict, snaps: dict, args: argparse.Na
     phs = list(ours["phases"])
     print(f"\n## predicted_ttft ({'routing.target_fit: true' if ARGS_TARGET_FIT[0] else 'defaults'}), 4 engines {args.profile}, speeds {SPEEDS}, chunk budget {BUDGET} "
           "(not configured)")
-    print("| engine | speed | agreement (cached tokens) | cached tokens (engine) | MdARE " + " / ".join(phs)
-          + f" | calibration (target {q}) | requests | chunk budget (source) | fit resets |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| engine | speed | agreement (cached tokens) | 1 - sum abs err / sum actual | cached tokens (engine) "
+          "| MdARE " + " / ".join(phs)
+          + f" | calibration (target {q}) | requests | chunk budget (source) | fit resets | mode |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for n, sp in zip(names, SPEEDS):
         e = ours["engines"].get(n, {})
         den = max(e.get("pred", 0), e.get("act", 0))
@@ -491,20 +499,26 @@ def print_tables(names: list[str], results: dict, snaps: dict, args: argparse.Na
         cal = sum(e["cal"]) / len(e["cal"]) if e.get("cal") else None
         fa = (snap["engines"].get(n) or {}).get("facts") or {}
         g = (snap["engines"].get(n) or {}).get("guard") or {}
-        print(f"| {n} | {sp}x | {f(agree and agree * 100, '{:.2f}%')} | {e.get('act', 0)} "
+        err_agree = 1 - e["abs"] / e["act"] if e.get("act") else None
+        mode = ((snap.get("modes") or {}).get(n) or {}).get("mode")
+        print(f"| {n} | {sp}x | {f(agree and agree * 100, '{:.2f}%')} | {f(err_agree and err_agree * 100, '{:.2f}%')} "
+              f"| {e.get('act', 0)} "
               f"| {' / '.join(mds)} | {f(cal and cal * 100, '{:.1f}%')} ({len(e.get('cal', []))}) "
               f"| {sum(len(v) for v in (e.get('ape') or {}).values())} "
-              f"| {fa.get('chunk_budget')} ({fa.get('chunk_budget_source')}) | {g.get('resets')} |")
-    print("\n| phase | reqs | rejected | route stage p50 / p90 ms | rejection p50 / p90 ms (client) "
+              f"| {fa.get('chunk_budget')} ({fa.get('chunk_budget_source')}) | {g.get('resets')} | {mode} |")
+    print("\n| phase | reqs | rejected | route stage p50 / p90 ms | decision compute p50 / tokenize wait p50 ms "
+          "| rejection p50 / p90 / p99 ms (client) "
           "| rejection p50 ms (evidence, since arrival) | TTFT p50 ms ours / least-loaded | TTFT p90 ms ours "
           "| least-loaded | least-loaded / ours |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for ph, p in ours["phases"].items():
         lp = ll["phases"].get(ph, {})
         r50, r90 = pct(p["route_us"], 0.5), pct(p["route_us"], 0.9)
         o90, l90 = pct(p["ttft"], 0.9), pct(lp.get("ttft", []), 0.9)
+        c50, t50 = pct(p["compute_us"], 0.5), pct(p["tokenize_us"], 0.5)
         print(f"| {ph} | {p['n']} | {p['rejected']} | {f(r50 and r50 / 1000, '{:.2f}')} / "
-              f"{f(r90 and r90 / 1000, '{:.2f}')} | {f(pct(p['reject_ms'], 0.5))} / {f(pct(p['reject_ms'], 0.9))} "
+              f"{f(r90 and r90 / 1000, '{:.2f}')} | {f(c50 and c50 / 1000, '{:.2f}')} / {f(t50 / 1000 if t50 is not None else None, '{:.2f}')} "
+              f"| {f(pct(p['reject_ms'], 0.5))} / {f(pct(p['reject_ms'], 0.9))} / {f(pct(p['reject_ms'], 0.99))} "
               f"| {f(pct(p['reject_ev_ms'], 0.5), '{:.2f}')} "
               f"| {f(pct(p['ttft'], 0.5), '{:.0f}')} / {f(pct(lp.get('ttft', []), 0.5), '{:.0f}')} "
               f"| {f(o90, '{:.0f}')} | {f(l90, '{:.0f}')} "

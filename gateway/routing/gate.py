@@ -61,7 +61,7 @@ class FlowGate:
         self.last_served: dict[str, float] = {}  # flow -> when it was last dispatched (contention)
         self._limits: dict[str, tuple[float, LongLimits, FlowControlConfig]] = {}  # engine -> (at, limits, config)
         self.stats = {"direct": 0, "queued": 0, "released": 0, "requeued": 0, "timeouts": 0, "full": 0,
-                      "late": 0, "harmful_holds": 0}
+                      "late": 0, "overflow": 0, "harmful_holds": 0}
 
     @property
     def cfg(self) -> FlowControlConfig:

@@ -85,7 +85,9 @@ class _FlowState:
     waited_s: float = 0.0
     predicted_wait_s: float = 0.0
     ahead_tokens: float = 0.0
-    late: bool = False  # it waited past its target's slack: served now, never refused after its wait
+    # dispatched past flow control: it waited past its target's slack (served, never refused after its wait), or
+    # it has no target and its flow's queue is full (a plain proxy would serve it)
+    late: bool = False
 _no_candidates = no_candidates
 _residency_rules = residency_rules
 _unattainable = unattainable
@@ -695,6 +697,11 @@ class PredictiveRouteStage:
             if not full and goal is not None:  # admitted with this wait in its prediction: served, never refused
                 fs.late = True  # after it (the route stage dispatches it on its next pass, past flow control)
                 self.flow.stats["late"] += 1
+                return
+            if full and goal is None:  # nothing promised, and a plain proxy would serve it: the engine queues it
+                fs.late = True  # (its flow already has max_queue_per_flow waiting here: it goes past flow control)
+                fs.waiter = None  # never queued
+                self.flow.stats["overflow"] += 1
                 return
             reason = "queue_full" if full else "queue_timeout"
             if not full:

@@ -38,7 +38,7 @@ async def rig():
             {"name": e["name"], "kind": "sim", "url": e["url"], "models": ["sim-model"], "kv_events": e["kv_events"],
              "replay": e["replay"], "metrics": e["metrics"]} for e in engines],
             "telemetry": {"scrape_interval_s": 0.1},
-            "routing": {"model_validity": {"min_observations": 0}, "flow_control": {"max_wait_s": 0.2}}}))
+            "routing": {"model_validity": {"min_observations": 0}, "flow_control": {"max_wait_s": 0.2, "max_queue_per_flow": 1}}}))
         tel = TelemetryService(cfg)
         await tel.start()
         try:
@@ -94,3 +94,23 @@ async def test_a_request_without_a_target_is_refused_after_max_wait_and_counted_
         await asyncio.wait_for(st.run(c), 10)
     assert ei.value.status == 429 and ei.value.code == "flow_queue_timeout"
     assert st.stats["refused_after_wait"] == 1
+
+
+async def test_a_request_without_a_target_whose_flow_queue_is_full_goes_to_the_engine_not_refused(rig):
+    """A plain proxy would serve it: nothing was promised, so a full flow queue sends it past flow control."""
+    st, engines = rig
+    _close_engines(st, engines)
+    names = frozenset(e["name"] for e in engines)
+    now = st.clock()
+    st.flow.queue.push(Waiter("anonymous", "standard", 1.0, False, names, now, now + 60,  # its flow: 1 waiting,
+                              uncached=dict.fromkeys(names, 1)), 1.0)  # max_queue_per_flow 1: full
+    c = _ctx("overflow")
+    await asyncio.wait_for(st.run(c), 10)
+    assert c.route.candidates[0].backend.name == engines[0]["name"]
+    assert st.flow.stats["overflow"] == 1 and st.stats["rejected"] == 0
+    await st.finish(c)
+    # with a target, a full flow queue is a refusal on arrival
+    c = _ctx("full-with-target", slo=60_000)
+    with pytest.raises(GatewayError) as ei:
+        await asyncio.wait_for(st.run(c), 10)
+    assert ei.value.code == "flow_queue_full"
