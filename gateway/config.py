@@ -39,7 +39,7 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_headers: int = 256  # header count; past it: 431
     header_timeout_s: float = 10.0  # request line + headers must arrive within this (slow-loris): else 408
     body_timeout_s: float = 60.0  # the whole request body must arrive within this: else 408
-    workers: int = 1  # worker processes on the one port (`gateway serve --workers N` wins); > 1 needs budgets.store: redis (docs/scale_out.md)
+    workers: int = 1  # worker processes on the one port (`gateway serve --workers N` wins); > 1 shares budgets through SQLite (or Redis) and refuses budgets.store: memory (docs/scale_out.md)
     graceful_shutdown_s: float = 20.0
     access_log: bool = False
     # uvicorn's proxy_headers/forwarded_allow_ips, read at start (the auth-failure limiter keys on the client)
@@ -453,8 +453,8 @@ def parse_config(text: str, source: str = "<config>", base_dir: Path | None = No
             ipaddress.ip_network(tp, strict=False)
         except ValueError:
             raise _fail(source, marks, f"server.trusted_proxies[{i}]", f"{tp!r} is not an IP address or CIDR") from None
-    if raw.budgets.store not in ("memory", "redis"):
-        raise _fail(source, marks, "budgets.store", "must be 'memory' or 'redis'")
+    if raw.budgets.store not in ("auto", "memory", "sqlite", "redis"):
+        raise _fail(source, marks, "budgets.store", "must be 'auto', 'memory', 'sqlite' or 'redis'")
     if raw.budgets.on_store_error not in ("closed", "open"):
         raise _fail(source, marks, "budgets.on_store_error", "must be 'closed' or 'open'")
     if raw.budgets.reservation_ttl_s <= 0:

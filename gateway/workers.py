@@ -13,7 +13,8 @@ one shared socket, so the kernel spreads connections over them. It is small and 
 
 Each worker gets `GATEWAY_WORKER_ID`, `GATEWAY_WORKERS` and `GATEWAY_PEER_DIR` (a private directory for the
 workers' peer bus and their Prometheus files). State that must be exact across workers must live in a shared
-store: `workers_problems` says which configs cannot run with N > 1 (docs/scale_out.md).
+store (budgets: SQLite by default, or Redis): `workers_problems` says which configs cannot run with N > 1
+(docs/scale_out.md).
 """
 from __future__ import annotations
 
@@ -37,10 +38,11 @@ def workers_problems(cfg: Any, n: int) -> list[str]:
     if n <= 1:
         return []
     out: list[str] = []
-    if cfg.raw.budgets.store == "memory":
+    if cfg.raw.budgets.store == "memory":  # named so; `auto` (the default) becomes sqlite with N > 1
         out.append("budgets.store: memory keeps budget counters (tokens, money, RPM/TPM, concurrency) inside one "
                    "process, so each worker would enforce every limit on its own; with server.workers > 1 use "
-                   "budgets.store: redis (exact across workers and replicas), or run one worker")
+                   "budgets.store: sqlite (exact across the workers of this host; also what leaving budgets.store "
+                   "out gives) or redis (exact across workers and replicas), or run one worker")
     return out
 
 

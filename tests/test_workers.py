@@ -16,14 +16,26 @@ def cfg(budgets: str = "{}"):
 
 
 def test_memory_budgets_refuse_more_than_one_worker_and_say_what_to_use():
-    """Counters in one process cannot be exact across N: refused, naming the store that is."""
-    problems = workers_problems(cfg(), 2)
-    assert len(problems) == 1 and "budgets.store: redis" in problems[0]
+    """Counters in one process cannot be exact across N: a store named memory is refused, naming the ones that are."""
+    problems = workers_problems(cfg("{store: memory}"), 2)
+    assert len(problems) == 1 and "budgets.store: sqlite" in problems[0] and "redis" in problems[0]
 
 
-def test_redis_budgets_or_one_worker_are_fine():
+def test_the_default_sqlite_or_redis_budgets_or_one_worker_are_fine():
+    """The default (`auto`) runs any number of workers: it is the SQLite store shared by them when N > 1."""
+    assert workers_problems(cfg(), 4) == []
+    assert workers_problems(cfg("{store: sqlite}"), 4) == []
     assert workers_problems(cfg("{store: redis}"), 4) == []
-    assert workers_problems(cfg(), 1) == []
+    assert workers_problems(cfg("{store: memory}"), 1) == []
+
+
+def test_auto_is_memory_in_one_process_and_sqlite_across_workers():
+    from gateway.budget.config import effective_store
+
+    assert cfg().raw.budgets.store == "auto"
+    assert [effective_store(cfg().raw.budgets, n) for n in (1, 2, 4)] == ["memory", "sqlite", "sqlite"]
+    for named in ("memory", "sqlite", "redis"):
+        assert {effective_store(cfg(f"{{store: {named}}}").raw.budgets, n) for n in (1, 4)} == {named}
 
 
 def test_each_worker_knows_its_place_and_where_its_peers_are():
@@ -46,11 +58,20 @@ def test_a_crash_after_serving_restarts_at_once_a_crash_loop_backs_off():
 
 def test_serve_with_workers_on_memory_budgets_exits_2_with_the_reason(tmp_path):
     c = tmp_path / "gw.yaml"
-    c.write_text("server: {port: 1}\n")
+    c.write_text("server: {port: 1}\nbudgets: {store: memory}\n")
     r = subprocess.run([sys.executable, "-m", "gateway", "serve", "--config", str(c), "--workers", "2"],
                        capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert r.returncode == 2
-    assert "2 workers: budgets.store: memory" in r.stderr and "redis" in r.stderr
+    assert "2 workers: budgets.store: memory" in r.stderr and "sqlite" in r.stderr and "redis" in r.stderr
+
+
+def test_an_unknown_budget_store_is_a_config_error_naming_the_stores():
+    import pytest
+
+    from gateway.config import ConfigError
+
+    with pytest.raises(ConfigError, match="budgets.store.*'auto', 'memory', 'sqlite' or 'redis'"):
+        cfg("{store: postgres}")
 
 
 def test_serve_refuses_zero_workers(tmp_path):

@@ -16,14 +16,14 @@ class ModelPrice(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class BudgetsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    store: str = "memory"  # memory | redis
+    store: str = "auto"  # auto | memory | sqlite | redis; auto: memory in one process, sqlite (sqlite_path) with server.workers > 1 (docs/budgets.md)
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_timeout_s: float = 1.0  # per command; a dead Redis is detected within this
     redis_retry_s: float = 1.0  # after a Redis failure, how long to wait before trying it again
     key_prefix: str = "gwb"
     on_store_error: str = "closed"  # closed | open
     fail_open_fraction: float = 1.0  # fail-open: each replica enforces this fraction of every limit locally
-    sqlite_path: str = "var/budgets.db"  # memory store snapshot + default ledger
+    sqlite_path: str = "var/budgets.db"  # sqlite store's counters, memory store's snapshot, default ledger
     snapshot_interval_s: float = 5.0
     ledger: str = "sqlite"  # sqlite | postgres
     ledger_dsn: str | None = None
@@ -37,3 +37,11 @@ class BudgetsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     reserve_gpu_seconds: float | None = None  # GPU-seconds reserved per request; null: the longest request allowed
     reservation_ttl_s: float = 120.0  # hold expiry; raised to the longest request the backends allow (budgets.md)
     prices: dict[str, ModelPrice] = msgspec.field(default_factory=dict)
+
+
+def effective_store(cfg: BudgetsConfig, workers: int) -> str:
+    """The store a process of `gateway serve --workers <workers>` uses (pure): `auto` is the in-process memory
+    store for one process and the SQLite store, shared by the workers of the host, for more."""
+    if cfg.store != "auto":
+        return cfg.store
+    return "sqlite" if workers > 1 else "memory"

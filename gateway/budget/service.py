@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 from zoneinfo import ZoneInfo
 
-from gateway.budget.config import BudgetsConfig, ModelPrice
+from gateway.budget.config import BudgetsConfig, ModelPrice, effective_store
 from gateway.budget.ledger import Ledger
 from gateway.budget.model import MICRO, NANO, ReserveArgs, ReserveResult, ScopePlan, SettleArgs, WindowPlan
 from gateway.budget.pricing import convert, cost, find_price
-from gateway.budget.store import BudgetStore, MemoryBudgetStore, RedisBudgetStore, StoreUnavailable
+from gateway.budget.store import BudgetStore, MemoryBudgetStore, RedisBudgetStore, SqliteBudgetStore, StoreUnavailable
 from gateway.budget.windows import ROLLING, format_reset, resolve
 from gateway.errors import GatewayError, retry_headers
 from gateway.pipeline import Usage
@@ -110,12 +110,19 @@ class BudgetService:
         self._gpu_estimate = estimate
 
     def _make_store(self, cfg: BudgetsConfig) -> BudgetStore:
-        if cfg.store == "redis":
+        # a worker of `gateway serve --workers N` is told N by its supervisor (gateway/workers.py)
+        self.store_kind = effective_store(cfg, int(os.environ.get("GATEWAY_WORKERS") or 1))
+        if self.store_kind == "redis":
             # ${VAR} in the URL is expanded so a password can come from a Secret, not the ConfigMap
             return RedisBudgetStore(os.path.expandvars(cfg.redis_url), cfg.redis_timeout_s)
+        if self.store_kind == "sqlite":  # shared by the workers of this host
+            return SqliteBudgetStore(self._config.resolve_path(cfg.sqlite_path))
         return MemoryBudgetStore(self._config.resolve_path(cfg.sqlite_path), cfg.snapshot_interval_s)
 
     async def start(self) -> None:
+        log.info("budget store: %s%s", self.store_kind,
+                 f" ({self._config.resolve_path(self.cfg.sqlite_path)}, shared by this host's workers)"
+                 if self.store_kind == "sqlite" else "")
         await self.primary.start()
         await self.ledger.start()
         self._retry_task = asyncio.create_task(self._retry_loop(), name="budget-settle-retry")

@@ -1,6 +1,7 @@
-"""The same reserve/settle suite against MemoryBudgetStore and RedisBudgetStore (real Redis), plus a
-hypothesis test that the Lua script and the Python reference model give identical answers on random sequences
-of reserves, settles, clock jumps and crashed (never settled) reservations."""
+"""The same reserve/settle suite against MemoryBudgetStore, SqliteBudgetStore and RedisBudgetStore (real
+Redis), plus a hypothesis test that the Lua script and the Python reference model give identical answers on
+random sequences of reserves, settles, clock jumps and crashed (never settled) reservations (the SQLite store's
+own: tests/budget/test_sqlite_store.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -12,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from gateway.budget.model import BudgetState, ReserveArgs, ScopePlan, SettleArgs, WindowPlan
-from gateway.budget.store import MemoryBudgetStore, RedisBudgetStore
+from gateway.budget.store import MemoryBudgetStore, RedisBudgetStore, SqliteBudgetStore
 from gateway.budget.windows import resolve
 
 UTC = ZoneInfo("UTC")
@@ -45,10 +46,12 @@ def sargs(prefix, now, limits, rid, tokens, money=0, marker=True, gpu=0):
                       f"{prefix}:settled:{rid}" if marker else "", 300 if marker else 0, gpu=gpu)
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "sqlite", "redis"])
 async def store(request, tmp_path):
     if request.param == "memory":
         s = MemoryBudgetStore(tmp_path / "b.db", 60)
+    elif request.param == "sqlite":
+        s = SqliteBudgetStore(tmp_path / "counters.db")
     else:
         url = request.getfixturevalue("redis_url")
         s = RedisBudgetStore(url)

@@ -136,10 +136,12 @@ def test_replicas_with_shared_state_render(helm: str, args: list[str]) -> None:
     assert one(objs, "PodDisruptionBudget")["spec"]["minAvailable"] == 1
 
 
-def test_workers_need_redis_and_reach_server_workers(helm: str) -> None:
-    """gateway.workers is server.workers; more than one without Redis for budgets is refused like replicas."""
-    out = render(helm, "--set", "gateway.workers=2", check=False)
-    assert out.returncode != 0 and "gateway.workers > 1 needs Redis" in out.stderr
+def test_workers_reach_server_workers_with_or_without_redis(helm: str) -> None:
+    """gateway.workers is server.workers; without Redis the pod's workers share the SQLite budget store under
+    the data dir (budgets.store auto), with it Redis."""
+    cfg = parse_rendered(docs(render(helm, "--set", "gateway.workers=2").stdout))
+    assert cfg.server.workers == 2 and cfg.raw.budgets.store == "auto"
+    assert cfg.raw.budgets.sqlite_path.startswith("/var/lib/gateway")
     cfg = parse_rendered(docs(render(helm, "--set", "gateway.workers=4", "--set", "externalRedis.host=redis").stdout))
     assert cfg.server.workers == 4 and cfg.raw.budgets.store == "redis"
     assert parse_rendered(docs(render(helm).stdout)).server.workers == 1
@@ -149,7 +151,7 @@ def test_single_replica_has_no_pdb_and_uses_embedded_state(helm: str) -> None:
     objs = docs(render(helm, "-f", str(CHART / "ci" / "default-values.yaml")).stdout)
     assert not [o for o in objs if o["kind"] == "PodDisruptionBudget"]
     cfg = parse_rendered(objs)
-    assert cfg.raw.budgets.store == "memory" and cfg.raw.identity.store == "sqlite"
+    assert cfg.raw.budgets.store == "auto" and cfg.raw.identity.store == "sqlite"  # memory in one process
     data = "/var/lib/gateway"
     assert cfg.raw.identity.sqlite_path.startswith(data) and cfg.raw.budgets.sqlite_path.startswith(data)
     assert cfg.raw.budgets.spool_path.startswith(data) and cfg.raw.policy.audit_path.startswith(data)

@@ -1,5 +1,6 @@
 """`gateway serve` with `server.workers: 2` end to end: the real supervisor and two real worker processes on one
-port, in front of the test upstream, budgets on the real Redis.
+port, in front of the test upstream, budgets on the real Redis (and, on the default config, on the SQLite store
+the workers share).
 
 Pins: connections reach both workers; a `requests` budget is exact across them (Redis); SIGHUP reloads every
 worker; a worker killed with SIGKILL is restarted while a stream on the other one runs to [DONE]; a rolling
@@ -12,6 +13,7 @@ import asyncio
 import os
 import signal
 import socket
+import sqlite3
 import threading
 import time
 import uuid
@@ -29,27 +31,36 @@ pytestmark = pytest.mark.e2e
 KEY = "workers-e2e-key-0123456789"
 CAPPED = "workers-capped-key-0123456789"
 CAP = 12
+TOKENS = "workers-tokens-key-0123456789"
+TOKEN_LIMIT = 400  # tokens a day for tenant `tokens`: a handful of requests' worst case
 
 
-def write_config(tmp, port, up_port, prefix, models=("up-model",)) -> None:
+def write_config(tmp, port, up_port, prefix, models=("up-model",), store: str | None = "redis") -> None:
+    """`store: None` leaves budgets.store out: the default (auto), which is SQLite for 2 workers."""
+    budgets = {"key_prefix": prefix, "sqlite_path": str(tmp / "ledger.db"), "spool_path": str(tmp / "spool.jsonl"),
+               "ledger_flush_s": 0.05, **({"store": store} if store else {})}
     cfg = {"server": {"host": "127.0.0.1", "port": port, "workers": 2, "graceful_shutdown_s": 10},
            "backends": [{"name": "up", "kind": "openai", "url": f"http://127.0.0.1:{up_port}/v1",
                          "models": list(models), "location": {"country": "DE"}, "retention": "zero"}],
-           "keys": [{"key": KEY, "tenant": "acme", "name": "k"}, {"key": CAPPED, "tenant": "capped", "name": "c"}],
+           "keys": [{"key": KEY, "tenant": "acme", "name": "k"}, {"key": CAPPED, "tenant": "capped", "name": "c"},
+                    {"key": TOKENS, "tenant": "tokens", "name": "t"}],
            "policy": {"files": [str(tmp / "policy.yaml")], "audit_path": str(tmp / "audit.jsonl")},
            "identity": {"sqlite_path": str(tmp / "id.db")},
-           "budgets": {"store": "redis", "key_prefix": prefix, "sqlite_path": str(tmp / "ledger.db"),
-                       "spool_path": str(tmp / "spool.jsonl"), "ledger_flush_s": 0.05},
+           "budgets": budgets,
            "observability": {"log_level": "warning"}}
     (tmp / "gw.yaml").write_text(yaml.safe_dump(cfg))
+
+
+POLICY = {"version": 1, "rules": [
+    {"id": "capped-requests", "match": {"tenant": "capped"}, "budgets": [{"window": "day", "requests": CAP}]},
+    {"id": "few-tokens", "match": {"tenant": "tokens"}, "budgets": [{"window": "day", "tokens": TOKEN_LIMIT}]}]}
 
 
 @pytest.fixture()
 def stack(tmp_path):
     require_redis()
     prefix = f"gwb-workers-{uuid.uuid4().hex[:10]}"
-    (tmp_path / "policy.yaml").write_text(yaml.safe_dump({"version": 1, "rules": [
-        {"id": "capped-requests", "match": {"tenant": "capped"}, "budgets": [{"window": "day", "requests": CAP}]}]}))
+    (tmp_path / "policy.yaml").write_text(yaml.safe_dump(POLICY))
     up, up_port = start_upstream(tmp_path)
     port = free_port()
     write_config(tmp_path, port, up_port, prefix)
@@ -173,6 +184,68 @@ def test_a_requests_budget_is_exact_across_workers(stack):
     refused = [b for c, b in out if c == 429]
     assert all(b["error"]["code"] == "rate_limit_exceeded" and "requests limit of 12" in b["error"]["message"]
                for b in refused)
+
+
+@pytest.fixture()
+def default_stack(tmp_path):
+    """Two workers on the default config: no Redis anywhere (budgets.store left out, so SQLite)."""
+    (tmp_path / "policy.yaml").write_text(yaml.safe_dump(POLICY))
+    up, up_port = start_upstream(tmp_path)
+    port = free_port()
+    write_config(tmp_path, port, up_port, "gwb", store=None)
+    gw, _ = start_gateway(tmp_path / "gw.yaml", timeout=60)
+    base = f"http://127.0.0.1:{port}"
+    wait_workers(base, 2, gw=gw)
+    try:
+        yield {"tmp": tmp_path, "gw": gw, "base": base, "port": port}
+    finally:
+        gw.stop(30)
+        up.stop()
+
+
+async def _burst(base: str, key: str, n: int, max_tokens: int = 4) -> list[tuple[int, dict]]:
+    async def one():
+        async with httpx.AsyncClient(timeout=30) as c:  # its own connection: the kernel picks a worker
+            r = await c.post(base + "/v1/chat/completions", json=chat(max_tokens=max_tokens),
+                             headers={"authorization": f"Bearer {key}"})
+            return r.status_code, r.json()
+    return list(await asyncio.gather(*(one() for _ in range(n))))
+
+
+def test_the_default_config_runs_two_workers_with_budgets_exact_across_them(default_stack):
+    """No Redis: the workers share the SQLite budget store. A requests budget of 12 under 40 concurrent requests
+    serves exactly 12; a 400-token day budget under 40 concurrent requests never settles more than the limit plus
+    one request's worst case (the documented bound), and the ledger has every served request."""
+    base, tmp = default_stack["base"], default_stack["tmp"]
+    assert len(pids(base)) == 2
+    out = asyncio.run(_burst(base, CAPPED, 40))
+    codes = sorted(c for c, _ in out)
+    assert codes.count(200) == CAP and codes.count(429) == 40 - CAP, codes
+    assert all(b["error"]["code"] == "rate_limit_exceeded" for c, b in out if c == 429)
+
+    max_tokens = 24
+    out = asyncio.run(_burst(base, TOKENS, 40, max_tokens=max_tokens))
+    served = [b for c, b in out if c == 200]
+    assert served and all(c in (200, 429) for c, _ in out), [c for c, _ in out]
+    assert all(b["error"]["code"] == "insufficient_quota" for c, b in out if c == 429)
+    used = sum(b["usage"]["total_tokens"] for b in served)
+    # the worst case of one request: its prompt bound (chars + 16 per message + 16) plus max_tokens; two workers
+    # counting apart would each admit the limit's worth
+    assert used <= TOKEN_LIMIT + (2 + 32) + max_tokens, used
+    db = sqlite3.connect(tmp / "ledger.db")
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # each worker's ledger writer flushes on its own (ledger_flush_s)
+            n, total = db.execute("select count(*), coalesce(sum(total_tokens), 0) from budget_ledger "
+                                  "where tenant='tokens'").fetchone()
+            if n == len(served) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert (n, total) == (len(served), used)
+        # one counter set for the host, in the SQLite store (not two in-process ones)
+        assert db.execute("select count(*) from budget_counters where k like 'gwb:tenant:tokens:%'").fetchone()[0]
+    finally:
+        db.close()
 
 
 def test_sighup_reloads_every_worker(stack):

@@ -88,9 +88,6 @@ app.kubernetes.io/component: engine
 {{- if and (gt (int (include "gateway.maxReplicas" .)) 1) (not (and (include "gateway.redisEnabled" .) (include "gateway.postgresEnabled" .))) -}}
 {{- fail "replicas > 1 (or autoscaling) needs shared state: set externalRedis.host and externalPostgres.existingSecret (or evaluation.redis.enabled and evaluation.postgres.enabled). Budgets held in one replica's memory and keys in one replica's SQLite would not be exact across replicas." -}}
 {{- end -}}
-{{- if and (gt (int .Values.gateway.workers) 1) (not (include "gateway.redisEnabled" .)) -}}
-{{- fail "gateway.workers > 1 needs Redis for budgets (externalRedis.host or evaluation.redis.enabled): budgets.store memory keeps counters in one process, so each worker would enforce every limit on its own" -}}
-{{- end -}}
 {{- if and .Values.persistence.enabled (gt (int (include "gateway.maxReplicas" .)) 1) (not .Values.persistence.existingClaim) -}}
 {{- fail "persistence.enabled with more than one replica (or autoscaling) would mount one ReadWriteOnce claim in every replica: state shared across replicas lives in Redis/Postgres, so keep persistence for single-replica installs (or give an existingClaim you know is ReadWriteMany)" -}}
 {{- end -}}
