@@ -566,6 +566,8 @@ def print_tables(names: list[str], results: dict, snaps: dict, args: argparse.Na
           f"{sum(p['errors'] for p in ours['phases'].values())}, least-loaded "
           f"{sum(p['errors'] for p in ll['phases'].values())}; ladder steps {args.step_s} s at {LADDER} req/s, "
           f"{GROUPS} groups x {USERS} users, {GROUP_TOKENS}-token system prompts")
+    fl = snap.get("flow") or {}
+    print(f"flow control counters: {fl.get('stats')}; healthy peaks (room.py) {snap.get('room')}")
 
 
 def main() -> None:

@@ -73,6 +73,7 @@ class Waiter:
     uncached: dict[str, int] = field(default_factory=dict)  # its uncached prompt tokens per own engine
     fut: asyncio.Future[frozenset[str]] | None = None  # resolved with the engines open for it at release
     seq: int = 0
+    predicted_s: float = 0.0  # the wait predicted for it when it queued (the wait's error is learned from it)
 
 
 @dataclass(slots=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from typing import Any, Callable
 
 from gateway.routing.config import FlowControlConfig
@@ -24,6 +25,11 @@ log = logging.getLogger("gateway.routing.flow")
 
 CONTENTION_S = 2.0  # a flow served this recently counts as active (gate.contended)
 DEFAULT_SMALL_BUDGET = 2048  # vLLM's --max-num-batched-tokens for an OpenAI server on a GPU under 70 GiB
+
+
+WAIT_ERROR_WINDOW = 64
+WAIT_ERROR_MIN = 8  # fewer observed waits: the predicted wait is its own bound
+WAIT_QUANTILE = 0.9
 
 
 class QueueTimeout(Exception):
@@ -49,6 +55,9 @@ class FlowGate:
         # the harmful-hold check (gateway/routing/room.py)
         self._room = room
         self.holding_with_room: set[str] = set()  # engines the model called closed while they had room
+        # the wait's own error, seconds (waited - predicted) of the last requests dispatched from the queue or
+        # timed out in it: the upper bound admission holds a waiting request to adds its upper quantile
+        self.wait_errors: deque[float] = deque(maxlen=WAIT_ERROR_WINDOW)
         self._chunk_budget = chunk_budget
         fc = config()
         self.queue = FairQueue(fc.max_queue_per_flow, fc.prefill_token_weight, fc.decode_token_weight)
@@ -244,6 +253,21 @@ class FlowGate:
     def first_in_line(self, cls: str, flow: str) -> bool:
         return self.releasing is None and self.queue.first_in_line(cls, flow)
 
+    def observe_wait(self, w: Waiter, waited_s: float) -> None:
+        """A queued request left the queue after `waited_s` (dispatched, or its slack ran out: then the true wait
+        was longer, so this is a lower bound on the error, still counted)."""
+        self.wait_errors.append(waited_s - w.predicted_s)
+
+    def wait_margin(self) -> float:
+        """Seconds to add to a predicted wait for its upper bound: the WAIT_QUANTILE of the recent waits' errors
+        (0 until WAIT_ERROR_MIN were seen, never negative)."""
+        e = self.wait_errors
+        if len(e) < WAIT_ERROR_MIN:
+            return 0.0
+        s = sorted(e)
+        k = min(len(s) - 1, int(WAIT_QUANTILE * (len(s) + 1)))
+        return max(0.0, s[k])
+
     # ------------------------------------------------------------------------------------------ waiting
     async def wait(self, w: Waiter, weight: float, front: bool = False) -> frozenset[str]:
         """Queue `w` until the gate releases it (returns the engines open for it then). Raises FlowQueueFull
@@ -344,6 +368,7 @@ class FlowGate:
             ws = self.waited.setdefault(cls, [0.0, 0.0])
             ws[0] += waited_s
             ws[1] += 1
+            self.observe_wait(w, waited_s)
             self.done(w)
         else:
             self.stats["direct"] += 1
@@ -365,6 +390,7 @@ class FlowGate:
         flows = sorted(set(q.counter) | set(q.served_prefill) | {f for f, _ in self.refused})
         return {"enabled": self.cfg.enabled, "waiting": len(q), "stats": dict(self.stats),
                 "holding_with_room": sorted(self.holding_with_room),
+                "wait_margin_ms": round(self.wait_margin() * 1000, 3),
                 "contended": self.contended(self.clock()),
                 "releasing": self.releasing is not None,
                 "rate_tokens_per_s": round(self.rate.per_s(self.clock()), 1),

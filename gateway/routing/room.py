@@ -8,8 +8,11 @@ samples is known to take another without its TTFT rising, so holding a request f
 gate (`gate.py`) then opens the engine, and says so once per change of state.
 
 A sample is (when, requests in flight on the engine when the request was sent, including itself, its TTFT).
-TTFT "rose" when it is over `RISE` x the baseline + `RISE_ABS_S`; the baseline is the median TTFT of the
-window's samples sent at or below the window's median concurrency.
+The baseline is the median TTFT of the samples sent at the window's lowest concurrency (or one above it), and
+only when that is low (at most LOW_LOAD in flight): an engine never seen lightly loaded gives no evidence of
+room. Going up from there, concurrency level by level, TTFT "rose" at the first level whose median TTFT is over
+`RISE` x the baseline + `RISE_ABS_S`; the healthy peak is the level below it (typical TTFTs, not the luckiest
+request's).
 """
 from __future__ import annotations
 
@@ -19,20 +22,31 @@ from collections import deque
 WINDOW_S = 60.0
 MAX_SAMPLES = 512  # per engine: the newest ones (enough for a minute at the rates one engine serves)
 MIN_SAMPLES = 8  # fewer: no claim of room
+LOW_LOAD = 2  # the baseline needs samples sent with at most this many in flight
 RISE = 1.5
 RISE_ABS_S = 0.02
 RECOMPUTE_S = 0.5
 
 
 def healthy_peak(samples: list[tuple[int, float]]) -> int:
-    """The largest concurrency among `samples` ((in flight at send, TTFT s)) whose TTFT did not rise over the
-    baseline of the low-concurrency half (module doc); 0 when there are too few samples to say."""
+    """The highest concurrency up to which the median TTFT per level of `samples` ((in flight at send, TTFT s))
+    stayed within the rise over the low-load baseline (module doc); 0 when there is no evidence to say."""
     if len(samples) < MIN_SAMPLES:
         return 0
-    mid = statistics.median(n for n, _ in samples)
-    base = statistics.median(t for n, t in samples if n <= mid)
-    limit = base * RISE + RISE_ABS_S
-    return max((n for n, t in samples if t <= limit), default=0)
+    lo = min(n for n, _ in samples)
+    base = [t for n, t in samples if n <= lo + 1]
+    if lo > LOW_LOAD or len(base) < 2:
+        return 0
+    limit = statistics.median(base) * RISE + RISE_ABS_S
+    by_level: dict[int, list[float]] = {}
+    for n, t in samples:
+        by_level.setdefault(n, []).append(t)
+    peak = 0
+    for n in sorted(by_level):
+        if statistics.median(by_level[n]) > limit:
+            break
+        peak = n
+    return peak
 
 
 class Room:

@@ -84,6 +84,7 @@ class _FlowState:
     enqueued: float = 0.0
     waited_s: float = 0.0
     predicted_wait_s: float = 0.0
+    wait_upper_s: float = 0.0  # the predicted wait plus the upper quantile of the recent waits' error
     ahead_tokens: float = 0.0
     # dispatched past flow control: it waited past its target's slack (served, never refused after its wait), or
     # it has no target and its flow's queue is full (a plain proxy would serve it)
@@ -555,10 +556,12 @@ class PredictiveRouteStage:
                     modelled: set[str], feats: dict[str, Features], n_tokens: int, target: float | None,
                     hdr: str | None, elapsed: float, items: list[Scored], drains: dict[str, Drain]
                     ) -> tuple[bool, list[Candidate], float | None]:
-        """`_flow_plan` over the modelled candidates only: flow control acts where there is a model. A request
-        that could also go to a pass-through upstream is never held for a modelled one: when those are closed
-        it goes to the pass-through ones; while they are open, pass-through upstreams keep their places in the
-        strategy's order (a cold engine gets the traffic it learns from)."""
+        """`_flow_plan` over the modelled candidates only: flow control acts where there is a model. When the
+        modelled engines are closed, a request goes to a pass-through upstream with fewer requests in flight than
+        every modelled one (load-aware, as it would be routed without flow control; a cold slow engine is not
+        flooded with the modelled engines' overflow), else waits for a modelled one; while they are open,
+        pass-through upstreams keep their places in the strategy's order (a cold engine gets the traffic it
+        learns from)."""
         mod = [c for c in own_ord if c.backend.name in modelled]
         if not mod:
             return False, own_ord, target
@@ -566,10 +569,16 @@ class PredictiveRouteStage:
                                                       items, drains)
         if len(mod) == len(own_ord):
             return must_wait, mod_sorted, goal
-        if must_wait:
+        if must_wait:  # load-aware: a pass-through upstream takes it while it has fewer in flight than every
+            inflight = {it.cand.backend.name: it.view.inflight for it in items}  # modelled one (a cold engine
+            least = min(inflight.get(c.backend.name, 0) for c in mod)  # is not flooded with their overflow)
+            pt = [c for c in own_ord if c.backend.name not in modelled and inflight.get(c.backend.name, 0) < least]
+            if not pt:
+                return True, mod_sorted, goal
             self.stats["released_to_pass_through"] += 1
             fs.go, fs.predicted_wait_s, fs.ahead_tokens = frozenset(), 0.0, 0.0
-            return False, [c for c in own_ord if c.backend.name not in modelled] + mod_sorted, goal
+            return False, pt + [c for c in own_ord if c.backend.name not in modelled and c not in pt] + mod_sorted, \
+                goal
         go = fs.go
         return False, ([c for c in own_ord if c.backend.name in go or c.backend.name not in modelled]
                        + [c for c in mod_sorted if c.backend.name not in go]), goal
@@ -638,6 +647,7 @@ class PredictiveRouteStage:
         fs.go = frozenset()
         wait_s, ahead = self.flow.predicted_wait(fs.qcls, fs.flow, fs.weight, unc, now)
         fs.predicted_wait_s, fs.ahead_tokens = wait_s, ahead
+        fs.wait_upper_s = wait_up = wait_s + self.flow.wait_margin()  # the bound counts the wait's own error
         queue_s = fc.engine_queue_ms / 1000.0
         for c in own_ord:  # from arrival: elapsed + the wait + the engine's part once it is open again
             name = c.backend.name
@@ -650,8 +660,9 @@ class PredictiveRouteStage:
                          running=f.running)
             mean, upper = self.predictor.predict(name, g)
             c.predicted_ttft_ms = round((elapsed + wait_s + mean) * 1000, 3)
-            c.predicted_ttft_upper_ms = round((elapsed + wait_s + upper) * 1000, 3)
+            c.predicted_ttft_upper_ms = round((elapsed + wait_up + upper) * 1000, 3)
             c.info["queue_wait_ms"] = round(wait_s * 1000, 3)
+            c.info["queue_wait_upper_ms"] = round(wait_up * 1000, 3)
         own_ord.sort(key=lambda c: c.predicted_ttft_upper_ms or 0.0)
         return True, own_ord, goal
 
@@ -681,10 +692,10 @@ class PredictiveRouteStage:
         now = self.clock()
         if fs.waiter is None:
             best = min((c.predicted_ttft_upper_ms or 0.0) for c in own_ord) / 1000.0
-            slack = fc.max_wait_s if goal is None else (goal / 1000.0) - (best - fs.predicted_wait_s)
+            slack = fc.max_wait_s if goal is None else (goal / 1000.0) - (best - fs.wait_upper_s)
             fs.waiter = Waiter(fs.flow, fs.qcls, float(min(fs.uncached.values())), fs.long,
                                frozenset(fs.uncached), now, now + max(0.0, min(fc.max_wait_s, slack)),
-                               uncached=fs.uncached)
+                               uncached=fs.uncached, predicted_s=fs.predicted_wait_s)
             fs.enqueued = now
             front = False
         else:  # released, but the engines closed again before it dispatched: back to the head of its flow
@@ -694,6 +705,8 @@ class PredictiveRouteStage:
         except (FlowQueueFull, QueueTimeout) as e:
             full = isinstance(e, FlowQueueFull)
             fs.waited_s = self.clock() - fs.enqueued
+            if not full and goal is None:  # refused below: it waited at least this long (the wait's error; a late
+                self.flow.observe_wait(fs.waiter, fs.waited_s)  # one is counted when it is dispatched)
             if not full and goal is not None:  # admitted with this wait in its prediction: served, never refused
                 fs.late = True  # after it (the route stage dispatches it on its next pass, past flow control)
                 self.flow.stats["late"] += 1

@@ -204,3 +204,20 @@ async def test_a_model_that_holds_while_the_engine_has_room_is_overruled_and_say
     x = w("a")
     assert await asyncio.wait_for(g.wait(x, 1.0), 1.0) == frozenset({"e1"})
     assert g.stats["harmful_holds"] == 2
+
+
+def test_the_waits_upper_bound_adds_the_recent_waits_error():
+    """Issue 34: the bound admission holds a queued request to counts how wrong the predicted waits were (the
+    upper quantile of waited - predicted over the recent ones), so requests are refused on arrival rather than
+    served late."""
+    fleet = Fleet(["e1"])
+    g = gate(fleet)
+    assert g.wait_margin() == 0.0
+    for i in range(9):
+        g.observe_wait(Waiter("a", "standard", 1.0, False, frozenset({"e1"}), 0.0, 1.0, predicted_s=0.1),
+                       0.1 + 0.05 * i)  # errors 0 .. 0.4 s
+    assert 0.3 <= g.wait_margin() <= 0.4
+    assert g.snapshot()["wait_margin_ms"] == round(g.wait_margin() * 1000, 3)
+    for _ in range(64):  # waits shorter than predicted: never a negative margin
+        g.observe_wait(Waiter("a", "standard", 1.0, False, frozenset({"e1"}), 0.0, 1.0, predicted_s=0.5), 0.1)
+    assert g.wait_margin() == 0.0

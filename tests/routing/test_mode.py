@@ -84,11 +84,21 @@ def test_the_healthy_peak_is_the_most_in_flight_served_without_ttft_rising():
     rising = [(n, 0.1 if n <= 8 else 0.1 * n) for n in range(1, 33)]  # TTFT grows past 8 in flight
     assert healthy_peak(rising) == 8
     assert healthy_peak(flat[: MIN_SAMPLES - 1]) == 0  # too few samples: no claim of room
+    # a lucky request at high load is no evidence: level medians decide
+    lucky = rising + [(20, 0.1), (20, 2.5), (20, 2.4)]
+    assert healthy_peak(lucky) == 8
+
+
+def test_an_engine_never_seen_lightly_loaded_gives_no_evidence_of_room():
+    """A slow engine that was always busy (its fastest TTFTs already under load) must not call its own load
+    healthy: no baseline, no claim."""
+    busy = [(n, 2.0 + 0.01 * n) for n in range(12, 30)]
+    assert healthy_peak(busy) == 0
 
 
 def test_room_forgets_samples_older_than_its_window():
     r = Room()
-    for i in range(MIN_SAMPLES):
-        r.observe("e", 0.0, 10, 0.2)
+    for n in (1, 1, 2, 2, 3, 4, 5, 6, 8, 10):
+        r.observe("e", 0.0, n, 0.2)
     assert r.peak("e", 1.0) == 10
     assert r.peak("e", 61.0 + 1.0) == 0
