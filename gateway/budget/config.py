@@ -1,6 +1,8 @@
 """Config section `budgets:` (owned by the budget stage)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import msgspec
 
 
@@ -23,7 +25,7 @@ class BudgetsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     key_prefix: str = "gwb"
     on_store_error: str = "closed"  # closed | open
     fail_open_fraction: float = 1.0  # fail-open: each replica enforces this fraction of every limit locally
-    sqlite_path: str = "var/budgets.db"  # sqlite store's counters, memory store's snapshot, default ledger
+    sqlite_path: str = "var/budgets.db"  # default ledger, memory store's snapshot; the sqlite store's counters go beside it (budgets-counters.db)
     snapshot_interval_s: float = 5.0
     ledger: str = "sqlite"  # sqlite | postgres
     ledger_dsn: str | None = None
@@ -45,3 +47,10 @@ def effective_store(cfg: BudgetsConfig, workers: int) -> str:
     if cfg.store != "auto":
         return cfg.store
     return "sqlite" if workers > 1 else "memory"
+
+
+def counters_path(sqlite_path: Path) -> Path:
+    """The SQLite store's file, beside `sqlite_path` (var/budgets.db -> var/budgets-counters.db): apart from the
+    ledger's table there, whose batch inserts would hold the database's one write lock that every reserve and
+    settle of the host's workers takes."""
+    return sqlite_path.with_name(f"{sqlite_path.stem}-counters{sqlite_path.suffix or '.db'}")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 from zoneinfo import ZoneInfo
 
-from gateway.budget.config import BudgetsConfig, ModelPrice, effective_store
+from gateway.budget.config import BudgetsConfig, ModelPrice, counters_path, effective_store
 from gateway.budget.ledger import Ledger
 from gateway.budget.model import MICRO, NANO, ReserveArgs, ReserveResult, ScopePlan, SettleArgs, WindowPlan
 from gateway.budget.pricing import convert, cost, find_price
@@ -116,12 +116,12 @@ class BudgetService:
             # ${VAR} in the URL is expanded so a password can come from a Secret, not the ConfigMap
             return RedisBudgetStore(os.path.expandvars(cfg.redis_url), cfg.redis_timeout_s)
         if self.store_kind == "sqlite":  # shared by the workers of this host
-            return SqliteBudgetStore(self._config.resolve_path(cfg.sqlite_path))
+            return SqliteBudgetStore(counters_path(self._config.resolve_path(cfg.sqlite_path)))
         return MemoryBudgetStore(self._config.resolve_path(cfg.sqlite_path), cfg.snapshot_interval_s)
 
     async def start(self) -> None:
         log.info("budget store: %s%s", self.store_kind,
-                 f" ({self._config.resolve_path(self.cfg.sqlite_path)}, shared by this host's workers)"
+                 f" ({counters_path(self._config.resolve_path(self.cfg.sqlite_path))}, shared by this host's workers)"
                  if self.store_kind == "sqlite" else "")
         await self.primary.start()
         await self.ledger.start()

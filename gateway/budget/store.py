@@ -139,10 +139,10 @@ class SqliteBudgetStore:
 
     Where it runs: a transaction takes ~30-40 us of CPU, less than handing it to a thread costs in a busy process
     (the thread waits for the GIL the event loop holds), so it runs on the event loop's thread, on a connection
-    of its own that never waits on SQLite's busy handler: when another process holds the write lock it retries
-    for at most FAST_WAIT_S (a transaction holds it for tens of microseconds), then hands the operation to the
-    store's thread, whose connection waits up to BUSY_TIMEOUT_S (then StoreUnavailable: the service's 503 or
-    fail-open). WAL checkpoints (which fsync) run on that thread too, every CHECKPOINT_EVERY writes, never on
+    of its own that never waits on SQLite's busy handler: when another process holds the write lock the
+    operation yields to the event loop and tries again (a transaction holds the lock for tens of microseconds;
+    the loop serves other requests meanwhile), for at most FAST_WAIT_S, then hands it to the store's thread,
+    whose connection waits up to BUSY_TIMEOUT_S (then StoreUnavailable: the service's 503 or fail-open). WAL checkpoints (which fsync) run on that thread too, every CHECKPOINT_EVERY writes, never on
     the event loop; so does the cleanup of expired rows (every CLEANUP_S).
 
     The file must be on a local disk of the host (WAL needs shared memory between the processes; not NFS).
@@ -152,7 +152,7 @@ class SqliteBudgetStore:
     """
 
     BUSY_TIMEOUT_S = 5.0  # the thread's connection waits this long for another process's transaction
-    FAST_WAIT_S = 0.0005  # the event loop's connection retries the write lock this long, then hands over
+    FAST_WAIT_S = 0.05  # the event loop's connection retries the write lock this long (yielding), then hands over
     CHECKPOINT_EVERY = 500  # writes on the event loop's connection between WAL checkpoints on the thread
     CLEANUP_S = 60.0
 
@@ -167,7 +167,7 @@ class SqliteBudgetStore:
         self._writes = 0
         self._housekeeping: asyncio.Task[None] | None = None
         self._next_cleanup = 0.0
-        self.stats = {"fast": 0, "handed_over": 0}
+        self.stats = {"fast": 0, "retried": 0, "handed_over": 0}
 
     async def start(self) -> None:
         try:
@@ -201,20 +201,30 @@ class SqliteBudgetStore:
 
     async def _call(self, args: ReserveArgs | SettleArgs, reserve: bool) -> Any:
         fast = self._fast
-        if fast is not None:
+        deadline, pause = 0.0, 0.0
+        while fast is not None:
             try:
                 out = self._fast_op(fast, args, reserve)
-            except _Busy:
-                self.stats["handed_over"] += 1
+            except _Busy:  # another process's transaction: let the loop run, then try again
+                now = time.monotonic()
+                if not deadline:
+                    deadline = now + self.FAST_WAIT_S
+                elif now >= deadline:
+                    self.stats["handed_over"] += 1
+                    break
+                self.stats["retried"] += 1
+                await asyncio.sleep(pause)
+                pause = min(max(pause * 2, 0.00005), 0.002)
+                fast = self._fast
+                continue
             except (sqlite3.Error, OSError) as e:
                 raise StoreUnavailable(f"budget sqlite {self.path}: {type(e).__name__}: {e}") from e
-            else:
-                self.stats["fast"] += 1
-                self._writes += 1
-                if self._writes >= self.CHECKPOINT_EVERY and self._housekeeping is None:
-                    self._writes = 0
-                    self._housekeeping = asyncio.create_task(self._housekeep(), name="budget-sqlite-checkpoint")
-                return out
+            self.stats["fast"] += 1
+            self._writes += 1
+            if self._writes >= self.CHECKPOINT_EVERY and self._housekeeping is None:
+                self._writes = 0
+                self._housekeeping = asyncio.create_task(self._housekeep(), name="budget-sqlite-checkpoint")
+            return out
         out = await self._run(self._op, None, args, reserve)
         if self._fast is None and self._db is not None:  # the database opened late: the fast path from now on
             self._fast = self._connect(0.0)
@@ -294,25 +304,12 @@ class SqliteBudgetStore:
 
     # -- on the event loop's thread
     def _fast_op(self, db: sqlite3.Connection, args: ReserveArgs | SettleArgs, reserve: bool) -> Any:
-        deadline, pause = 0.0, 0.00002
-        while True:
-            try:
-                db.execute("BEGIN IMMEDIATE")
-                break
-            except sqlite3.OperationalError as e:
-                if not is_locked(e):
-                    raise
-            now = time.monotonic()
-            if not deadline:
-                deadline = now + self.FAST_WAIT_S
-            elif now >= deadline:
-                raise _Busy()
-            time.sleep(pause)  # another process's transaction: tens of microseconds
-            pause = min(pause * 2, 0.0002)
+        """One try, never waiting: _Busy when another connection holds the write lock (nothing applied)."""
         try:
+            db.execute("BEGIN IMMEDIATE")
             return self._body(db, args, reserve)
         except sqlite3.OperationalError as e:
-            if is_locked(e):  # rolled back, nothing applied: the thread's connection does it again
+            if is_locked(e):  # rolled back (or never begun): nothing applied
                 raise _Busy() from e
             raise
 

@@ -159,14 +159,16 @@ def test_two_worker_processes_never_overspend_one_token_budget(tmp_path):
     assert sum(o["unavailable"] for o in outs) == 0 and ok + sum(o["quota"] for o in outs) == 200
     assert settled <= limit + prompt + maxt  # the bound: one request's worst case past the limit
     assert ok >= limit // (prompt + maxt) and all(o["ok"] for o in outs)  # both processes were served
-    db = sqlite3.connect(tmp_path / "budgets.db")
+    # the counters are the SQLite store's, beside the ledger's file (no memory snapshot anywhere), and the
+    # ledger has every settled request
+    counters, ledger = sqlite3.connect(tmp_path / "budgets-counters.db"), sqlite3.connect(tmp_path / "budgets.db")
     try:
-        # the counters are the SQLite store's (no memory snapshot), and the ledger has every settled request
-        assert db.execute("select count(*) from budget_counters").fetchone()[0] > 0
-        assert db.execute("select count(*) from sqlite_master where name='budget_state'").fetchone()[0] == 0
-        assert db.execute("select count(*), sum(total_tokens) from budget_ledger").fetchone() == (ok, settled)
+        assert counters.execute("select count(*) from budget_counters").fetchone()[0] > 0
+        assert ledger.execute("select count(*) from sqlite_master where name='budget_state'").fetchone()[0] == 0
+        assert ledger.execute("select count(*), sum(total_tokens) from budget_ledger").fetchone() == (ok, settled)
     finally:
-        db.close()
+        counters.close()
+        ledger.close()
 
 
 def test_two_worker_processes_count_requests_exactly(tmp_path):
@@ -198,7 +200,7 @@ async def test_a_database_another_process_keeps_locked_is_a_503_then_recovers(tm
         # another process holds the write lock past the busy timeout (a stuck worker, a backup tool)
         other = subprocess.Popen([sys.executable, "-c", (
             "import sqlite3, sys, time\n"
-            f"db = sqlite3.connect({str(tmp_path / 'budgets.db')!r}, isolation_level=None)\n"
+            f"db = sqlite3.connect({str(tmp_path / 'budgets-counters.db')!r}, isolation_level=None)\n"
             "db.execute('BEGIN IMMEDIATE'); print('locked', flush=True); sys.stdin.readline()\n")],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert other.stdout is not None and other.stdout.readline().strip() == "locked"
@@ -246,8 +248,8 @@ async def test_a_write_lock_held_elsewhere_hands_the_operation_to_the_stores_thr
 
 
 async def test_a_path_that_cannot_be_a_database_is_a_503_not_a_500(tmp_path):
-    (tmp_path / "adir").mkdir()
-    svc = _service(tmp_path, tmp_path / "adir", lambda: T0)
+    (tmp_path / "budgets-counters.db").mkdir()  # where the counters would go
+    svc = _service(tmp_path, tmp_path / "budgets.db", lambda: T0)
     await svc.start()  # logs the failure, serves on
     try:
         with pytest.raises(GatewayError) as ei:

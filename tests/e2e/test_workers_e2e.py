@@ -242,10 +242,14 @@ def test_the_default_config_runs_two_workers_with_budgets_exact_across_them(defa
                 break
             time.sleep(0.05)
         assert (n, total) == (len(served), used)
-        # one counter set for the host, in the SQLite store (not two in-process ones)
-        assert db.execute("select count(*) from budget_counters where k like 'gwb:tenant:tokens:%'").fetchone()[0]
     finally:
         db.close()
+    # one counter set for the host, in the SQLite store beside the ledger (not two in-process ones)
+    counters = sqlite3.connect(tmp / "ledger-counters.db")
+    try:
+        assert counters.execute("select count(*) from budget_counters where k like 'gwb:tenant:tokens:%'").fetchone()[0]
+    finally:
+        counters.close()
 
 
 def test_sighup_reloads_every_worker(stack):
