@@ -108,6 +108,9 @@ class BackendConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kv_events: str | None = None
     replay: str | None = None
     kv_topic: str | None = None  # this engine's KV-event topic; null: telemetry.kv_topic ("" = every topic)
+    # "full": every request to this vLLM engine carries vllm_xargs {"kv_cache_report_mode": "full"}, so the engine
+    # also announces the blocks it reuses (the KV index takes those as re-announcements, not new copies)
+    kv_cache_report_mode: Literal["incremental", "full"] = "incremental"
     metrics: str | None = None
     priority_scheduling: bool = False
     # an inference_gateway upstream's endpoint picker then queues by the same flows (gateway/routing/flowkey.py)

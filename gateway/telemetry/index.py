@@ -192,6 +192,17 @@ class CachedPrefix:
 
 
 @dataclass
+class _Group:
+    """One non-zero KV-cache group of a hybrid model (plain dicts: such groups are few and bounded by the
+    engine's block pool, and only the sliding-window ones change a prediction)."""
+
+    kind: str | None = None
+    window: int | None = None
+    held: dict[int, int] = field(default_factory=dict)  # own key -> resident copies
+    keys: dict[int, int] = field(default_factory=dict)  # engine hash -> own key
+
+
+@dataclass
 class _Engine:
     slot: int
     table: _Table
@@ -202,6 +213,12 @@ class _Engine:
     orphans: int = 0  # stored blocks whose parent hash was unknown (after a loss)
     skipped: int = 0  # events not indexed (other KV groups, malformed)
     clears: int = 0
+    # KV-cache groups other than 0 (hybrid models), by group index: own key -> resident copies, engine hash ->
+    # own key, and the group's spec (kind, sliding window in tokens) as the events state it.
+    groups: dict[int, "_Group"] = field(default_factory=dict)
+    fields_seen: set[str] = field(default_factory=set)  # event fields this engine has sent with a value
+    report_full: bool = False  # requests carry kv_cache_report_mode="full": reused blocks are re-announced
+    reannounced: int = 0  # BlockStored events taken as re-announcements of resident blocks (not new copies)
     chunks: ChunkBudgetLearner = field(default_factory=ChunkBudgetLearner)  # survives resets: an engine fact
 
 
@@ -235,6 +252,13 @@ class KVIndex:
                 self.reset(engine)
             e.block_size = block_size
 
+    def set_report_full(self, engine: str, full: bool) -> None:
+        """The gateway sends this engine's requests with kv_cache_report_mode="full" (vLLM 0.32
+        `KVCacheManager.get_computed_blocks` then emits a BlockStored, parent None, from block 0 for every
+        group's reused blocks: copies already counted, and in a sliding-window group also the positions outside
+        the window, which are not resident). Such re-announcements are recognised and add nothing."""
+        self._engine(engine).report_full = full
+
     def engines(self) -> list[str]:
         return list(self._engines)
 
@@ -263,6 +287,7 @@ class KVIndex:
                 g._bulk_place(keys, vals)
         e.table = _Table(1, 1024)
         e.dups.clear()
+        e.groups.clear()
         e.clears += 1
 
     def remove_engine(self, engine: str) -> None:
@@ -283,7 +308,11 @@ class KVIndex:
         e = self._engine(engine)
         n = 0
         chunks: list[tuple[int | None, int, int, int]] = []  # one engine step's stored chunks (budget learner)
+        seen = e.fields_seen
         for ev in batch.events:
+            for f in ev.__struct_fields__:
+                if f not in seen and getattr(ev, f) is not None:
+                    seen.add(f)
             if isinstance(ev, BlockStored):
                 n += self._stored(e, ev)
                 hs = ev.block_hashes
@@ -302,10 +331,95 @@ class KVIndex:
         e = self._engines.get(engine)
         return e.chunks.budget if e else None
 
+    def _stored_group(self, e: _Engine, ev: BlockStored) -> int:
+        """A BlockStored of a non-zero KV-cache group: kept per group (own key -> copies) so that a lookup can
+        apply vLLM's rule that every group must serve the prefix (a sliding-window group only its window)."""
+        assert ev.group_idx is not None
+        bs = ev.block_size
+        hashes = ev.block_hashes
+        if bs <= 0 or len(ev.token_ids) != len(hashes) * bs or (e.block_size is not None and bs != e.block_size):
+            e.skipped += 1  # a group with another block size is not modelled
+            return 0
+        gr = e.groups.get(ev.group_idx)
+        if gr is None:
+            gr = e.groups[ev.group_idx] = _Group()
+        if ev.kv_cache_spec_kind is not None:
+            gr.kind = ev.kv_cache_spec_kind
+        if ev.kv_cache_spec_sliding_window is not None:
+            gr.window = ev.kv_cache_spec_sliding_window
+        if e.report_full and ev.parent_block_hash is None and _norm_hash(hashes[-1]) in gr.keys:
+            e.reannounced += 1  # a reused prefix re-announced (its window's blocks are resident, known)
+            return 0
+        lora = ev.lora_name
+        extras = ev.extra_keys
+        parent = ev.parent_block_hash
+        seed: int | None = None
+        if parent is not None:
+            pk = gr.keys.get(_norm_hash(parent))
+            if pk is None:
+                pk = e.table.slot(_norm_hash(parent))  # same block hashes as group 0 when block sizes agree
+                pk = int(e.table._v[0][pk]) if pk >= 0 else None
+            seed = pk if pk is not None else _h64(b"orphan", _norm_hash(parent))
+        buf = memoryview(array("I", ev.token_ids).tobytes())
+        step = bs * 4
+        for i, h in enumerate(hashes):
+            x = extras[i] if extras is not None and i < len(extras) else None
+            if seed is None:
+                salt, poison = _split_extra(x, lora, first=True)
+                seed = root_seed(salt, lora)
+            elif x is not None:
+                _, poison = _split_extra(x, lora, first=False)
+            else:
+                poison = None
+            if poison is not None:
+                seed = _h64(poison, seed)
+            key = _h64(buf[i * step:(i + 1) * step], seed) or _ZERO_SUB
+            seed = key
+            gr.keys[_norm_hash(h)] = key
+            gr.held[key] = gr.held.get(key, 0) + 1
+        e.stored += len(hashes)
+        return len(hashes)
+
+    def _removed_group(self, e: _Engine, ev: BlockRemoved) -> int:
+        """One BlockRemoved in a non-zero group drops one copy (vLLM may hold several copies of one hash)."""
+        assert ev.group_idx is not None
+        gr = e.groups.get(ev.group_idx)
+        if gr is None:
+            return 0
+        n = 0
+        for h in ev.block_hashes:
+            hh = _norm_hash(h)
+            key = gr.keys.get(hh)
+            if key is None:
+                continue
+            c = gr.held.get(key, 0) - 1
+            if c > 0:
+                gr.held[key] = c
+            else:
+                gr.held.pop(key, None)
+                del gr.keys[hh]
+            n += 1
+        e.removed += n
+        return n
+
+    def _group_limit(self, e: _Engine, keys: list[int], nb: int, bs: int) -> int:
+        """Blocks of a `nb`-block group-0 hit that every other group can also serve.
+
+        vLLM 0.32 (`HybridKVCacheCoordinator`, `SlidingWindowManager.find_longest_cache_hit`, read for the rule;
+        not copied): a full-attention group needs every block of the prefix; a sliding-window group of window
+        `w` needs the last ceil((w - 1) / bs) blocks before the hit point, scanning down from the longest
+        candidate; if no such run exists the hit is the run of resident blocks from block 0 (all of it, when
+        that run is shorter than the window). The hit is the shortest over the groups."""
+        while True:  # like the coordinator: until no group shortens the hit any further
+            before = nb
+            for gr in e.groups.values():
+                nb = _group_hit(gr, keys, nb, bs)
+            if nb == before or nb == 0:
+                return nb
+
     def _stored(self, e: _Engine, ev: BlockStored) -> int:
         if ev.group_idx not in (None, 0):
-            e.skipped += 1  # other KV-cache groups (hybrid models) repeat group 0's blocks
-            return 0
+            return self._stored_group(e, ev)
         bs = ev.block_size
         hashes = ev.block_hashes
         toks = ev.token_ids
@@ -316,6 +430,9 @@ class KVIndex:
             if e.block_size is not None:
                 self.reset_keep(e)
             e.block_size = bs
+        if e.report_full and ev.parent_block_hash is None and e.table.slot(_norm_hash(hashes[-1])) >= 0:
+            e.reannounced += 1  # a reused prefix re-announced: the same physical copies, not new ones
+            return 0
         tier = tier_of(ev.medium)
         lora = ev.lora_name
         extras = ev.extra_keys
@@ -374,7 +491,7 @@ class KVIndex:
 
     def _removed(self, e: _Engine, ev: BlockRemoved) -> int:
         if ev.group_idx not in (None, 0):
-            return 0
+            return self._removed_group(e, ev)
         tier = tier_of(ev.medium)
         g = self._g
         bit = 1 << e.slot
@@ -445,6 +562,14 @@ class KVIndex:
             for _, e in engs:
                 want |= 1 << e.slot
             ends, sl = self._prefix_ends(rk, bs, ka, want)
+            for _, e in engs:
+                nb0 = ends.get(1 << e.slot, 0)
+                if e.groups and nb0:
+                    nb1 = self._group_limit(e, rk.keys(bs), nb0, bs)
+                    if nb1:
+                        ends[1 << e.slot] = nb1
+                    else:
+                        del ends[1 << e.slot]
             if not ends:
                 for name, _ in engs:
                     out[name] = CachedPrefix()
@@ -611,7 +736,11 @@ class KVIndex:
             "engines": {name: {"slot": e.slot, "block_size": e.block_size, "entries": e.table.n,
                                "stored": e.stored, "removed": e.removed, "orphans": e.orphans,
                                "skipped": e.skipped, "resets": e.clears, "chunk_budget": e.chunks.budget,
-                               "budget_limited_steps": e.chunks.limited_steps}
+                               "budget_limited_steps": e.chunks.limited_steps,
+                               "kv_groups": {str(i): {"kind": g.kind, "sliding_window": g.window,
+                                                      "blocks": len(g.held)} for i, g in e.groups.items()},
+                               "event_fields": sorted(e.fields_seen), "report_full": e.report_full,
+                               "reannounced": e.reannounced}
                         for name, e in self._engines.items()},
         }
 
@@ -630,6 +759,34 @@ def _split_extra(x: Any, lora: str | None, first: bool) -> tuple[str | None, byt
     if first and len(rest) == 1 and isinstance(rest[0], str):
         return rest[0], None
     return None, repr(rest).encode()
+
+
+_PREFIX_KINDS = ("full_attention", "mla_attention", "sink_full_attention")
+
+
+def _group_hit(gr: _Group, keys: list[int], nb: int, bs: int) -> int:
+    """Blocks of an `nb`-block hit that one non-zero group can serve (vLLM 0.32's rule, see _group_limit).
+    A group whose kind is neither a sliding window nor full attention (mamba, unknown...) is not modelled
+    and does not shorten the hit."""
+    held = gr.held
+    kind = (gr.kind or "").lower()
+    if gr.window and (not kind or "sliding" in kind):
+        need = max(1, -(-(gr.window - 1) // bs))  # blocks covering the window's last window-1 tokens
+        run = 0
+        for i in range(nb - 1, -1, -1):
+            if keys[i] in held:
+                run += 1
+                if run >= need:
+                    return i + run
+            else:
+                run = 0
+        return run  # no full window anywhere: only the resident run from block 0
+    if kind in _PREFIX_KINDS:
+        i = 0
+        while i < nb and keys[i] in held:
+            i += 1
+        return i
+    return nb
 
 
 def _drop(ends: dict[int, int], bits: int, at: int) -> None:

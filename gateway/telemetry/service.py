@@ -117,6 +117,8 @@ class TelemetryService:
     async def _start_backend(self, b: BackendConfig) -> None:
         tc = self.config.raw.telemetry
         self._backends[b.name] = b
+        if b.kv_cache_report_mode == "full":
+            self.index.set_report_full(b.name, True)
         if tc.kv_events and b.kv_events:
             sub = KVEventSubscriber(b.name, b.kv_events, b.replay, self.topic_for(b), self.index,
                                     max_pending=tc.max_pending_batches, replay_timeout_s=tc.replay_timeout_s,
@@ -340,6 +342,7 @@ class TelemetryService:
     def fleet_snapshot(self) -> dict[str, Any]:
         """For /admin/fleet: per engine cached blocks by tier, load, staleness, agreement."""
         engines: dict[str, Any] = {}
+        st_eng = self.index.stats()["engines"]
         for name in self._backends:
             sub = self.subscribers.get(name)
             load = self._loads.get(name)
@@ -355,6 +358,8 @@ class TelemetryService:
                 "load": load.to_dict() if load else None,
                 "inflight": {"requests": f.requests, "prefill_tokens": f.prefill_tokens},
                 "agreement": self.agreement(name),
+                "kv_event_fields": st_eng.get(name, {}).get("event_fields", []),
+                "kv_groups": st_eng.get(name, {}).get("kv_groups", {}),
             }
         st = self.index.stats()
         return {"generated_at": time.time(), "engines": engines, "agreement": self.agreement(),

@@ -4,6 +4,8 @@ priority, which vLLM's /v1/messages drops: gateway/proxy/dialects/anthropic.py M
 publish KV-cache events and Prometheus metrics."""
 from __future__ import annotations
 
+from typing import Any
+
 from gateway.api.endpoints import BY_NAME, Endpoint
 from gateway.proxy.dialects.anthropic import MessagesOnVLLM
 from gateway.proxy.dialects.base import Dialect, Exchange
@@ -17,6 +19,14 @@ class VLLMDialect(Dialect):
     def __init__(self, kind: str = "vllm") -> None:
         self.kind = kind
         self.native = frozenset(BY_NAME)
+
+    def adjust(self, ctx: Any, cand: Any, body: dict[str, Any]) -> None:
+        super().adjust(ctx, cand, body)
+        if getattr(cand.backend, "kv_cache_report_mode", "incremental") == "full":
+            # vLLM 0.32: vllm_xargs becomes SamplingParams.extra_args, read by v1/request.py as the request's
+            # kv_cache_report_mode; the client's own vllm_xargs are kept
+            xa = body.get("vllm_xargs")
+            body["vllm_xargs"] = {**(xa if isinstance(xa, dict) else {}), "kv_cache_report_mode": "full"}
 
     def exchange(self, ep: Endpoint) -> Exchange | None:
         if ep.name == "messages":
