@@ -11,8 +11,15 @@ between the configurations so drift on a shared VM hits both alike.
 headers) instead: the load generator then takes ~a fifth of the CPU the asyncio one does, so more of the
 2-core box is left to the workers. Both are reported as they were measured; the table names the one used.
 
+`--store sqlite --budgeted` measures the embedded budget store the workers of one host share by default
+(`budgets.store: auto` is SQLite for N > 1): every request is reserved and settled against a tenant day budget
+too large to bind, so each one runs two SQLite transactions besides the rest of the pipeline. `--store` takes
+a list (`memory,sqlite`: the in-process store at one worker as the reference; memory is skipped for N > 1,
+where it is refused). Without `--budgeted` no budget rule exists and the store is never asked.
+
 Run: .venv/bin/python bench/workers.py [--rounds 3] [--seconds 8] [--connections 64] [--workers 1,2] [--stream]
-     [--loadgen asyncio|wrk]
+     [--loadgen asyncio|wrk] [--store redis|sqlite|memory|auto,...] [--budgeted]
+e.g. .venv/bin/python bench/workers.py --store memory,sqlite --budgeted --workers 1,2,4 --no-peers-off-row
 """
 from __future__ import annotations
 
@@ -39,21 +46,46 @@ from tests.support.procs import free_port, wait_http  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def config(tmp: Path, port: int, up_port: int, workers: int, prefix: str, extra: str = "") -> Path:
+BUDGET_POLICY = """version: 1
+rules:
+  - id: bench-day-budget   # reserved and settled by every request, never binding
+    match: {tenant: bench}
+    budgets: [{window: day, tokens: 1000000000000, requests: 1000000000}]
+"""
+
+
+def config(tmp: Path, port: int, up_port: int, workers: int, prefix: str, extra: str = "", store: str = "redis",
+           budgeted: bool = False) -> Path:
     cfg = tmp / f"gw-{port}.yaml"
+    files = ""
+    if budgeted:
+        (tmp / "budget-policy.yaml").write_text(BUDGET_POLICY)
+        files = f", files: [{tmp}/budget-policy.yaml]"
     cfg.write_text(f"""
 server: {{host: 127.0.0.1, port: {port}, workers: {workers}}}
 backends:
   - {{name: up, url: "http://127.0.0.1:{up_port}/v1", models: [m], location: {{country: DE}}, retention: zero,
       health: {{enabled: false}}}}
 keys: [{{key_env: BENCH_KEY, tenant: bench}}]
-policy: {{audit_path: {tmp}/audit-{port}.jsonl}}
+policy: {{audit_path: {tmp}/audit-{port}.jsonl{files}}}
 identity: {{sqlite_path: {tmp}/id-{port}.db}}
-budgets: {{store: redis, key_prefix: {prefix}, sqlite_path: {tmp}/budgets-{port}.db, spool_path: {tmp}/spool-{port}.jsonl}}
+budgets: {{store: {store}, key_prefix: {prefix}, sqlite_path: {tmp}/budgets-{port}.db, spool_path: {tmp}/spool-{port}.jsonl}}
 observability: {{log_level: warning}}
 {extra}
 """)
     return cfg
+
+
+def budget_requests(path: Path) -> int:
+    """Requests the run's SQLite store counted (its day counter of tenant bench): every request reached it."""
+    import sqlite3
+
+    db = sqlite3.connect(path)
+    try:
+        rows = db.execute("SELECT v FROM budget_counters WHERE k LIKE '%:tenant:bench:day:%'").fetchall()
+    finally:
+        db.close()
+    return sum(orjson.loads(v)[0] for (v,) in rows)
 
 
 def tree_pids(pid: int) -> list[int]:
@@ -123,13 +155,21 @@ def main() -> None:
     ap.add_argument("--stream", action="store_true", help="streaming chat (16 SSE events) instead of JSON")
     ap.add_argument("--loadgen", choices=["asyncio", "wrk"], default="asyncio",
                     help="bench/loadgen.py in this process, or wrk (needs Debian's wrk package)")
+    ap.add_argument("--store", default="redis",
+                    help="budgets.store of the gateways, or a list (memory,sqlite: a row per store and count)")
+    ap.add_argument("--budgeted", action="store_true",
+                    help="a never-binding tenant day budget, so every request is reserved and settled in the store")
     a = ap.parse_args()
     if a.loadgen == "wrk" and not shutil.which("wrk"):
         sys.exit("--loadgen wrk: wrk is not installed (apt-get install wrk)")
     counts = [int(x) for x in a.workers.split(",")]
-    specs = [(f"{n}", n, "") for n in counts]
+    stores = a.store.split(",")
+    one_store = len(stores) == 1
+    specs = [(f"{n}" if one_store else f"{n} ({st})", n, "", st) for st in stores for n in counts
+             if not (st == "memory" and n > 1)]
     if a.peers_off_row and max(counts) > 1:
-        specs.append((f"{max(counts)}, peer bus off", max(counts), "routing: {peers: {mode: \"off\"}}"))
+        specs.append((f"{max(counts)}, peer bus off", max(counts), "routing: {peers: {mode: \"off\"}}",
+                      stores[-1]))
     tmp = Path(tempfile.mkdtemp(prefix="bench-workers-"))
     up_port = free_port()
     up = subprocess.Popen([sys.executable, str(ROOT / "bench/fast_upstream.py"), str(up_port)],
@@ -139,15 +179,15 @@ def main() -> None:
     req = build_request("/v1/chat/completions", body, {"authorization": f"Bearer {KEY}"})
     script = tmp / "wrk.lua"
     script.write_text(WRK_LUA.format(body=lua_str(body.decode()), auth=lua_str(f"Bearer {KEY}")))
-    rows: dict[str, list[tuple[float, float, float, float]]] = {label: [] for label, _, _ in specs}
+    rows: dict[str, list[tuple[float, float, float, float]]] = {label: [] for label, _, _, _ in specs}
     prefix = f"bench-workers-{uuid.uuid4().hex[:8]}"
     try:
         wait_http(f"http://127.0.0.1:{up_port}/health", proc=up)
         for _ in range(a.rounds):
-            for label, n, extra in specs:
+            for label, n, extra, store in specs:
                 port = free_port()
                 p = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config",
-                                      str(config(tmp, port, up_port, n, prefix, extra))], cwd=ROOT,
+                                      str(config(tmp, port, up_port, n, prefix, extra, store, a.budgeted))], cwd=ROOT,
                                      env={**os.environ, "BENCH_KEY": KEY}, stdout=subprocess.DEVNULL,
                                      stderr=open(tmp / f"{port}.log", "wb"))
                 try:
@@ -169,13 +209,19 @@ def main() -> None:
                 finally:
                     p.terminate()
                     p.wait(30)
+                if a.budgeted and (store == "sqlite" or (store == "auto" and n > 1)):
+                    counted = budget_requests(tmp / f"budgets-{port}-counters.db")
+                    if counted < ok:  # the warm-up's requests count too
+                        sys.exit(f"{label}: the SQLite store counted {counted} requests of {ok} served")
     finally:
         up.terminate()
         up.wait(5)
     base = statistics.median(r[0] for r in rows[specs[0][0]])
+    budgets = (f"budgets.store {a.store}, every request reserved and settled" if a.budgeted
+               else f"budgets.store {a.store}, no budget rule (the store is never asked)")
     print(f"{os.cpu_count()} CPUs; load generator, upstream and gateway on the same machine; {a.connections} "
           f"keep-alive connections, {a.seconds:g} s per round, {'streaming' if a.stream else 'non-streaming'} chat, "
-          f"full pipeline (Redis budgets), load generator: {a.loadgen}\n")
+          f"full pipeline ({budgets}), load generator: {a.loadgen}\n")
     print(f"| workers | req/s, each round | median req/s | vs {specs[0][0]} worker(s) | gateway cores used | "
           "load generator cores | upstream cores | gateway req/s per core used |")
     print("|---|---|---|---|---|---|---|---|")
