@@ -107,7 +107,8 @@ async def test_over_target_on_modelled_engines_spills_to_a_partner_in_the_same_r
             c = _ctx(spill=True, prompt_tokens=40_000, content=long)
             await stage.run(c)
             names = [x.backend.name for x in c.route.candidates]
-            assert names[0] == "partner-se" and c.evidence["route"]["admission"] == "spill", names
+            own = fleet.manifest()["engines"][0]["name"]
+            assert names == ["partner-se", own] and c.evidence["route"]["admission"] == "spill", names
             assert "partner-us" not in names  # outside the EEA: never a spill target
             assert any(d["backend"] == "partner-us" and d["filter"] == "residency" for d in c.evidence["dropped"])
             assert stage.stats["spilled"] == 1
@@ -117,6 +118,10 @@ async def test_over_target_on_modelled_engines_spills_to_a_partner_in_the_same_r
                 await stage.run(c)
             assert ei.value.status == 429 and ei.value.code == "ttft_slo_unattainable"
             assert any(d["backend"] == "partner-se" and d["filter"] == "spill" for d in c.evidence["dropped"])
+            # a short request in time, without spill permission: the own engine only
+            c = _ctx(spill=False, prompt_tokens=100)
+            await stage.run(c)
+            assert [x.backend.name for x in c.route.candidates] == [own]
         finally:
             await tel.close()
 
