@@ -182,6 +182,7 @@ class Gateway:
         self.observer: Any = None  # gateway.observability.hooks.RequestObserver
         self.tracing: Any = None  # gateway.observability.tracing.Tracing (only with tracing on)
         self.batch: Any = None  # gateway.batch.service.BatchService (only with batch.enabled)
+        self.adapters: Any = None  # gateway.adapters.service.AdapterService (tenant-owned LoRA adapters)
         self.admin_guard: Any = None  # gateway.admin_guard.AdminGuard, built on first use (gateway_guard)
         # unwired: fails closed (NoIdentity refuses every request); gateway.wiring.wire sets the real list
         self.pipeline = Pipeline([ObserveStage(self), self.auth, RouteStage(lambda: self.config, self.health)],
@@ -333,7 +334,12 @@ def build_app(gw: Gateway) -> GatewayApp:
             await gw.auth.run(ctx)
         except GatewayError as e:
             return JSONResponse(e.body(), status_code=e.status, headers=error_headers(e, rid))
-        return JSONResponse({"object": "list", "data": model_catalog(gw.config)}, headers={"x-request-id": rid})
+        data = model_catalog(gw.config)
+        if gw.adapters is not None and ctx.principal is not None:  # adapters only their owners may use
+            from gateway.adapters.catalog import visible_catalog
+
+            data = visible_catalog(ctx.principal, data, await gw.adapters.registry())
+        return JSONResponse({"object": "list", "data": data}, headers={"x-request-id": rid})
 
     from gateway.admin_guard import PLATFORM_ADMIN, gateway_guard
 

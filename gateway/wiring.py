@@ -22,6 +22,7 @@ from gateway.proxy.forward import DispatchStage
 def wire(gw: Gateway) -> None:
     """Attach every subsystem to the gateway (called once, before the app starts)."""
     authenticate = _wire_identity(gw)
+    adapters = _wire_adapters(gw)
     decide = _wire_policy(gw)
     reserve = _wire_budgets(gw)
     cache = _wire_cache(gw)
@@ -33,6 +34,7 @@ def wire(gw: Gateway) -> None:
     gw.pipeline = Pipeline([
         ObserveStage(gw),  # first in, last out: metrics and the finish hooks (evidence, feedback) see every request
         authenticate,
+        adapters,  # after the arm is chosen: an adapter exists only for its owner scope (gateway/adapters)
         decide,
         cache,  # a hit answers here: no route, no GPU; charged at the cache price (budgets.prices, default 0)
         reserve,
@@ -76,6 +78,19 @@ def _wire_identity(gw: Gateway) -> Any:
     gw.admin_auth = svc.authenticate_admin  # with the client address: the limiter counts per address
     gw.extra_routes.extend(admin_routes(svc, gateway_guard(gw)))
     return gw.auth
+
+
+def _wire_adapters(gw: Gateway) -> Any:
+    """Tenant-owned LoRA adapters: the registry in the identity store, its admin routes, the ownership stage."""
+    from gateway.adapters.admin import adapter_routes
+    from gateway.adapters.service import AdapterService
+    from gateway.adapters.stage import AdapterStage
+
+    svc = AdapterService(gw.identity)
+    gw.services.append(svc)  # after the identity service, which opens the store it uses
+    gw.adapters = svc
+    gw.extra_routes.extend(adapter_routes(svc, gateway_guard(gw)))
+    return AdapterStage(svc)
 
 
 class PolicyHolder:

@@ -1,0 +1,34 @@
+"""The `adapters` pipeline stage, right after authentication: a registered adapter is callable only inside its
+owner scope. For anyone else it is dropped from the request's model chain, so the request then goes exactly the
+way a request for an unknown model goes (the same 404 model_not_found, no existence oracle); for the owner the
+audit record names the adapter. Policy, budgets and routing then treat the adapter name like any model."""
+from __future__ import annotations
+
+from gateway.adapters.model import visible_chain
+from gateway.adapters.service import AdapterService
+from gateway.pipeline import RequestContext
+
+
+class AdapterStage:
+    name = "adapters"
+
+    def __init__(self, svc: AdapterService) -> None:
+        self.svc = svc
+
+    async def run(self, ctx: RequestContext) -> None:
+        p = ctx.principal
+        if p is None or not ctx.model:
+            return
+        reg = await self.svc.registry()
+        if not reg:
+            return
+        names = (ctx.model, *ctx.model_chain)
+        if not any(n in reg for n in names):
+            return
+        ctx.model_chain = visible_chain(p, ctx.model_chain, reg)
+        used = [m for m in ctx.model_chain if m in reg]
+        if used:
+            ctx.evidence["adapter"] = {"name": used[0], "base_model": reg[used[0]].base_model}
+
+    async def finish(self, ctx: RequestContext) -> None:
+        return None
