@@ -182,6 +182,7 @@ class Gateway:
         self.observer: Any = None  # gateway.observability.hooks.RequestObserver
         self.tracing: Any = None  # gateway.observability.tracing.Tracing (only with tracing on)
         self.batch: Any = None  # gateway.batch.service.BatchService (only with batch.enabled)
+        self.rollouts: Any = None  # gateway.rollouts.service.RolloutService
         self.adapters: Any = None  # gateway.adapters.service.AdapterService (tenant-owned LoRA adapters)
         self.admin_guard: Any = None  # gateway.admin_guard.AdminGuard, built on first use (gateway_guard)
         # unwired: fails closed (NoIdentity refuses every request); gateway.wiring.wire sets the real list

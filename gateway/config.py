@@ -21,6 +21,7 @@ from gateway.identity.config import IdentityConfig
 from gateway.policy.config import PolicyConfig
 from gateway.policy.eea import country_error
 from gateway.routing.config import RoutingConfig
+from gateway.rollouts.config import AliasTarget, RollbackConfig, StickyConfig, alias_error
 from gateway.batch.config import BatchConfig, batch_error
 from gateway.cache.config import CacheConfig
 from gateway.cost.config import CostConfig
@@ -171,10 +172,18 @@ class AdminConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class AliasConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A model alias: a name clients use, resolved to a chain of models tried in order (fallbacks)."""
+    """A model alias: a name clients use, resolved to a chain of models tried in order (fallbacks). A target may
+    carry a weight (a weighted canary rollout: docs/rollouts.md); plain strings are the ordered chain."""
 
     name: str
-    targets: list[str]
+    targets: list[str | AliasTarget]
+    sticky: StickyConfig = msgspec.field(default_factory=StickyConfig)  # what keeps one user on one arm
+    rollback: RollbackConfig = msgspec.field(default_factory=RollbackConfig)  # automatic rollback thresholds
+
+    @property
+    def models(self) -> list[str]:
+        """The target models in config order (the fallback chain)."""
+        return [t if isinstance(t, str) else t.model for t in self.targets]
 
 
 class ObservabilityConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -424,12 +433,15 @@ def parse_config(text: str, source: str = "<config>", base_dir: Path | None = No
     for i, a in enumerate(raw.aliases):
         if a.name in models:
             raise _fail(source, marks, f"aliases[{i}].name", f"alias {a.name!r} shadows a served model")
-        for j, t in enumerate(a.targets):
+        for j, t in enumerate(a.models):
             if t not in models:
                 raise _fail(source, marks, f"aliases[{i}].targets[{j}]", f"no backend serves model {t!r}")
         if not a.targets:
             raise _fail(source, marks, f"aliases[{i}].targets", "an alias needs at least one target")
-        aliases[a.name] = tuple(a.targets)
+        bad_alias = alias_error(a)
+        if bad_alias is not None:
+            raise _fail(source, marks, f"aliases[{i}].{bad_alias[0]}", bad_alias[1])
+        aliases[a.name] = tuple(a.models)
     for i, sk in enumerate(raw.keys):
         if not sk.key_env and not sk.key:
             raise _fail(source, marks, f"keys[{i}]", "a static key needs key_env or key")

@@ -184,6 +184,8 @@ class Metrics:
                                    ["backend", "model", "reason"], registry=r)
         self.cost_wasted = _Counter("gateway_cost_wasted_gpu_seconds_total", "GPU-seconds wasted, by reason",
                                     ["backend", "model", "reason"], registry=r)
+        self.rollout_rollbacks = _Counter("gateway_rollout_rollbacks_total", "Alias arms rolled back to weight 0 "
+                                          "on regression (docs/rollouts.md)", ["alias", "arm"], registry=r)
 
     def child(self, metric, *labels: str):
         """A labelled child, cached: prometheus-client's labels() costs microseconds per call on the hot path."""

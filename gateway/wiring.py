@@ -24,6 +24,7 @@ def wire(gw: Gateway) -> None:
     authenticate = _wire_identity(gw)
     adapters = _wire_adapters(gw)
     decide = _wire_policy(gw)
+    rollout = _wire_rollouts(gw)
     reserve = _wire_budgets(gw)
     cache = _wire_cache(gw)
     cache.charge = reserve.charge_answer  # a hit is charged at the cache price by the budget (docs/cache.md#price)
@@ -35,6 +36,7 @@ def wire(gw: Gateway) -> None:
         ObserveStage(gw),  # first in, last out: metrics and the finish hooks (evidence, feedback) see every request
         authenticate,
         adapters,  # after the arm is chosen: an adapter exists only for its owner scope (gateway/adapters)
+        rollout,  # a weighted alias's arm, sticky per end user (gateway/rollouts, docs/rollouts.md)
         decide,
         cache,  # a hit answers here: no route, no GPU; charged at the cache price (budgets.prices, default 0)
         reserve,
@@ -91,6 +93,19 @@ def _wire_adapters(gw: Gateway) -> Any:
     gw.adapters = svc
     gw.extra_routes.extend(adapter_routes(svc, gateway_guard(gw)))
     return AdapterStage(svc)
+
+
+def _wire_rollouts(gw: Gateway) -> Any:
+    """Weighted alias arms: live state in the identity store, /admin/aliases, rollback on regression."""
+    from gateway.rollouts.admin import alias_admin_routes
+    from gateway.rollouts.service import RolloutService
+    from gateway.rollouts.stage import RolloutStage
+
+    svc = RolloutService(gw.config, gw.identity, gw.metrics)
+    gw.services.append(svc)  # after the identity service, which opens the store it uses
+    gw.rollouts = svc
+    gw.extra_routes.extend(alias_admin_routes(svc, gateway_guard(gw)))
+    return RolloutStage(svc)
 
 
 class PolicyHolder:

@@ -1,0 +1,46 @@
+"""The rollout stage (after authenticate): a request to a weighted alias gets the chain its sticky key hashes to,
+the chosen arm first, the other arms after it as fallbacks; on finish the chosen arm's outcome feeds the
+rollback watch."""
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.pipeline import RequestContext
+from gateway.rollouts import arms
+from gateway.rollouts.service import RolloutService
+
+
+def arm_outcome(ctx: RequestContext, arm: str) -> tuple[bool, float | None] | None:
+    """(ok, ttft) of the chosen arm, or None when the request never reached an upstream (refused, cached)."""
+    tried = [a for a in ctx.attempts if "skipped" not in a]
+    if not tried:
+        return None
+    if ctx.backend_model == arm and 0 < ctx.status < 500:
+        return True, ctx.ttft_s
+    return False, None
+
+
+class RolloutStage:
+    name = "rollout"
+
+    def __init__(self, svc: RolloutService) -> None:
+        self.svc = svc
+
+    async def run(self, ctx: RequestContext) -> None:
+        r = self.svc.rollouts.get(ctx.model)
+        if r is None:
+            return
+        p = ctx.principal
+        key = arms.sticky_key(ctx.headers.get(r.sticky_header) if r.sticky_header else None,
+                              p.end_user if p is not None else None, ctx.body.get("user"),
+                              (p.key_id or p.id) if p is not None else ctx.client_addr)
+        ctx.model_chain = self.svc.order(ctx.model, key)
+        ctx.evidence["rollout"] = {"alias": ctx.model, "arm": ctx.model_chain[0]}
+
+    async def finish(self, ctx: RequestContext) -> None:
+        ro: Any = ctx.evidence.get("rollout")
+        if not ro or ctx.answer is not None:
+            return
+        out = arm_outcome(ctx, ro["arm"])
+        if out is not None:
+            self.svc.observe(ro["alias"], ro["arm"], *out)

@@ -1,0 +1,60 @@
+"""Live rollout state, kept in the identity store (SQLite by default, PostgreSQL for replicas): per alias, the
+weights an admin or a rollback set, and which arms are rolled back and why. Config weights are the initial
+state; a row, once written, wins over config across reloads and restarts until it is reset."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from gateway.identity.store import SqlIdentityStore
+
+SCHEMA = [
+    """CREATE TABLE IF NOT EXISTS alias_rollouts (
+        alias TEXT PRIMARY KEY, weights TEXT NOT NULL, rolled_back TEXT NOT NULL,
+        updated_at DOUBLE PRECISION NOT NULL)""",
+]
+
+
+@dataclass(frozen=True)
+class LiveState:
+    weights: dict[str, float]
+    rolled_back: dict[str, str] = field(default_factory=dict)  # arm -> why (and its weight is 0)
+    updated_at: float = 0.0
+
+
+class RolloutStore:
+    def __init__(self, store: SqlIdentityStore) -> None:
+        self.store = store
+
+    async def migrate(self) -> None:
+        async with self.store._tx() as tx:
+            await self.store._migrate_lock(tx)
+            for s in SCHEMA:
+                await tx.execute(s)
+
+    async def all(self) -> dict[str, LiveState]:
+        async with self.store._tx() as tx:
+            rows = await tx.fetch("SELECT alias, weights, rolled_back, updated_at FROM alias_rollouts")
+        return {r["alias"]: _state(r) for r in rows}
+
+    async def put(self, alias: str, st: LiveState) -> LiveState:
+        now = time.time()
+        w, rb = orjson.dumps(st.weights).decode(), orjson.dumps(st.rolled_back).decode()
+        async with self.store._tx() as tx:
+            await tx.execute(
+                "INSERT INTO alias_rollouts (alias, weights, rolled_back, updated_at) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT (alias) DO UPDATE SET weights = excluded.weights, rolled_back = excluded.rolled_back, "
+                "updated_at = excluded.updated_at", alias, w, rb, now)
+        return LiveState(dict(st.weights), dict(st.rolled_back), now)
+
+    async def delete(self, alias: str) -> None:
+        async with self.store._tx() as tx:
+            await tx.execute("DELETE FROM alias_rollouts WHERE alias = ?", alias)
+
+
+def _state(r: Any) -> LiveState:
+    return LiveState({k: float(v) for k, v in orjson.loads(r["weights"]).items()},
+                     dict(orjson.loads(r["rolled_back"])), float(r["updated_at"]))

@@ -1,0 +1,43 @@
+"""A config with one weighted alias over the identity store (SQLite or Postgres), as the identity tests build it."""
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import asyncpg
+import pytest
+import yaml
+
+from gateway.config import Config, parse_config
+from tests.identity.conftest import PG_DSN, require_pg
+
+
+def rollout_config(tmp_path: Path, store: str = "sqlite", schema: str | None = None, **alias: Any) -> Config:
+    ident: dict[str, Any] = {"store": store, "sqlite_path": str(tmp_path / "identity.db")}
+    if store == "postgres":
+        ident.update(postgres_dsn=PG_DSN, postgres_schema=schema)
+    data = {
+        "identity": ident,
+        "admin": {"key": "admin-" + "x" * 32},
+        "backends": [{"name": "b1", "url": "http://127.0.0.1:9/v1", "models": ["support-v1", "support-v2"]}],
+        "aliases": [{"name": "support", "targets": [{"model": "support-v2", "weight": 5},
+                                                    {"model": "support-v1", "weight": 95}], **alias}],
+    }
+    return parse_config(yaml.safe_dump(data), source="test.yaml", base_dir=tmp_path)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def config_factory(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Any]:
+    """Configs that share one store (the same SQLite file or the same Postgres schema): replicas."""
+    schema = None
+    if request.param == "postgres":
+        require_pg()
+        schema = "t_" + secrets.token_hex(6)
+    yield lambda **alias: rollout_config(tmp_path, request.param, schema, **alias)
+    if schema:
+        c = await asyncpg.connect(PG_DSN)
+        try:
+            await c.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        finally:
+            await c.close()
