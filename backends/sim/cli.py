@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 from backends.sim.engine import Faults
 from backends.sim.fleet import build_fleet
+from backends.sim.lora import LoraConfig
 from backends.sim.profiles import PROFILES
 
 
@@ -28,6 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name-prefix", default="sim")
     p.add_argument("--locations", default="", help="comma list cycled over engines, e.g. DE:eu-central,US:us-east")
     p.add_argument("--lora-modules", nargs="*", default=[], help="LoRA adapter names served as models")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="vLLM's --enable-lora with runtime loading (/v1/load_lora_adapter, /v1/unload_lora_adapter)")
+    p.add_argument("--max-loras", type=int, default=1, help="distinct adapters one batch runs (vLLM's default 1)")
+    p.add_argument("--lora-load-ms", type=float, default=500.0, help="modelled time to load one adapter")
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--block-size", type=int, default=None)
@@ -62,7 +67,9 @@ def _fleet_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
                        locations=locations, host=args.host, model=args.model, name_prefix=args.name_prefix,
                        lora_modules=args.lora_modules, priority_policy=args.scheduling_policy == "priority",
                        enable_prefix_caching=not args.no_prefix_caching, faults=faults, topic=args.topic,
-                       batch_form=args.kv_batch_form, log_level=args.log_level, overrides=overrides)
+                       batch_form=args.kv_batch_form, log_level=args.log_level, overrides=overrides,
+                       lora=LoraConfig(max_loras=args.max_loras, load_s=args.lora_load_ms / 1000.0)
+                       if args.enable_lora else None)
 
 
 async def run(args: argparse.Namespace) -> int:

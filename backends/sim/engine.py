@@ -76,6 +76,7 @@ class SimEngine:
         self.publisher: KVEventPublisher | None = None
         self.sched = self._new_scheduler()
         self._lora_ids: dict[str, int] = {}
+        self.max_loras: int | None = None  # --enable-lora --max-loras N: distinct adapters one batch runs
         self._ids = itertools.count()
         self._wake = asyncio.Event()
         self._unhang = asyncio.Event()
@@ -88,7 +89,12 @@ class SimEngine:
     def _new_scheduler(self) -> Scheduler:
         s = Scheduler(self.profile, self._output_token, self.enable_prefix_caching, self.priority_policy)
         s.slow_factor = self.faults.slow_factor
+        s.max_loras = getattr(self, "max_loras", None)
         return s
+
+    def set_max_loras(self, n: int | None) -> None:
+        self.max_loras = n
+        self.sched.max_loras = n
 
     def _output_token(self, req: SimRequest) -> int:
         ids = self._out_ids

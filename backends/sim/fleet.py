@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 from backends.sim.engine import Faults, SimEngine
 from backends.sim.kv_wire import WireForm
+from backends.sim.lora import LoraConfig
 from backends.sim.profiles import EngineProfile, get_profile
 from backends.sim.server import EngineServer
 
@@ -98,7 +99,8 @@ def build_fleet(n: int, base_port: int = 0, *, profiles: Sequence[str | EnginePr
                 priority_policy: bool = False, enable_prefix_caching: bool = True,
                 enable_prompt_tokens_details: bool = True, faults: Faults | None = None, topic: str = "",
                 batch_form: WireForm = "array", event_form: WireForm = "map",
-                log_level: str = "warning", overrides: dict[str, Any] | None = None) -> Fleet:
+                log_level: str = "warning", overrides: dict[str, Any] | None = None,
+                lora: LoraConfig | None = None) -> Fleet:
     """A Fleet that is not started yet; profiles and locations cycle over the engines."""
     servers = []
     for i in range(n):
@@ -114,7 +116,8 @@ def build_fleet(n: int, base_port: int = 0, *, profiles: Sequence[str | EnginePr
                         faults=Faults(**faults.as_dict()) if faults else None)  # type: ignore[arg-type]
         servers.append(EngineServer(eng, host, port, lora_modules=list(lora_modules),
                                     enable_prompt_tokens_details=enable_prompt_tokens_details, log_level=log_level,
-                                    location=parse_location(locations[i % len(locations)] if locations else None)))
+                                    location=parse_location(locations[i % len(locations)] if locations else None),
+                                    lora=lora))
     return Fleet(servers)
 
 

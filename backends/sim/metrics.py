@@ -5,6 +5,7 @@ numbers never leak into another's. Labels are `model_name` and `engine` (the eng
 """
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -89,6 +90,12 @@ class EngineCollector:
         info.add_metric([str(p.block_size), "auto", str(e.enable_prefix_caching), str(e.engine_index),
                          str(p.num_gpu_blocks), "xxhash64-sim"], 1.0)
         yield info
+        if e.max_loras is not None:  # vLLM exports it with --enable-lora: the labels carry the state, the value
+            run, wait = s.lora_adapters()  # is the time of the last update (set_to_current_time)
+            lora = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                                     labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+            lora.add_metric([str(e.max_loras), ",".join(wait), ",".join(run)], time.time())
+            yield lora
 
 
 def make_registry(engine: "SimEngine") -> CollectorRegistry:

@@ -138,6 +138,7 @@ class Scheduler:
         self.priority_policy = priority_policy
         self._output_token = output_token
         self.slow_factor = 1.0
+        self.max_loras: int | None = None  # distinct LoRA adapters one batch may run (vLLM --max-loras)
 
     # ------------------------------------------------------------------ queue operations
     def add(self, req: SimRequest) -> None:
@@ -181,10 +182,26 @@ class Scheduler:
             return max(self.running, key=lambda r: (r.priority, r.arrival))
         return self.running[-1]
 
-    def _next_waiting(self) -> SimRequest:
+    def _next_waiting(self, skip: set[int] | None = None) -> SimRequest | None:
+        pool = [r for r in self.waiting if id(r) not in skip] if skip else self.waiting
+        if not pool:
+            return None
         if self.priority_policy:
-            return min(self.waiting, key=lambda r: (r.priority, r.arrival))
-        return self.waiting[0]
+            return min(pool, key=lambda r: (r.priority, r.arrival))
+        return pool[0]
+
+    def lora_adapters(self) -> tuple[list[str], list[str]]:
+        """(running, waiting) adapter names, each once in first-seen order (vllm:lora_requests_info's labels)."""
+        run = list(dict.fromkeys(r.lora_name for r in self.running if r.lora_name))
+        wait = list(dict.fromkeys(r.lora_name for r in self.waiting if r.lora_name))
+        return run, wait
+
+    def _lora_blocked(self, req: SimRequest) -> bool:
+        """vLLM's scheduler skips a waiting request whose adapter would be one more than --max-loras in the batch."""
+        if self.max_loras is None or not req.lora_name:
+            return False
+        active = {r.lora_name for r in self.running if r.lora_name}
+        return req.lora_name not in active and len(active) >= self.max_loras
 
     # ------------------------------------------------------------------ one step
     def schedule(self, now: float) -> StepPlan | None:
@@ -220,9 +237,16 @@ class Scheduler:
                 budget -= n
         if preempted:  # requests planned before a later preemption took them out
             entries = [e for e in entries if e[0].status == RUNNING]
+        skipped: set[int] = set()  # waiting requests whose adapter has no slot in this batch
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.profile.max_num_seqs):
-            req = self._next_waiting()
+            nxt = self._next_waiting(skipped)
+            if nxt is None:
+                break
+            req = nxt
+            if self._lora_blocked(req):
+                skipped.add(id(req))
+                continue
             n_tokens = len(req.tokens)
             hashes = req.full_hashes(n_tokens, bs)
             hit = pool.lookup(hashes, (n_tokens - 1) // bs)  # vLLM always recomputes at least one token
@@ -294,7 +318,7 @@ class Scheduler:
                 ek = [block_extra_keys(j, req.lora_name, req.cache_salt) for j in range(start, full)]
                 parent = req.block_hashes[start - 1] if start > 0 else None
                 pool.cache_blocks(req.block_ids[start:full], hashes, parent, req.tokens[start * bs:full * bs],
-                                  ek, req.lora_id, req.lora_name)
+                                  ek, req.lora_id, req.lora_name, req.cache_salt)
                 req.num_cached_blocks = full
             if req.num_output >= req.max_tokens:
                 req.status = FINISHED

@@ -28,6 +28,7 @@ from starlette.routing import Route
 
 from backends.sim import anthropic_api, extra_api
 from backends.sim.engine import EngineDead, SimEngine
+from backends.sim.lora import LoraConfig, LoraError, LoraState
 from backends.sim.metrics import make_registry, render
 from backends.sim.scheduler import SimRequest
 from backends.sim.tokenizer import render_chat
@@ -82,11 +83,13 @@ class EngineServer:
 
     def __init__(self, engine: SimEngine, host: str = "127.0.0.1", port: int = 0, *,
                  lora_modules: list[str] | None = None, enable_prompt_tokens_details: bool = True,
-                 log_level: str = "warning", location: dict[str, Any] | None = None) -> None:
+                 log_level: str = "warning", location: dict[str, Any] | None = None,
+                 lora: LoraConfig | None = None) -> None:
         self.engine = engine
         self.host = host
         self.port = port
-        self.lora_modules = list(lora_modules or [])
+        self.lora = LoraState(engine.model, list(lora_modules or []), lora)  # backends/sim/lora.py
+        engine.set_max_loras(lora.max_loras if lora is not None else None)
         self.enable_prompt_tokens_details = enable_prompt_tokens_details
         self.log_level = log_level
         self.location = location
@@ -164,6 +167,7 @@ class EngineServer:
     async def restart(self) -> None:
         """A fresh process on the same ports: empty cache, seq from 0."""
         await self.engine.restart()
+        self.lora.clear()
         if self._server is None:
             await self._start_http()
         self.crashed = False
@@ -179,6 +183,8 @@ class EngineServer:
             Route("/v1/rerank", self._wrap(lambda r: extra_api.rerank(self, r)), methods=["POST"]),
             Route("/v1/score", self._wrap(lambda r: extra_api.score(self, r)), methods=["POST"]),
             Route("/v1/models", self._wrap(self.models), methods=["GET"]),
+            Route("/v1/load_lora_adapter", self._wrap(self.load_lora), methods=["POST"]),
+            Route("/v1/unload_lora_adapter", self._wrap(self.unload_lora), methods=["POST"]),
             Route("/tokenize", self._wrap(self.tokenize), methods=["POST"]),
             Route("/detokenize", self._wrap(self.detokenize), methods=["POST"]),
             Route("/health", self._wrap(self.health), methods=["GET"]),
@@ -208,8 +214,8 @@ class EngineServer:
         e = self.engine
         if model is None or model == e.model:
             return None
-        if model in self.lora_modules:
-            return str(model)
+        if isinstance(model, str) and self.lora.has(model):
+            return model
         raise ApiError(404, f"The model `{model}` does not exist.", "model")
 
     def _common(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -458,7 +464,29 @@ class EngineServer:
                                     "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
                                     "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
                                     "organization": "*", "group": None, "is_blocking": False}]}
-        return _json({"object": "list", "data": [card(e.model, None)] + [card(m, e.model) for m in self.lora_modules]})
+        cards = [card(e.model, None)]
+        for name, root in self.lora.names():
+            cards.append({**card(name, e.model), "root": root})
+        return _json({"object": "list", "data": cards})
+
+    async def load_lora(self, request: Request) -> Response:
+        """vLLM's runtime LoRA loading (backends/sim/lora.py); without runtime updating the route is absent."""
+        if not self.lora.runtime:
+            raise ApiError(404, "Not Found")
+        try:
+            msg = await self.lora.load(await _body(request))
+        except LoraError as e:
+            return _json(e.body(), e.status)
+        return Response(msg, 200)  # vLLM answers the bare success line
+
+    async def unload_lora(self, request: Request) -> Response:
+        if not self.lora.runtime:
+            raise ApiError(404, "Not Found")
+        try:
+            msg = self.lora.unload(await _body(request))
+        except LoraError as e:
+            return _json(e.body(), e.status)
+        return Response(msg, 200)  # vLLM answers the bare success line
 
     async def tokenize(self, request: Request) -> Response:
         body = await _body(request)
