@@ -36,6 +36,7 @@ class RolloutStage:
                               (p.key_id or p.id) if p is not None else ctx.client_addr)
         ctx.model_chain = self.svc.order(ctx.model, key)
         ctx.evidence["rollout"] = {"alias": ctx.model, "arm": ctx.model_chain[0]}
+        ctx.extra_headers["x-gateway-rollout-arm"] = ctx.model_chain[0]
 
     async def finish(self, ctx: RequestContext) -> None:
         ro: Any = ctx.evidence.get("rollout")
