@@ -6,7 +6,8 @@ GET /admin/ui       the page shell: no data, no secrets. It takes the admin key 
 GET /admin/ui/data  platform-admin JSON the page polls: engines (queue, KV usage, cached blocks by tier,
                     learned prefill rate, predicted TTFT, circuit), budgets by tenant, recent decisions with
                     their evidence, the predicted-vs-actual TTFT series, and unit economics (gateway/cost:
-                    cost and charge per 1M tokens per model and engine, utilisation, margin, savings, waste).
+                    cost and charge per 1M tokens per model and engine, utilisation, margin, savings, waste),
+                    and each weighted alias's arms side by side with the rollback alarms (gateway/rollouts).
                     Every source degrades to empty.
 """
 from __future__ import annotations
@@ -148,7 +149,20 @@ async def dashboard_data(gw: Any, recent_ids: Callable[[], list[str]], limit: in
     return {"generated_at": time.time(), "config_generation": cfg.generation, "engines": engines, "cost": cost,
             "admission": routing.get("admission", {}) if isinstance(routing, dict) else {},
             "flow": routing.get("flow", {}) if isinstance(routing, dict) else {},
-            "budgets": _budgets(records), "decisions": list(reversed(decisions)), "ttft_series": series}
+            "budgets": _budgets(records), "decisions": list(reversed(decisions)), "ttft_series": series,
+            "rollouts": _rollouts(gw)}
+
+
+def _rollouts(gw: Any) -> dict[str, Any]:
+    """Each weighted alias's arms side by side (gateway/rollouts) and the latest rollback alarms."""
+    ro = getattr(gw, "rollouts", None)
+    if ro is None:
+        return {"aliases": [], "alarms": []}
+    views = [ro.view(a) for a in sorted(ro.rollouts)]
+    # the alarms every replica shares: the rolled-back arms of the live state (the store), not this process's own
+    alarms = [{"alias": v["alias"], "arm": x["model"], "reason": x["rolled_back"]}
+              for v in views for x in v["arms"] if x["rolled_back"]]
+    return {"aliases": views, "alarms": alarms}
 
 
 def dashboard_routes(gw: Any, guard: Any, recent_ids: Callable[[], list[str]]) -> list[Route]:

@@ -138,3 +138,6 @@ def test_an_injected_error_rate_rolls_the_canary_back_within_one_window(stack):
     metrics = httpx.get(stack["base"] + "/metrics", headers={"authorization": f"Bearer {ADMIN}"}).text
     assert 'gateway_rollout_rollbacks_total{alias="support",arm="support-v2"}' in metrics
     assert "arm support-v2 rolled back" in stack["gw"].log()
+    ui = admin(stack, "GET", "/admin/ui/data").json()["rollouts"]  # what the dashboard renders
+    assert [(x["model"], x["weight"]) for x in ui["aliases"][0]["arms"]] == [("support-v2", 0.0), ("support-v1", 50.0)]
+    assert ui["alarms"] == [{"alias": "support", "arm": "support-v2", "reason": rolled["rolled_back"]}]
