@@ -6,7 +6,7 @@ Behaviour and messages follow vLLM 0.32 (vllm/entrypoints/openai/models/serving.
 a load needs both fields (400), may not use a base model's name (400), may not load a name already loaded
 unless `load_inplace` (400); it answers 200 with a plain-text success line. An unload needs the name (400) and
 404s for a name not loaded. Loaded adapters are listed by /v1/models (root: the path, parent: the base model).
-A request naming an adapter that is not loaded gets vLLM's 404 "The model `x` does not exist.". vLLM itself
+A request naming an adapter that is not loaded gets vLLM's 404 "The model `x` does not exist. Valid aliases: <base>.". vLLM itself
 holds any number of loaded adapters (`max_cpu_loras` bounds its CPU cache); `max_loras` bounds how many distinct
 adapters one batch runs, so requests for a further adapter wait (the scheduler, `waiting_lora_adapters` in
 `vllm:lora_requests_info`). A load takes `load_s` (reading and preparing the weights); a restart loses every

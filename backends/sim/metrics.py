@@ -91,10 +91,11 @@ class EngineCollector:
                          str(p.num_gpu_blocks), "xxhash64-sim"], 1.0)
         yield info
         if e.max_loras is not None:  # vLLM exports it with --enable-lora: the labels carry the state, the value
-            run, wait = s.lora_adapters()  # is the time of the last update (set_to_current_time)
-            lora = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+            lora = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",  # is the time of
                                      labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
-            lora.add_metric([str(e.max_loras), ",".join(wait), ",".join(run)], time.time())
+            if st.steps:  # the last update (set_to_current_time), and no sample before the first step, as vLLM
+                run, wait = s.lora_adapters()
+                lora.add_metric([str(e.max_loras), ",".join(wait), ",".join(run)], time.time())
             yield lora
 
 

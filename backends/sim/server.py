@@ -216,7 +216,7 @@ class EngineServer:
             return None
         if isinstance(model, str) and self.lora.has(model):
             return model
-        raise ApiError(404, f"The model `{model}` does not exist.", "model")
+        raise ApiError(404, f"The model `{model}` does not exist. Valid aliases: {e.model}.", "model")  # vLLM 0.32
 
     def _common(self, body: dict[str, Any]) -> dict[str, Any]:
         salt = body.get("cache_salt")

@@ -31,7 +31,7 @@ async def test_load_serve_unload_with_vllms_answers():
         url, root = fleet[0].url, fleet[0].root
         async with httpx.AsyncClient(timeout=10) as c:
             r = await chat(c, url, "ad1")
-            assert r.status_code == 404 and r.json()["error"]["message"] == "The model `ad1` does not exist."
+            assert r.status_code == 404 and r.json()["error"]["message"] == "The model `ad1` does not exist. Valid aliases: sim-model."
             load = asyncio.create_task(c.post(url + "/load_lora_adapter",
                                               json={"lora_name": "ad1", "lora_path": "/w/acme/ad1"}))
             await asyncio.sleep(0.05)
