@@ -41,10 +41,7 @@ class AdapterStore:
         self.store = store
 
     async def migrate(self) -> None:
-        async with self.store._tx() as tx:
-            await self.store._migrate_lock(tx)
-            for s in SCHEMA:
-                await tx.execute(s)
+        await self.store.ensure_tables(SCHEMA)
 
     # ---- source grants
     async def set_prefixes(self, tenant: str, prefixes: list[str]) -> list[str]:

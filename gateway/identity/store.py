@@ -222,6 +222,14 @@ class SqlIdentityStore:
             rows = await tx.fetch("SELECT MAX(version) AS v FROM schema_migrations")
         return int(rows[0]["v"])
 
+    async def ensure_tables(self, statements: Sequence[str]) -> None:
+        """Idempotent DDL of a subsystem keeping its tables in this store (adapters, rollouts), run under the
+        migration lock, outside the identity migrations' version list."""
+        async with self._tx() as tx:
+            await self._migrate_lock(tx)
+            for s in statements:
+                await tx.execute(s)
+
     async def _insert(self, sql: str, args: Sequence[Any], events: Sequence[str], check: Check | None = None) -> None:
         """Insert one row; `check` runs first in the same transaction (parent locks and existence)."""
         try:

@@ -30,10 +30,7 @@ class RolloutStore:
         self.store = store
 
     async def migrate(self) -> None:
-        async with self.store._tx() as tx:
-            await self.store._migrate_lock(tx)
-            for s in SCHEMA:
-                await tx.execute(s)
+        await self.store.ensure_tables(SCHEMA)
 
     async def all(self) -> dict[str, LiveState]:
         async with self.store._tx() as tx:

@@ -1,9 +1,11 @@
 """/admin/adapters and source grants over HTTP on both identity stores: who may register what, who sees what."""
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import httpx
+import pytest
 
 from gateway.adapters.service import AdapterService
 
@@ -131,3 +133,31 @@ async def test_the_request_path_registry_follows_changes_at_once(client: httpx.A
     assert list(await adapters.registry()) == ["alpha-a"]  # the change event dropped the cached snapshot
     await client.delete("/admin/adapters/alpha-a", headers=k["alpha"])
     assert dict(await adapters.registry()) == {}
+
+
+async def test_a_registration_on_one_replica_reaches_the_others_cache_at_once(tmp_path, adapters: AdapterService,
+                                                                             client: httpx.AsyncClient) -> None:
+    """Two services on one store (a second replica): its cached registry drops on the first one's change event
+    (Postgres LISTEN/NOTIFY), though its cache_ttl_s would keep the stale snapshot much longer."""
+    from gateway.identity.service import IdentityService
+
+    from .conftest import adapter_config
+
+    if type(adapters.identity.store).__name__ != "PostgresIdentityStore":
+        pytest.skip("SQLite's change events are in-process: another process sees changes within cache_ttl_s")
+    schema = adapters.identity.config.raw.identity.postgres_schema
+    other_ident = IdentityService(adapter_config(tmp_path / "b", "postgres", schema))
+    await other_ident.start()
+    other = AdapterService(other_ident)
+    await other.start()
+    try:
+        k = await two_tenants(client)
+        assert dict(await other.registry()) == {}  # cached now, for cache_ttl_s (5 s)
+        await client.post("/admin/adapters", json=adapter("alpha-a", "/w/alpha/a"), headers=k["alpha"])
+        for _ in range(100):
+            if other._snap is None:
+                break
+            await asyncio.sleep(0.01)
+        assert list(await other.registry()) == ["alpha-a"]
+    finally:
+        await other_ident.close()
