@@ -2,7 +2,8 @@
 
 A backend serves `base` and the static LoRA adapter `alpha-lora`; tenant alpha registers `alpha-lora` (the
 platform admin granted it `/w/alpha/`). Only alpha's keys may call it: beta gets exactly the 404 an unknown model
-gets, does not see it in /v1/models, and a key's `models` list applies to the adapter name like any model.
+gets, does not see it in /v1/models, and a key's `models` list and a policy's `deny.models` apply to the adapter
+name like to any model.
 The audit record names the adapter. After DELETE the name belongs to nobody again (the config's static model).
 """
 from __future__ import annotations
@@ -26,13 +27,17 @@ def gw(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("adapters")
     up, up_port = start_upstream(tmp)
     port = free_port()
+    policy = tmp / "policy.yaml"  # a policy rule names the adapter like any model
+    policy.write_text(yaml.safe_dump({"version": 1, "rules": [
+        {"id": "interns-no-adapters", "match": {"team": "interns"}, "deny": {"models": ["alpha-lora"]},
+         "reason": "interns use the base model"}]}))
     cfg = {
         "server": {"host": "127.0.0.1", "port": port},
         "backends": [{"name": "e1", "kind": "openai", "url": f"http://127.0.0.1:{up_port}/v1",
                       "models": ["base", "alpha-lora"], "lora_adapters": ["alpha-lora"]}],
         "admin": {"key": ADMIN_KEY},
         "identity": {"sqlite_path": str(tmp / "identity.db"), "cache_ttl_s": 60.0},
-        "policy": {"audit_path": str(tmp / "audit.jsonl")},
+        "policy": {"audit_path": str(tmp / "audit.jsonl"), "files": [str(policy)]},
         "budgets": {"sqlite_path": str(tmp / "budgets.db"), "spool_path": str(tmp / "spool.jsonl")},
         "data_dir": str(tmp / "var"),
     }
@@ -97,6 +102,13 @@ def test_only_the_owner_scope_calls_an_adapter_and_others_learn_nothing(gw):
     with pytest.raises(openai.PermissionDeniedError) as e:
         narrow.chat.completions.create(model="alpha-lora", messages=MSG, max_tokens=2)
     assert e.value.body["code"] == "model_not_allowed"  # type: ignore[index]
+
+    # and so does a policy rule
+    assert admin(gw, "POST", "/admin/tenants/alpha/teams", {"id": "interns"}).status_code == 201
+    intern = client(gw, key(gw, "alpha", team="interns"))
+    with pytest.raises(openai.PermissionDeniedError) as e:
+        intern.chat.completions.create(model="alpha-lora", messages=MSG, max_tokens=2)
+    assert "interns use the base model" in str(e.value.body)
 
     # DELETE takes effect at once: the registration is gone, the static model of the config is anybody's again
     assert admin(gw, "DELETE", "/admin/adapters/alpha-lora").json()["deleted"] is True
