@@ -25,8 +25,8 @@ import yaml  # noqa: E402
 from gateway.budget.service import BudgetService  # noqa: E402
 from gateway.budget.stage import BudgetStage  # noqa: E402
 from gateway.config import parse_config  # noqa: E402
-from gateway.pipeline import RequestContext, Usage  # noqa: E402
-from gateway.types import BudgetSpec, Decision, Principal  # noqa: E402
+from gateway.pipeline import RequestContext  # noqa: E402
+from gateway.types import BudgetSpec, Decision, Principal, Usage  # noqa: E402
 
 
 def pct(xs: list[float], p: float) -> float:

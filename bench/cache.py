@@ -29,8 +29,8 @@ from gateway.cache.embed import LexicalEmbedder, WordLlamaEmbedder, load_wordlla
 from gateway.cache.spec import CacheSpec  # noqa: E402
 from gateway.cache.stage import CacheStage  # noqa: E402
 from gateway.cache.store import MemoryStore  # noqa: E402
-from gateway.pipeline import RequestContext, Usage  # noqa: E402
-from gateway.types import Decision, Principal  # noqa: E402
+from gateway.pipeline import RequestContext  # noqa: E402
+from gateway.types import Decision, Principal, Usage  # noqa: E402
 
 TEMPLATES = [
     "How do I reset the password for my {e} account?",

@@ -121,10 +121,10 @@ def replay(n: int, out_path: str, scen: str, warm: int) -> None:
     from gateway.api.endpoints import endpoint
     from gateway.config import parse_config
     from gateway.errors import GatewayError
-    from gateway.pipeline import RequestContext, RequestHeaders, Usage
+    from gateway.pipeline import RequestContext, RequestHeaders
     from gateway.proxy.health import Health
     from gateway.routing.stage import PredictiveRouteStage
-    from gateway.types import Decision, Principal
+    from gateway.types import Decision, Principal, Usage
 
     rnd = random.Random(7)
     prefixes = ["You are a helpful assistant. " * k for k in (1, 12, 40, 90)]

@@ -16,18 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from gateway.types import Decision, Principal
-
-
-@dataclass(slots=True)
-class Usage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int | None = None
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
+from gateway.api.endpoints import BY_NAME
+from gateway.types import Decision, Principal, Usage
 
 
 class RequestHeaders(dict):
@@ -112,7 +102,7 @@ class RequestContext:
 
     def __post_init__(self) -> None:
         if self.ep is None:
-            self.ep = (_ENDPOINTS or _endpoint_table()).get(self.endpoint)
+            self.ep = BY_NAME.get(self.endpoint)
 
     @property
     def zero_retention(self) -> bool:
@@ -124,17 +114,6 @@ class RequestContext:
         retention (refused before the decision: bad or revoked key, a model the key may not use, a parse
         error) counts as zero: such a request's content is never captured in audit, logs or spans."""
         return self.principal is not None and self.decision is not None and self.decision.retention != "zero"
-
-
-_ENDPOINTS: dict[str, Any] = {}
-
-
-def _endpoint_table() -> dict[str, Any]:
-    """The endpoint table by name, imported on first use (gateway.api imports this module)."""
-    from gateway.api.endpoints import BY_NAME
-
-    _ENDPOINTS.update(BY_NAME)
-    return _ENDPOINTS
 
 
 class Stage(Protocol):

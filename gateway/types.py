@@ -1,8 +1,10 @@
-"""Shared value types of the request pipeline: who is calling (Principal) and what policy decided (Decision).
+"""Shared value types of the request pipeline: who is calling (Principal), what policy decided (Decision), and
+what a response used (Usage).
 
 These are the contracts between stages: identity produces a Principal, policy turns a Principal and a
-request into a Decision, budgets/routing/admission read the Decision. All are plain frozen data so decision
-functions stay pure and tests can build them directly.
+request into a Decision, budgets/routing/admission read the Decision; the wire translators fill a Usage that
+budgets, cost and evidence read. All are plain data (Principal and Decision frozen) so decision functions stay pure
+and tests can build them directly.
 """
 from __future__ import annotations
 
@@ -144,3 +146,16 @@ class Decision:
 
 def _slots_dict(obj: Any) -> dict[str, Any]:
     return {k: getattr(obj, k) for k in obj.__slots__}
+
+
+@dataclass(slots=True)
+class Usage:
+    """Token counts of one response, as the upstream (or the gateway's estimate) reported them."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int | None = None
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens

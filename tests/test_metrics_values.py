@@ -21,8 +21,8 @@ from prometheus_client.values import MutexValue
 from gateway import metrics as M
 from gateway.app import Gateway, ObserveStage
 from gateway.config import parse_config
-from gateway.pipeline import RequestContext, Usage
-from gateway.types import Principal
+from gateway.pipeline import RequestContext
+from gateway.types import Principal, Usage
 
 ROOT = Path(__file__).resolve().parents[1]
 BUCKETS = (0.01, 0.02, 0.04, 1.0, 5.0)

@@ -7,7 +7,7 @@ from typing import Mapping
 import msgspec
 
 from gateway.budget.config import ModelPrice
-from gateway.pipeline import Usage
+from gateway.types import Usage
 
 
 def find_price(model: str, prices: Mapping[str, ModelPrice], backend: str | None = None,

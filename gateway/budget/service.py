@@ -20,8 +20,7 @@ from gateway.budget.pricing import convert, cost, find_price
 from gateway.budget.store import BudgetStore, MemoryBudgetStore, RedisBudgetStore, SqliteBudgetStore, StoreUnavailable
 from gateway.budget.windows import ROLLING, format_reset, resolve
 from gateway.errors import GatewayError, retry_headers
-from gateway.pipeline import Usage
-from gateway.types import BudgetSpec, Principal
+from gateway.types import BudgetSpec, Principal, Usage
 
 log = logging.getLogger("gateway.budget")
 

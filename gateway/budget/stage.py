@@ -18,7 +18,8 @@ from typing import Any
 
 from gateway.budget.pricing import find_price
 from gateway.budget.service import BudgetService, Reservation, _NoLimits
-from gateway.pipeline import RequestContext, Usage
+from gateway.pipeline import RequestContext
+from gateway.types import Usage
 
 HIT = "cache_hit"  # the cost category (gateway/cost/model.py) of an answer from the response cache
 

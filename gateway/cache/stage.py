@@ -26,7 +26,8 @@ from gateway.cache import guards as G
 from gateway.cache.keys import exact_key, params_key, partition, temperature
 from gateway.cache.replay import Capture, CachedStream
 from gateway.cache.store import CacheStore, Entry
-from gateway.pipeline import RequestContext, Usage
+from gateway.pipeline import RequestContext
+from gateway.types import Usage
 from gateway.proxy.forward import JsonResult
 
 HEADER = "x-gateway-cache"

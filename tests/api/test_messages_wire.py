@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from gateway.api.wire.anthropic import ANTHROPIC, error_type, usage_from
 from gateway.api.wire.base import StreamState
 from gateway.errors import GatewayError
-from gateway.pipeline import RequestContext, Usage
+from gateway.pipeline import RequestContext
+from gateway.types import Usage
 
 
 def ctx(**kw) -> RequestContext:

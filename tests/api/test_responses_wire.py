@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from gateway.api.endpoints import BY_NAME
 from gateway.api.wire.base import StreamState
 from gateway.api.wire.responses import RESPONSES, event_type, usage_from
-from gateway.pipeline import RequestContext, Usage
+from gateway.pipeline import RequestContext
+from gateway.types import Usage
 from gateway.proxy import sse
 
 EP = BY_NAME["responses"]

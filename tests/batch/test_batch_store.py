@@ -14,7 +14,7 @@ from gateway.batch.store import PostgresBatchStore, SqliteBatchStore
 from gateway.budget.config import ModelPrice
 from gateway.budget.pricing import cost, find_price
 from gateway.errors import GatewayError
-from gateway.pipeline import Usage
+from gateway.types import Usage
 from tests.conftest import require_service
 
 PG_DSN = os.environ.get("GATEWAY_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/test")

@@ -14,8 +14,8 @@ from gateway.budget.service import BudgetService
 from gateway.budget.stage import BudgetStage
 from gateway.config import parse_config
 from gateway.errors import GatewayError
-from gateway.pipeline import RequestContext, Usage
-from gateway.types import BudgetSpec, Decision, Principal
+from gateway.pipeline import RequestContext
+from gateway.types import BudgetSpec, Decision, Principal, Usage
 
 
 async def main(spec: dict) -> dict:

@@ -11,8 +11,8 @@ from gateway.budget.pricing import cost, find_price
 from gateway.budget.service import BudgetService
 from gateway.budget.stage import BudgetStage
 from gateway.errors import GatewayError
-from gateway.pipeline import RequestContext, Usage
-from gateway.types import BudgetSpec, Decision, Principal
+from gateway.pipeline import RequestContext
+from gateway.types import BudgetSpec, Decision, Principal, Usage
 
 from .conftest import make_config
 

@@ -13,8 +13,8 @@ from gateway.budget.model import BudgetState, ReserveArgs, ScopePlan, SettleArgs
 from gateway.budget.service import BudgetService
 from gateway.budget.stage import BudgetStage
 from gateway.errors import GatewayError
-from gateway.pipeline import RequestContext, Usage
-from gateway.types import BudgetSpec, Decision, Principal
+from gateway.pipeline import RequestContext
+from gateway.types import BudgetSpec, Decision, Principal, Usage
 
 from .conftest import make_config
 

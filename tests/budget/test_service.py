@@ -11,8 +11,8 @@ from gateway.api.endpoints import BY_NAME
 from gateway.budget.service import BudgetService
 from gateway.budget.stage import BudgetStage
 from gateway.errors import GatewayError
-from gateway.pipeline import RequestContext, Usage
-from gateway.types import BudgetSpec, Decision, Principal
+from gateway.pipeline import RequestContext
+from gateway.types import BudgetSpec, Decision, Principal, Usage
 
 from .conftest import free_port, make_config
 

@@ -285,6 +285,6 @@ async def test_expired_rows_are_deleted_by_the_cleanup(tmp_path):
 
 
 def _usage(prompt: int, completion: int):
-    from gateway.pipeline import Usage
+    from gateway.types import Usage
 
     return Usage(prompt, completion)

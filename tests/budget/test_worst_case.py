@@ -13,8 +13,8 @@ from gateway.budget.service import REQUEST_SLACK_S, BudgetService
 from gateway.budget.stage import BudgetStage
 from gateway.config import ConfigError, parse_config
 from gateway.errors import GatewayError
-from gateway.pipeline import RequestContext, Usage
-from gateway.types import BudgetSpec, Decision, Principal
+from gateway.pipeline import RequestContext
+from gateway.types import BudgetSpec, Decision, Principal, Usage
 
 P = Principal(id="key:k1", kind="api_key", tenant="acme", team="search", project="web", key_id="k1")
 MONEY = [BudgetSpec(window="month", scope="team", money=1000.0, currency="EUR")]

@@ -9,8 +9,8 @@ from gateway.cache.embed import LexicalEmbedder
 from gateway.cache.spec import CacheSpec
 from gateway.cache.stage import CacheStage
 from gateway.cache.store import MemoryStore
-from gateway.pipeline import RequestContext, Usage
-from gateway.types import Decision, Principal
+from gateway.pipeline import RequestContext
+from gateway.types import Decision, Principal, Usage
 
 
 class Clock:

@@ -244,7 +244,7 @@ async def test_streamed_responses_are_captured_and_replayed_in_chunk_shape(store
     raw = b"".join(b"data: " + orjson.dumps(x) + b"\n\n" for x in chunks) + b"data: [DONE]\n\n"
     cap.chunk(raw[:17])
     cap.chunk(raw[17:])
-    from gateway.pipeline import Usage
+    from gateway.types import Usage
 
     c.usage, c.status = Usage(7, 2), 200
     await stage.finish(c)

@@ -10,7 +10,8 @@ import yaml
 
 from gateway.config import parse_config
 from gateway.cost.meter import DECODE_MIN_TOKENS, PRIOR_S_PER_TOKEN, PRIOR_STEP_S, CostMeter
-from gateway.pipeline import RequestContext, Usage
+from gateway.pipeline import RequestContext
+from gateway.types import Usage
 
 
 def config(tmp_path):

@@ -19,10 +19,10 @@ from hypothesis import strategies as st
 
 from gateway.config import BackendConfig, Location
 from gateway.evidence import recorder as R
-from gateway.pipeline import RequestContext, Usage
+from gateway.pipeline import RequestContext
 from gateway.policy.compiler import compile_text
 from gateway.policy.stage import PolicyStage
-from gateway.types import Principal
+from gateway.types import Principal, Usage
 
 GOLDEN = Path(__file__).with_name("golden_records.jsonl")
 PROMPT = "CANARY-PROMPT-7f3a9c1e secret merger plans"

@@ -18,10 +18,10 @@ from gateway.config import BackendConfig, Location
 from gateway.evidence.admin import make_decision_handler
 from gateway.evidence.postgres import PostgresSink
 from gateway.evidence.recorder import EvidenceRecorder, _scrub, _strip_content, build_record
-from gateway.pipeline import RequestContext, Usage
+from gateway.pipeline import RequestContext
 from gateway.policy.compiler import compile_text
 from gateway.policy.stage import PolicyStage
-from gateway.types import Principal
+from gateway.types import Principal, Usage
 from tests.conftest import unavailable
 
 CANARY_PROMPT = "CANARY-PROMPT-7f3a9c1e secret merger plans"

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from gateway.metrics import Metrics
 from gateway.observability.hooks import RequestObserver
-from gateway.pipeline import RequestContext, Usage
+from gateway.pipeline import RequestContext
+from gateway.types import Usage
 
 
 def _ctx(ttft_s: float | None, pick: str = "up", pred: object = 100.0) -> RequestContext:

@@ -23,8 +23,8 @@ from gateway.config import BackendConfig, Location
 from gateway.evidence.recorder import build_record
 from gateway.observability.logs import JsonFormatter, RequestContextFilter, current_request
 from gateway.observability.tracing import Tracing, build_provider
-from gateway.pipeline import RequestContext, Usage
-from gateway.types import Decision, Principal
+from gateway.pipeline import RequestContext
+from gateway.types import Decision, Principal, Usage
 from tests.budget.conftest import make_config
 
 BACKEND = BackendConfig(name="eu-1", url="http://eu-1:8000/v1", models=["q"], location=Location(country="DE"),

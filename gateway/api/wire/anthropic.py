@@ -17,7 +17,7 @@ import orjson
 
 from gateway.api.wire.base import ClientWire, StreamState
 from gateway.errors import GatewayError
-from gateway.pipeline import Usage
+from gateway.types import Usage
 from gateway.proxy import sse
 
 # Anthropic's error `type` per HTTP status (docs.anthropic.com, Errors); other 4xx are invalid requests,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.api.wire.base import ClientWire
-from gateway.pipeline import Usage
+from gateway.types import Usage
 
 
 def _int(v: Any) -> int | None:

@@ -16,7 +16,7 @@ import orjson
 
 from gateway.api.wire.base import ClientWire, StreamState
 from gateway.errors import GatewayError
-from gateway.pipeline import Usage
+from gateway.types import Usage
 from gateway.proxy import sse
 
 TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
