@@ -182,7 +182,13 @@ class AliasConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @property
     def models(self) -> list[str]:
-        """The target models in config order (the fallback chain)."""
+        """The target models in config order (the fallback chain); shadow targets are not in it."""
+        return [t if isinstance(t, str) else t.model for t in self.targets
+                if isinstance(t, str) or t.shadow is None]
+
+    @property
+    def all_models(self) -> list[str]:
+        """Every target's model, shadows included, in config order."""
         return [t if isinstance(t, str) else t.model for t in self.targets]
 
 
@@ -433,7 +439,7 @@ def parse_config(text: str, source: str = "<config>", base_dir: Path | None = No
     for i, a in enumerate(raw.aliases):
         if a.name in models:
             raise _fail(source, marks, f"aliases[{i}].name", f"alias {a.name!r} shadows a served model")
-        for j, t in enumerate(a.models):
+        for j, t in enumerate(a.all_models):
             if t not in models:
                 raise _fail(source, marks, f"aliases[{i}].targets[{j}]", f"no backend serves model {t!r}")
         if not a.targets:

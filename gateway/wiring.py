@@ -99,13 +99,15 @@ def _wire_rollouts(gw: Gateway) -> Any:
     """Weighted alias arms: live state in the identity store, /admin/aliases, rollback on regression."""
     from gateway.rollouts.admin import alias_admin_routes
     from gateway.rollouts.service import RolloutService
+    from gateway.rollouts.shadow import ShadowRunner
     from gateway.rollouts.stage import RolloutStage
 
     svc = RolloutService(gw.config, gw.identity, gw.metrics)
     gw.services.append(svc)  # after the identity service, which opens the store it uses
     gw.rollouts = svc
     gw.extra_routes.extend(alias_admin_routes(svc, gateway_guard(gw)))
-    return RolloutStage(svc)
+    svc.shadow_runner = ShadowRunner(gw)  # copies run through gw.pipeline as it is when they start
+    return RolloutStage(svc, svc.shadow_runner)
 
 
 class PolicyHolder:

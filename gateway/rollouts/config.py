@@ -6,12 +6,21 @@ from typing import Any
 import msgspec
 
 
+class ShadowConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A shadow target gets a sampled copy of the alias's requests; its answer is discarded (docs/rollouts.md)."""
+
+    budget_scope: str  # the tenant whose budgets and ledger the copies are charged to (its policy rules apply)
+    sample: float = 0.1  # the share of the alias's answered requests copied, in (0, 1]
+    max_inflight: int = 32  # copies in flight per process at most; past it a copy is skipped, never queued
+
+
 class AliasTarget(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One arm of a weighted alias: `{model: support-v2, weight: 5}`."""
+    """One arm of a weighted alias: `{model: support-v2, weight: 5}`, or a shadow: `{model, shadow: {...}}`."""
 
     model: str
     weight: float = 0.0  # the arm's share is weight / sum(weights) (live weights: /admin/aliases)
     stable: bool = False  # the arm the others are compared against; none marked: the highest weight
+    shadow: ShadowConfig | None = None  # a shadow target: never chosen, never a fallback, never answers a client
 
 
 class StickyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -37,6 +46,20 @@ def is_weighted(targets: list[Any]) -> bool:
     return any(isinstance(t, AliasTarget) for t in targets)
 
 
+def _shadow_error(t: AliasTarget) -> tuple[str, str] | None:
+    sh = t.shadow
+    assert sh is not None
+    if t.weight != 0 or t.stable:
+        return "shadow", "a shadow target has no weight and is never the stable arm"
+    if not 0 < sh.sample <= 1:
+        return "shadow.sample", "must be in (0, 1]"
+    if not sh.budget_scope.strip():
+        return "shadow.budget_scope", "must name the tenant the copies are charged to"
+    if sh.max_inflight < 1:
+        return "shadow.max_inflight", "must be >= 1"
+    return None
+
+
 def alias_error(alias: Any) -> tuple[str, str] | None:
     """(key path within the alias, problem) for a rollout setting that cannot be used, else None."""
     ts = alias.targets
@@ -46,7 +69,12 @@ def alias_error(alias: Any) -> tuple[str, str] | None:
                 return f"targets[{j}]", "a weighted alias needs {model, weight} for every target"
             if t.weight < 0 or t.weight != t.weight or t.weight == float("inf"):
                 return f"targets[{j}].weight", "must be a finite number >= 0"
-        if sum(t.weight for t in ts) <= 0:
+        for j, t in enumerate(ts):
+            if t.shadow is not None:
+                bad = _shadow_error(t)
+                if bad is not None:
+                    return f"targets[{j}].{bad[0]}", bad[1]
+        if sum(t.weight for t in ts if t.shadow is None) <= 0:
             return "targets", "a weighted alias needs at least one weight > 0"
         if sum(1 for t in ts if t.stable) > 1:
             return "targets", "at most one target may be marked stable"

@@ -12,7 +12,7 @@ from typing import Any
 
 from gateway.config import Config
 from gateway.rollouts import arms
-from gateway.rollouts.config import AliasTarget, RollbackConfig, is_weighted
+from gateway.rollouts.config import AliasTarget, RollbackConfig, ShadowConfig, is_weighted
 from gateway.rollouts.rollback import ArmStats, Window, verdict
 from gateway.rollouts.store import LiveState, RolloutStore
 
@@ -29,6 +29,7 @@ class Rollout:
     stable: str
     sticky_header: str | None
     rollback: RollbackConfig
+    shadows: tuple[tuple[str, ShadowConfig], ...] = ()  # (model, its shadow settings)
 
 
 def rollouts_of(config: Config) -> dict[str, Rollout]:
@@ -36,12 +37,13 @@ def rollouts_of(config: Config) -> dict[str, Rollout]:
     for a in config.raw.aliases:
         if not is_weighted(a.targets):
             continue
-        ts = [t for t in a.targets if isinstance(t, AliasTarget)]
+        ts = [t for t in a.targets if isinstance(t, AliasTarget) and t.shadow is None]
+        shadows = tuple((t.model, t.shadow) for t in a.targets if isinstance(t, AliasTarget) and t.shadow)
         names = tuple(t.model for t in ts)
         cw = {t.model: t.weight for t in ts}
         marked = next((t.model for t in ts if t.stable), None)
         out[a.name] = Rollout(a.name, names, cw, arms.stable_arm(names, cw, marked),
-                              a.sticky.header.lower() if a.sticky.header else None, a.rollback)
+                              a.sticky.header.lower() if a.sticky.header else None, a.rollback, shadows)
     return out
 
 
@@ -68,6 +70,7 @@ class RolloutService:
         self.alarms: list[dict[str, Any]] = []  # the latest rollbacks this process saw or made (dashboard)
         self._task: asyncio.Task | None = None
         self._writes: set[asyncio.Task] = set()
+        self.shadow_runner: Any = None  # gateway.rollouts.shadow.ShadowRunner, closed with this service
 
     # ---- lifecycle
     async def start(self) -> None:
@@ -79,6 +82,8 @@ class RolloutService:
         self._task = asyncio.create_task(self._poll())
 
     async def close(self) -> None:
+        if self.shadow_runner is not None:
+            await self.shadow_runner.close()
         for t in [self._task, *self._writes]:
             if t is not None:
                 t.cancel()

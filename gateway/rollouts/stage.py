@@ -8,6 +8,7 @@ from typing import Any
 from gateway.pipeline import RequestContext
 from gateway.rollouts import arms
 from gateway.rollouts.service import RolloutService
+from gateway.rollouts.shadow import ShadowRunner
 
 
 def arm_outcome(ctx: RequestContext, arm: str) -> tuple[bool, float | None] | None:
@@ -23,8 +24,9 @@ def arm_outcome(ctx: RequestContext, arm: str) -> tuple[bool, float | None] | No
 class RolloutStage:
     name = "rollout"
 
-    def __init__(self, svc: RolloutService) -> None:
+    def __init__(self, svc: RolloutService, shadows: ShadowRunner | None = None) -> None:
         self.svc = svc
+        self.shadows = shadows
 
     async def run(self, ctx: RequestContext) -> None:
         r = self.svc.rollouts.get(ctx.model)
@@ -45,3 +47,8 @@ class RolloutStage:
         out = arm_outcome(ctx, ro["arm"])
         if out is not None:
             self.svc.observe(ro["alias"], ro["arm"], *out)
+        r = self.svc.rollouts.get(ro["alias"])
+        if r is not None and r.shadows and self.shadows is not None:
+            copies = self.shadows.maybe_copy(ctx, r.alias, r.shadows)
+            if copies:
+                ro["shadow"] = copies  # the audit record of the primary names its copies
