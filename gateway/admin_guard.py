@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from gateway.api.reply import request_id
 from gateway.errors import GatewayError, retry_headers
 from gateway.types import Principal
 
@@ -149,8 +150,6 @@ def gateway_guard(gw: Any) -> AdminGuard:
         if svc is None:
             return await gw.admin_auth(headers, addr)  # the Gateway's placeholder: 503 until identity is wired
         return await svc.authenticate_admin(headers, addr)
-
-    from gateway.app import request_id
 
     guard = AdminGuard(authenticate, lambda: gw.config.server.max_body_bytes, request_id)
     gw.admin_guard = guard

@@ -20,11 +20,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from gateway.admin_guard import PLATFORM_ADMIN, gateway_guard
 from gateway.api.endpoints import ENDPOINTS
-from gateway.api.ingress import (  # noqa: F401  (re-exported: callers import request ids from here)
-    GatewayApp, InferenceEndpoint, client_request_id, error_headers, new_request_id, request_id, send_error,
-    server_timing)
-from gateway.api.endpoints import prompt_token_bound  # noqa: F401  (re-exported)
+from gateway.api.ingress import GatewayApp, InferenceEndpoint
+from gateway.api.reply import error_headers, request_id
 from gateway.config import Config, ConfigError, load_config
 from gateway.errors import GatewayError, retry_headers
 from gateway.metrics import Metrics
@@ -341,8 +340,6 @@ def build_app(gw: Gateway) -> GatewayApp:
 
             data = visible_catalog(ctx.principal, data, await gw.adapters.registry())
         return JSONResponse({"object": "list", "data": data}, headers={"x-request-id": rid})
-
-    from gateway.admin_guard import PLATFORM_ADMIN, gateway_guard
 
     async def admin_reload(request: Request, principal: Principal | None) -> Response:
         # authenticated and authorized (platform admins only) by the admin guard, whose refusals (429

@@ -21,6 +21,7 @@ from typing import Any
 from starlette.routing import Route
 
 from gateway.api.endpoints import BY_PATH
+from gateway.api.reply import request_id, send_error
 from gateway.errors import GatewayError
 from gateway.pipeline import RequestContext, RequestHeaders
 
@@ -114,8 +115,6 @@ class UnservedEndpoint:
         self.route = route
 
     async def __call__(self, scope, receive, send) -> None:
-        from gateway.api.ingress import request_id, send_error  # ingress imports this module
-
         headers = RequestHeaders.from_scope(scope)
         rid = request_id(headers)
         await send_error(send, await answer(self.gw, self.route, scope, headers, rid), rid)

@@ -473,7 +473,7 @@ class BatchService:
         """Run one line through the realtime pipeline and dispatcher as its owner, at priority `batch`.
         Returns (status, response body, the gateway request id, the refusal if one)."""
         from gateway.api.endpoints import BY_NAME, prepare
-        from gateway.api.ingress import new_request_id
+        from gateway.api.reply import new_request_id
         from gateway.proxy.forward import JsonResult
 
         gw = self.gw

@@ -1,4 +1,4 @@
-"""Refusal headers the openai SDKs act on (gateway.api.ingress.error_headers): `x-should-retry: false` on every
+"""Refusal headers the openai SDKs act on (gateway/api/reply.py::error_headers): `x-should-retry: false` on every
 403 (whatever its code), on `residency_unsatisfiable`, and on a 429/503 whose reset is beyond the 60 s the SDKs
 honour; never where a retry can help (a short reset, a 5xx without one gets the default 1 s). The SDK's view of
 the same headers, end to end: tests/e2e/test_sdk_refusals.py."""
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.api.ingress import SDK_MAX_RETRY_AFTER_S, error_headers
+from gateway.api.reply import SDK_MAX_RETRY_AFTER_S, error_headers
 from gateway.errors import GatewayError, retry_headers
 
 

@@ -1,4 +1,4 @@
-"""Gateway request ids (gateway/api/ingress.new_request_id): the key of budgets, the spend ledger, routing's
+"""Gateway request ids (gateway/api/reply.py::new_request_id): the key of budgets, the spend ledger, routing's
 in-flight table and the audit record."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 import re
 import time
 
-from gateway.api.ingress import new_request_id
+from gateway.api.reply import new_request_id
 
 _SHAPE = re.compile(r"^req_[0-9a-f]{24}$")
 
