@@ -7,7 +7,6 @@ Another principal asking for an id it does not own gets 404, the same answer as 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +15,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway.batch.jsonl import ENDPOINTS
+from gateway.batch.store import new_id
 from gateway.batch.upload import create_file
 from gateway.errors import GatewayError
 from gateway.types import Principal
@@ -27,10 +27,6 @@ log = logging.getLogger("gateway.batch")
 
 COMPLETION_WINDOWS = {"24h": 86400.0}
 METADATA_MAX_KEYS = 16
-
-
-def new_id(prefix: str) -> str:
-    return prefix + os.urandom(12).hex()
 
 
 def file_object(row: dict[str, Any]) -> dict[str, Any]:

@@ -12,6 +12,7 @@ The SQL is written once with `?` placeholders; the two backends only supply a tr
 from __future__ import annotations
 
 import asyncio
+import os
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,11 @@ TERMINAL_STATES = ("completed", "failed", "expired", "cancelled")
 # tenant's quota, so concurrent uploads on any worker or replica cannot pass it together)
 UPLOADING = 2
 STALE_UPLOAD_S = 3600.0  # an upload row left this long unfinished (its process died) is removed
+
+
+def new_id(prefix: str) -> str:
+    """The id of a stored file, job or error line: `prefix` then 24 random hex digits."""
+    return prefix + os.urandom(12).hex()
 
 
 class QuotaExceeded(Exception):
@@ -617,9 +623,7 @@ def _line_body(text: str | None) -> dict[str, Any]:
 
 def error_line(custom_id: str, code: str, message: str, response: dict[str, Any] | None = None) -> dict[str, Any]:
     """An error-file line for a request that got no engine answer (OpenAI's shape: response null, error set)."""
-    import os
-
-    return {"id": "batch_req_" + os.urandom(12).hex(), "custom_id": custom_id, "response": response,
+    return {"id": new_id("batch_req_"), "custom_id": custom_id, "response": response,
             "error": {"code": code, "message": message}}
 
 

@@ -30,7 +30,7 @@ from typing import IO, TYPE_CHECKING, Any, Awaitable, Callable, Iterator
 from starlette.requests import Request
 
 from gateway.batch.jsonl import LineChecker, prompt_prefix
-from gateway.batch.store import QuotaExceeded
+from gateway.batch.store import QuotaExceeded, new_id
 from gateway.errors import GatewayError
 from gateway.types import Principal
 
@@ -297,8 +297,6 @@ async def create_file(svc: "BatchService", request: Request, p: Principal, owner
                       decide: Callable[[set[str]], Awaitable[dict[str, Any]]] | None = None) -> dict[str, Any]:
     """Receive, check and store one upload; returns the stored file's row. `decide(models)` may add fields
     to the row once the models the file names are known (checked before anything is stored)."""
-    from gateway.batch.api import new_id
-
     bc = svc.gw.config.raw.batch
     ctype = request.headers.get("content-type", "")
     if not ctype.lower().startswith("multipart/form-data"):
