@@ -19,6 +19,7 @@ import jsonschema
 
 from gateway.config import ConfigError, load_yaml_with_lines
 from gateway.policy.eea import JURISDICTIONS, country_error
+from gateway.policy.engine import CompiledPolicy
 from gateway.policy.model import Condition, Predicate, RequestAttrs, Rule
 from gateway.types import BudgetSpec, Principal
 
@@ -492,10 +493,8 @@ def parse_documents(docs: list[tuple[str, str]], default_allow: bool = True,
     return rules, tests, default_allow
 
 
-def load_policies(paths: list[Path], default_allow: bool = True):  # -> CompiledPolicy
+def load_policies(paths: list[Path], default_allow: bool = True) -> CompiledPolicy:
     """Load and compile policy files (in the given order; directories expand to their sorted *.yaml)."""
-    from gateway.policy.engine import CompiledPolicy
-
     files: list[Path] = []
     for p in paths:
         p = Path(p)
@@ -518,9 +517,7 @@ def load_policies(paths: list[Path], default_allow: bool = True):  # -> Compiled
     return CompiledPolicy(rules, default_allow=dflt, tests=tests, sources=tuple(str(f) for f in files))
 
 
-def compile_text(text: str, source: str = "<policy>", default_allow: bool = True):  # -> CompiledPolicy
+def compile_text(text: str, source: str = "<policy>", default_allow: bool = True) -> CompiledPolicy:
     """Compile one policy document from a string (tests, the admin API)."""
-    from gateway.policy.engine import CompiledPolicy
-
     rules, tests, dflt = parse_documents([(source, text)], default_allow)
     return CompiledPolicy(rules, default_allow=dflt, tests=tests, sources=(source,))

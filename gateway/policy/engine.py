@@ -244,11 +244,3 @@ def principal_models_permit(patterns: Iterable[str], model: str) -> bool:
     """A key's own `allowed_models` globs (empty = unrestricted)."""
     pats = tuple(patterns)
     return not pats or any(fnmatch.fnmatchcase(model, g) for g in pats)
-
-
-def __getattr__(name: str) -> Any:  # re-export without an import cycle
-    if name in ("load_policies", "PolicyError"):
-        from gateway.policy import compiler
-
-        return getattr(compiler, name)
-    raise AttributeError(name)
