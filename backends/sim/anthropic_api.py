@@ -22,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from backends.sim.engine import EngineDead
+from backends.sim.http import ApiError, read_body
 from backends.sim.streaming import text_deltas
 from backends.sim.tokenizer import render_chat
 
@@ -93,10 +94,8 @@ def _event(obj: dict[str, Any]) -> bytes:
 
 
 async def messages(server: EngineServer, request: Request) -> Response:
-    from backends.sim.server import ApiError, _body
-
     try:
-        body = await _body(request)
+        body = await read_body(request)
         # vLLM's AnthropicMessagesRequest has no cache_salt or priority and ignores unknown fields: neither
         # reaches its engine from this API (no cache isolation, default priority)
         c = server._common({k: v for k, v in body.items() if k not in VLLM_IGNORES})

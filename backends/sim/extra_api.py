@@ -25,6 +25,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from backends.sim.http import ApiError, json_response, read_body
 from backends.sim.streaming import text_deltas
 from backends.sim.tokenizer import render_chat
 
@@ -102,9 +103,7 @@ def _message(mid: str, text: str, status: str) -> dict[str, Any]:
 
 
 async def responses(server: EngineServer, request: Request) -> Response:
-    from backends.sim.server import ApiError, _body, _json
-
-    body = await _body(request)
+    body = await read_body(request)
     if body.get("previous_response_id") is not None:
         raise ApiError(404, f"Response with id '{str(body['previous_response_id'])[:64]}' not found.",
                        "previous_response_id")
@@ -128,7 +127,7 @@ async def responses(server: EngineServer, request: Request) -> Response:
     await server._await(req, req.listener.done)
     status = "incomplete" if req.finish_reason == "length" else "completed"
     out = [_message(f"msg_{uuid.uuid4().hex[:24]}", server._text(req, 0, req.num_output), "completed")]
-    return _json(_response(body, rid, created, model, status, out, _usage(req)))
+    return json_response(_response(body, rid, created, model, status, out, _usage(req)))
 
 
 async def _stream(server: EngineServer, req: SimRequest, body: dict[str, Any], rid: str, created: int,
@@ -184,8 +183,6 @@ def relevance(query: str, doc: str) -> float:
 
 
 def _texts(v: Any, param: str) -> list[str]:
-    from backends.sim.server import ApiError
-
     if isinstance(v, str):
         return [v]
     if isinstance(v, list) and v and all(isinstance(x, str) for x in v):
@@ -201,8 +198,6 @@ async def _prefill_pairs(server: EngineServer, body: dict[str, Any], pairs: list
     mml = server.engine.profile.max_model_len
     for ids in inputs:
         if len(ids) >= mml:
-            from backends.sim.server import ApiError
-
             raise ApiError(400, f"This model's maximum context length is {mml} tokens. However, a pair has "
                                 f"{len(ids)} input tokens.")
     await server._gate()
@@ -214,9 +209,7 @@ async def _prefill_pairs(server: EngineServer, body: dict[str, Any], pairs: list
 
 
 async def rerank(server: EngineServer, request: Request) -> Response:
-    from backends.sim.server import ApiError, _body, _json
-
-    body = await _body(request)
+    body = await read_body(request)
     query = body.get("query")
     if not isinstance(query, str):
         raise ApiError(400, "query must be a string", "query")
@@ -236,22 +229,20 @@ async def rerank(server: EngineServer, request: Request) -> Response:
     if body.get("return_documents") is False:
         for r in results:
             r["document"] = None
-    return _json({"id": f"rerank-{uuid.uuid4().hex}", "model": body.get("model") or server.engine.model,
-                  "usage": {"prompt_tokens": n, "total_tokens": n}, "results": results})
+    return json_response({"id": f"rerank-{uuid.uuid4().hex}", "model": body.get("model") or server.engine.model,
+                          "usage": {"prompt_tokens": n, "total_tokens": n}, "results": results})
 
 
 async def score(server: EngineServer, request: Request) -> Response:
-    from backends.sim.server import ApiError, _body, _json
-
-    body = await _body(request)
+    body = await read_body(request)
     left = _texts(body.get("text_1"), "text_1")
     right = _texts(body.get("text_2"), "text_2")
     if len(left) != 1 and len(left) != len(right):
         raise ApiError(400, "text_1 must have one entry or as many as text_2", "text_1")
     pairs = [(left[0], r) for r in right] if len(left) == 1 else list(zip(left, right))
     n = await _prefill_pairs(server, body, pairs)
-    return _json({"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
-                  "model": body.get("model") or server.engine.model,
-                  "data": [{"index": i, "object": "score", "score": relevance(a, b)} for i, (a, b) in enumerate(pairs)],
-                  "usage": {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0,
-                            "prompt_tokens_details": None}})
+    return json_response({"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                          "model": body.get("model") or server.engine.model,
+                          "data": [{"index": i, "object": "score", "score": relevance(a, b)} for i, (a, b) in enumerate(pairs)],
+                          "usage": {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0,
+                                    "prompt_tokens_details": None}})

@@ -26,8 +26,9 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from backends.sim import anthropic_api, extra_api
+from backends.sim import anthropic_api, extra_api, sglang_api
 from backends.sim.engine import EngineDead, SimEngine
+from backends.sim.http import ApiError, json_response, read_body
 from backends.sim.lora import LoraConfig, LoraError, LoraState
 from backends.sim.metrics import make_registry, render
 from backends.sim.scheduler import SimRequest
@@ -35,35 +36,8 @@ from backends.sim.tokenizer import render_chat
 
 log = logging.getLogger(__name__)
 
-_ERR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError", 503: "ServiceUnavailable"}
 _SALT_BAD = set("@/\\\x00")
 SYSTEM_FINGERPRINT = "vllm-0.32.0-sim"
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-
-    def response(self) -> Response:
-        body = {"error": {"message": self.message, "type": _ERR_TYPES.get(self.status, "BadRequestError"),
-                          "param": self.param, "code": self.status}}
-        return Response(orjson.dumps(body), self.status, media_type="application/json")
-
-
-def _json(obj: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(obj), status, media_type="application/json")
-
-
-async def _body(request: Request) -> dict[str, Any]:
-    raw = await request.body()
-    try:
-        data = orjson.loads(raw)
-    except orjson.JSONDecodeError as e:
-        raise ApiError(400, f"invalid JSON body: {e}") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, "request body must be a JSON object")
-    return data
 
 
 def _sse(obj: Any) -> bytes:
@@ -196,22 +170,31 @@ class EngineServer:
             Route("/sim/state", self._wrap(self.state), methods=["GET"]),
             Route("/sim/costs", self._wrap(self.costs), methods=["GET"]),
         ]
+        if self.engine.present_as == "sglang":  # SGLang's own routes (backends/sim/sglang_api.py)
+            routes += [Route("/v1/tokenize", self._wrap(self.tokenize), methods=["POST"]),
+                       Route("/flush_cache", self._wrap(lambda r: sglang_api.flush_cache(self, r)),
+                             methods=["GET", "POST"])]
         return Starlette(routes=routes)
 
     def _wrap(self, fn: Any) -> Any:
         async def endpoint(request: Request) -> Response:
+            sgl = self.engine.present_as == "sglang"
             try:
                 return await fn(request)
-            except ApiError as e:
-                return e.response()
+            except (ApiError, sglang_api.SGLangError) as e:
+                return sglang_api.error_response(e.status, e.message, e.param) if sgl else \
+                    ApiError(e.status, e.message, e.param).response()
             except EngineDead:
-                return ApiError(500, "engine died while handling the request").response()
+                msg = "engine died while handling the request"
+                return sglang_api.error_response(500, msg) if sgl else ApiError(500, msg).response()
         return endpoint
 
     # ------------------------------------------------------------------ request parsing
     def _resolve_model(self, model: Any) -> str | None:
         """The LoRA adapter a model name selects (None for the base model); 404 for unknown names."""
         e = self.engine
+        if e.present_as == "sglang":
+            return sglang_api.resolve_model(self, model)
         if model is None or model == e.model:
             return None
         if isinstance(model, str) and self.lora.has(model):
@@ -227,7 +210,7 @@ class EngineServer:
         prio = body.get("priority", 0)
         if not isinstance(prio, int) or isinstance(prio, bool):
             raise ApiError(400, "priority must be an integer", "priority")
-        if prio != 0 and not self.engine.priority_policy:
+        if prio != 0 and not self.engine.priority_policy and self.engine.present_as != "sglang":
             raise ApiError(400, f"Got priority {prio} != 0 but Priority scheduling is not enabled.", "priority")
         n = body.get("n", 1)
         if n != 1:
@@ -271,7 +254,9 @@ class EngineServer:
                                   priority=c["priority"], seed=seed)
 
     def _usage(self, req: SimRequest, stream: bool = False) -> dict[str, Any]:
-        """vLLM 0.32's usage; in streams fields that are None are left out (as captured)."""
+        """vLLM 0.32's usage; in streams fields that are None are left out (as captured). SGLang's UsageInfo."""
+        if self.engine.present_as == "sglang":
+            return sglang_api.usage(self, req)
         u: dict[str, Any] = {"prompt_tokens": req.prompt_len, "total_tokens": req.prompt_len + req.num_output,
                              "completion_tokens": req.num_output}
         if self.enable_prompt_tokens_details:
@@ -292,7 +277,7 @@ class EngineServer:
 
     # ------------------------------------------------------------------ generation routes
     async def chat(self, request: Request) -> Response:
-        body = await _body(request)
+        body = await read_body(request)
         c = self._common(body)
         msgs = body.get("messages")
         if not isinstance(msgs, list):
@@ -313,20 +298,20 @@ class EngineServer:
             return StreamingResponse(self._stream(req, rid, created, model, c["include_usage"], chat=True),
                                      media_type="text/event-stream")
         await self._await(req, req.listener.done)
-        return _json({"id": rid, "object": "chat.completion", "created": created, "model": model,
-                      "choices": [{"index": 0, "message": {"role": "assistant",
-                                                           "content": self._text(req, 0, req.num_output),
-                                                           "refusal": None, "annotations": None, "audio": None,
-                                                           "function_call": None, "reasoning": None},
-                                   "logprobs": None, "finish_reason": req.finish_reason, "stop_reason": None,
-                                   "token_ids": None, "routed_experts": None}],
-                      "service_tier": None, "system_fingerprint": SYSTEM_FINGERPRINT,
-                      "usage": self._usage(req), "prompt_logprobs": None, "prompt_token_ids": None,
-                      "prompt_text": None, "kv_transfer_params": None, "ec_transfer_params": None,
-                      "metrics": None})
+        return json_response({"id": rid, "object": "chat.completion", "created": created, "model": model,
+                              "choices": [{"index": 0, "message": {"role": "assistant",
+                                                                   "content": self._text(req, 0, req.num_output),
+                                                                   "refusal": None, "annotations": None, "audio": None,
+                                                                   "function_call": None, "reasoning": None},
+                                           "logprobs": None, "finish_reason": req.finish_reason, "stop_reason": None,
+                                           "token_ids": None, "routed_experts": None}],
+                              "service_tier": None, "system_fingerprint": SYSTEM_FINGERPRINT,
+                              "usage": self._usage(req), "prompt_logprobs": None, "prompt_token_ids": None,
+                              "prompt_text": None, "kv_transfer_params": None, "ec_transfer_params": None,
+                              "metrics": None})
 
     async def completions(self, request: Request) -> Response:
-        body = await _body(request)
+        body = await read_body(request)
         c = self._common(body)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -349,12 +334,12 @@ class EngineServer:
             return StreamingResponse(self._stream(req, rid, created, model, c["include_usage"], chat=False),
                                      media_type="text/event-stream")
         await self._await(req, req.listener.done)
-        return _json({"id": rid, "object": "text_completion", "created": created, "model": model,
-                      "choices": [{"index": 0, "text": self._text(req, 0, req.num_output), "logprobs": None,
-                                   "finish_reason": req.finish_reason, "stop_reason": None,
-                                   "prompt_logprobs": None, "token_ids": None}],
-                      "service_tier": None, "system_fingerprint": SYSTEM_FINGERPRINT,
-                      "usage": self._usage(req), "kv_transfer_params": None})
+        return json_response({"id": rid, "object": "text_completion", "created": created, "model": model,
+                              "choices": [{"index": 0, "text": self._text(req, 0, req.num_output), "logprobs": None,
+                                           "finish_reason": req.finish_reason, "stop_reason": None,
+                                           "prompt_logprobs": None, "token_ids": None}],
+                              "service_tier": None, "system_fingerprint": SYSTEM_FINGERPRINT,
+                              "usage": self._usage(req), "kv_transfer_params": None})
 
     async def _await(self, req: SimRequest, fut: asyncio.Future[None]) -> None:
         try:
@@ -416,7 +401,7 @@ class EngineServer:
                 self.engine.abort(req)
 
     async def embeddings(self, request: Request) -> Response:
-        body = await _body(request)
+        body = await read_body(request)
         c = self._common(body)
         inp = body.get("input")
         tok = self.engine.tokenizer
@@ -447,10 +432,10 @@ class EngineServer:
             norm = math.sqrt(sum(x * x for x in v)) or 1.0
             data.append({"object": "embedding", "index": i, "embedding": [x / norm for x in v]})
         n = sum(len(x) for x in inputs)
-        return _json({"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
-                      "model": body.get("model") or self.engine.model, "data": data,
-                      "usage": {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0,
-                                "prompt_tokens_details": None}})
+        return json_response({"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                              "model": body.get("model") or self.engine.model, "data": data,
+                              "usage": {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0,
+                                        "prompt_tokens_details": None}})
 
     # ------------------------------------------------------------------ other vLLM routes
     async def models(self, request: Request) -> Response:
@@ -467,29 +452,31 @@ class EngineServer:
         cards = [card(e.model, None)]
         for name, root in self.lora.names():
             cards.append({**card(name, e.model), "root": root})
-        return _json({"object": "list", "data": cards})
+        return json_response({"object": "list", "data": cards})
 
     async def load_lora(self, request: Request) -> Response:
         """vLLM's runtime LoRA loading (backends/sim/lora.py); without runtime updating the route is absent."""
         if not self.lora.runtime:
             raise ApiError(404, "Not Found")
         try:
-            msg = await self.lora.load(await _body(request))
+            msg = await self.lora.load(await read_body(request))
         except LoraError as e:
-            return _json(e.body(), e.status)
+            return json_response(e.body(), e.status)
         return Response(msg, 200)  # vLLM answers the bare success line
 
     async def unload_lora(self, request: Request) -> Response:
         if not self.lora.runtime:
             raise ApiError(404, "Not Found")
         try:
-            msg = self.lora.unload(await _body(request))
+            msg = self.lora.unload(await read_body(request))
         except LoraError as e:
-            return _json(e.body(), e.status)
+            return json_response(e.body(), e.status)
         return Response(msg, 200)  # vLLM answers the bare success line
 
     async def tokenize(self, request: Request) -> Response:
-        body = await _body(request)
+        body = await read_body(request)
+        if self.engine.present_as == "sglang":
+            return sglang_api.tokenize(self, body)
         self._resolve_model(body.get("model"))
         tok = self.engine.tokenizer
         if "messages" in body:
@@ -503,16 +490,16 @@ class EngineServer:
         else:
             raise ApiError(400, "either prompt (a string) or messages is required", "prompt")
         ids, pieces = tok.encode_with_pieces(text)
-        return _json({"count": len(ids), "max_model_len": self.engine.profile.max_model_len, "tokens": ids,
-                      "token_strs": pieces if body.get("return_token_strs") else None})
+        return json_response({"count": len(ids), "max_model_len": self.engine.profile.max_model_len, "tokens": ids,
+                              "token_strs": pieces if body.get("return_token_strs") else None})
 
     async def detokenize(self, request: Request) -> Response:
-        body = await _body(request)
+        body = await read_body(request)
         self._resolve_model(body.get("model"))
         toks = body.get("tokens")
         if not isinstance(toks, list) or not all(isinstance(t, int) for t in toks):
             raise ApiError(400, "tokens must be a list of integers", "tokens")
-        return _json({"prompt": self.engine.tokenizer.decode(toks)})
+        return json_response({"prompt": self.engine.tokenizer.decode(toks)})
 
     async def health(self, request: Request) -> Response:
         await self.engine.wait_unhung()
@@ -524,7 +511,7 @@ class EngineServer:
         return Response(render(self.registry), 200, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def version(self, request: Request) -> Response:
-        return _json({"version": "0.32.0+sim"})
+        return json_response({"version": "0.32.0+sim"})
 
     async def reset_prefix_cache(self, request: Request) -> Response:
         e = self.engine
@@ -538,18 +525,18 @@ class EngineServer:
     async def state(self, request: Request) -> Response:
         snap = self.engine.snapshot()
         snap.update({"url": self.url, "crashed": self.crashed, "location": self.location})
-        return _json(snap)
+        return json_response(snap)
 
     async def costs(self, request: Request) -> Response:
         """Sim only: each finished or aborted request's true engine seconds (its share of every step it was
         in), keyed by the x-request-id it was sent with (else the engine's own id); what per-request
         apportioning is checked against (bench/cost_apportion.py)."""
-        return _json({"engine": self.engine.name, "costs": dict(self.engine.costs)})
+        return json_response({"engine": self.engine.name, "costs": dict(self.engine.costs)})
 
     async def faults(self, request: Request) -> Response:
         e = self.engine
         if request.method == "POST":
-            body = await _body(request)
+            body = await read_body(request)
             f = e.faults
             for key, typ in (("event_delay_ms", float), ("event_loss", float), ("slow_factor", float),
                              ("error_rate", float), ("hang", bool)):
@@ -565,8 +552,8 @@ class EngineServer:
                 delay = body.get("restart_after_s", 3.0)
                 loop = asyncio.get_running_loop()
                 loop.call_later(0.05, lambda: loop.create_task(self.crash(None if delay is None else float(delay))))
-        return _json(e.faults.as_dict())
+        return json_response(e.faults.as_dict())
 
     async def restart_route(self, request: Request) -> Response:
         asyncio.get_running_loop().call_later(0.01, lambda: asyncio.get_running_loop().create_task(self.restart()))
-        return _json({"restarting": True, "generation": self.engine.generation + 1})
+        return json_response({"restarting": True, "generation": self.engine.generation + 1})
