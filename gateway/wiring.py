@@ -35,8 +35,8 @@ def wire(gw: Gateway) -> None:
     gw.pipeline = Pipeline([
         ObserveStage(gw),  # first in, last out: metrics and the finish hooks (evidence, feedback) see every request
         authenticate,
-        adapters,  # after the arm is chosen: an adapter exists only for its owner scope (gateway/adapters)
         rollout,  # a weighted alias's arm, sticky per end user (gateway/rollouts, docs/rollouts.md)
+        adapters,  # after the arm is chosen: an adapter exists only for its owner scope (gateway/adapters)
         decide,
         cache,  # a hit answers here: no route, no GPU; charged at the cache price (budgets.prices, default 0)
         reserve,

@@ -35,6 +35,9 @@ def gw(tmp_path_factory):
         "server": {"host": "127.0.0.1", "port": port},
         "backends": [{"name": "e1", "kind": "openai", "url": f"http://127.0.0.1:{up_port}/v1",
                       "models": ["base", "alpha-lora"], "lora_adapters": ["alpha-lora"]}],
+        # a weighted alias whose canary arm is alpha's adapter: only alpha may ever be sent to it
+        "aliases": [{"name": "support", "targets": [{"model": "alpha-lora", "weight": 100},
+                                                    {"model": "base", "weight": 0}]}],
         "admin": {"key": ADMIN_KEY},
         "identity": {"sqlite_path": str(tmp / "identity.db"), "cache_ttl_s": 60.0},
         "policy": {"audit_path": str(tmp / "audit.jsonl"), "files": [str(policy)]},
@@ -95,7 +98,13 @@ def test_only_the_owner_scope_calls_an_adapter_and_others_learn_nothing(gw):
     assert beta.chat.completions.create(model="base", messages=MSG, max_tokens=2).choices  # the base model is open
 
     assert "alpha-lora" in [m.id for m in alpha.models.list()]
-    assert [m.id for m in beta.models.list()] == ["base"]
+    assert [m.id for m in beta.models.list()] == ["base", "support"]
+
+    # an alias arm that is an adapter: the owner gets it, others the alias's other arms (after the arm is chosen)
+    for c, want in ((alpha, "alpha-lora"), (beta, "base")):
+        raw = c.chat.completions.with_raw_response.create(model="support", messages=MSG, max_tokens=2)
+        assert audit_record(gw, raw.headers["x-request-id"], ADMIN_KEY)["backend_model"] == want
+    assert [m for m in beta.models.list() if m.id == "support"][0].alias_of == ["base"]  # type: ignore[attr-defined]
 
     # a key's model list applies to the adapter name like any model
     narrow = client(gw, key(gw, "alpha", models=["base"]))
