@@ -16,6 +16,7 @@ from typing import Any, Literal, Mapping
 import msgspec
 import yaml
 
+from gateway import discovery
 from gateway.budget.config import BudgetsConfig
 from gateway.identity.config import IdentityConfig
 from gateway.policy.config import PolicyConfig
@@ -25,11 +26,8 @@ from gateway.rollouts.config import AliasTarget, RollbackConfig, StickyConfig, a
 from gateway.batch.config import BatchConfig, batch_error
 from gateway.cache.config import CacheConfig
 from gateway.cost.config import CostConfig
+from gateway.errors import ConfigError
 from gateway.telemetry.config import TelemetryConfig
-
-
-class ConfigError(Exception):
-    """A config that cannot be used; `str()` names file:line: key: problem."""
 
 
 class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -352,8 +350,6 @@ def _expand_discovered(raw: GatewayConfigRaw, models: dict[str, list[str]], sour
                        path: Path | None) -> tuple[GatewayConfigRaw, dict[str, list[str]]]:
     """Discovery templates become one backend per address resolved so far (gateway/discovery.py); a model
     served only by a group with no address yet stays known, with no backend."""
-    from gateway import discovery
-
     backends = discovery.expand(list(raw.backends), str(path) if path is not None else None)
     if backends is raw.backends or all(b.discovery is None for b in raw.backends):
         return raw, models

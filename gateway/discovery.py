@@ -21,6 +21,8 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
+from gateway.errors import ConfigError
+
 if TYPE_CHECKING:
     from gateway.config import BackendConfig, DnsDiscovery
 
@@ -153,8 +155,6 @@ class DiscoveryService:
         return changed
 
     async def _apply(self) -> None:
-        from gateway.config import ConfigError
-
         if self.gw.config.path is None:
             log.warning("discovery: the config was not loaded from a file; new addresses apply on the next load")
             return

@@ -1,4 +1,5 @@
-"""OpenAI-shaped errors: every refusal the gateway makes is one of these.
+"""OpenAI-shaped errors: every refusal the gateway makes is one of these; and `ConfigError`, a config that cannot
+be used.
 
 A stage raises `GatewayError`; the app turns it into `{"error": {message, type, param, code}}` with the
 right status and headers. Messages never carry credentials or prompt content.
@@ -26,6 +27,11 @@ _TYPE_BY_STATUS = {
     503: "service_unavailable",
     504: "timeout_error",
 }
+
+
+class ConfigError(Exception):
+    """A config that cannot be used; `str()` names file:line: key: problem. Raised by gateway/config.py; defined
+    here so that what the config loader imports (discovery's reload) can catch it without importing the loader."""
 
 
 class GatewayError(Exception):

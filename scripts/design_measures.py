@@ -27,6 +27,7 @@ class Module:
     tree: ast.Module
     is_package: bool
     imports: set[str] = field(default_factory=set)
+    lines: dict[str, int] = field(default_factory=dict)  # imported module -> the first line importing it
 
 
 def module_name(path: Path, root: Path) -> tuple[str, bool]:
@@ -89,6 +90,7 @@ def resolve_imports(modules: dict[str, Module]) -> None:
             for target in targets:
                 if target in modules and target != mod.name:
                     mod.imports.add(target)
+                    mod.lines.setdefault(target, node.lineno)
 
 
 def cycles(modules: dict[str, Module]) -> list[list[str]]:
@@ -188,6 +190,7 @@ def functions(mod: Module) -> list[tuple[int, str]]:
 @dataclass
 class Measures:
     modules: int
+    edges: dict[str, dict[str, int]]  # module -> {imported module: line}
     cycles: list[list[str]]
     any_uses: int
     probes: int
@@ -199,6 +202,7 @@ def measure(root: Path, trees: tuple[str, ...]) -> Measures:
     resolve_imports(modules)
     return Measures(
         modules=len(modules),
+        edges={m.name: m.lines for m in modules.values()},
         cycles=cycles(modules),
         any_uses=sum(any_uses(m.tree) for m in modules.values()),
         probes=sum(probe_calls(m.tree) for m in modules.values()),
@@ -208,7 +212,7 @@ def measure(root: Path, trees: tuple[str, ...]) -> Measures:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cycles", action="store_true", help="list the modules of each import cycle")
+    ap.add_argument("--cycles", action="store_true", help="list each import cycle's modules and the imports between them")
     ap.add_argument("--long", type=int, default=5, help="how many of the longest functions to list (default 5)")
     ap.add_argument("--root", type=Path, default=ROOT, help="the checkout to measure (default: this one), e.g. a "
                     "`git archive <commit> gateway backends | tar -x -C DIR` export for a before/after")
@@ -244,6 +248,10 @@ def main(argv: list[str] | None = None) -> int:
         print("\nimport cycles:")
         for comp in both.cycles:
             print(f"  {len(comp)}: " + " <-> ".join(comp))
+            for name in comp:
+                for target, line in sorted(both.edges[name].items()):
+                    if target in comp:
+                        print(f"      {name}:{line} -> {target}")
     return 0
 
 

@@ -22,14 +22,13 @@ from gateway.api.wire.openai import OPENAI
 from gateway.api import parse_pooling, parse_responses
 from gateway.api.wire.pooling import POOLING
 from gateway.api.wire.responses import RESPONSES
+from gateway.telemetry.render import render_messages_plain
 
 
 def _messages_text(body: dict[str, Any]) -> str:
     msgs = body.get("messages")
     if not isinstance(msgs, list):
         return ""
-    from gateway.telemetry.tokens import render_messages_plain
-
     return render_messages_plain([m for m in msgs if isinstance(m, dict)])
 
 

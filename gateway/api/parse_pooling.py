@@ -11,6 +11,7 @@ from typing import Any
 
 from gateway.api.parse import Parsed, _content_chars, _model, _opt_int, _type_error
 from gateway.errors import bad_request
+from gateway.telemetry.render import render_messages_plain
 
 PAIR_OVERHEAD_CHARS = 16  # per (query, document) pair: the special tokens of the pair's template
 MAX_PAIRS = 4096
@@ -129,8 +130,6 @@ def score_text(body: dict[str, Any]) -> str:
 def tokenize_text(body: dict[str, Any]) -> str:
     msgs = body.get("messages")
     if isinstance(msgs, list):
-        from gateway.telemetry.tokens import render_messages_plain
-
         return render_messages_plain([m for m in msgs if isinstance(m, dict)])
     p = body.get("prompt")
     return p if isinstance(p, str) else ""

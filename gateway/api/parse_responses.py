@@ -16,6 +16,7 @@ from typing import Any
 
 from gateway.api.parse import Parsed, _model, _opt_bool, _opt_int, _opt_number, _type_error
 from gateway.errors import GatewayError, bad_request
+from gateway.telemetry.render import render_messages_plain
 
 ROLES = ("user", "assistant", "system", "developer")
 # content-part types and the field holding their text (the image/file parts carry no text)
@@ -172,8 +173,6 @@ def parse_responses(body: dict[str, Any]) -> Parsed:
 
 def prompt_text(body: dict[str, Any]) -> str:
     """The prompt as text for routing (the same rendering as a chat's)."""
-    from gateway.telemetry.tokens import render_messages_plain
-
     return render_messages_plain(as_chat(body)["messages"])
 
 

@@ -22,13 +22,15 @@ import asyncio
 import collections
 import ssl
 import time
-from typing import AsyncIterator, Callable
+from typing import TYPE_CHECKING, AsyncIterator, Callable
 from urllib.parse import urlsplit
 
 import httptools
 
-from gateway.config import BackendConfig
 from gateway.proxy.transport import UpstreamBroken, UpstreamConnectError
+
+if TYPE_CHECKING:  # annotations only: the config loader sits above the transports
+    from gateway.config import BackendConfig
 
 _HIGH_WATER = 1 << 20  # unread response bytes past which reading from the upstream pauses
 _JOIN_UP_TO = 1 << 16  # buffered pieces handed over as one, up to this many bytes

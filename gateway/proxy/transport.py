@@ -1,5 +1,5 @@
 """Upstream HTTP transports behind one small interface: native (default, gateway/proxy/h1client.py), aiohttp
-or httpx (`server.upstream_client`).
+or httpx (`server.upstream_client`; gateway/proxy/upstream.py::make_transport picks one per backend).
 
 Profiling the proxy showed httpx/httpcore's pool and anyio stream layers taking ~60% of the gateway's CPU
 per request; aiohttp's client (C parser, plain asyncio transports) does the same work for far less, and the
@@ -8,12 +8,13 @@ docs/benchmarks.md). All three are kept, selectable, and run by the same end-to-
 """
 from __future__ import annotations
 
-from typing import AsyncIterator, Mapping, Protocol
+from typing import TYPE_CHECKING, AsyncIterator, Mapping, Protocol
 
 import aiohttp
 import httpx
 
-from gateway.config import BackendConfig
+if TYPE_CHECKING:  # annotations only: the config loader sits above the transports
+    from gateway.config import BackendConfig
 
 
 class UpstreamConnectError(Exception):
@@ -203,20 +204,3 @@ class HttpxTransport:
 
     async def aclose(self) -> None:
         await self._c.aclose()
-
-
-def uses_proxy(b: BackendConfig) -> bool:
-    """A backend that opted into an egress proxy (trust_env or proxy): served by httpx, which speaks to HTTP
-    proxies (CONNECT for https, absolute-form for http) and reads HTTPS_PROXY/NO_PROXY; the native and aiohttp
-    clients stay proxy-free for engines on the cluster network."""
-    return b.trust_env or b.proxy is not None
-
-
-def make_transport(kind: str, b: BackendConfig) -> Transport:
-    if uses_proxy(b):
-        return HttpxTransport(b)
-    if kind == "native":
-        from gateway.proxy.h1client import H1Transport
-
-        return H1Transport(b)
-    return HttpxTransport(b) if kind == "httpx" else AiohttpTransport(b)

@@ -8,9 +8,27 @@ import httpx
 
 from gateway.config import BackendConfig, Config, read_secret
 from gateway.proxy.scrub import Scrubber
-from gateway.proxy.transport import Transport, make_transport, uses_proxy
+from gateway.proxy.h1client import H1Transport
+from gateway.proxy.transport import AiohttpTransport, HttpxTransport, Transport
 
 log = logging.getLogger("gateway.upstream")
+
+
+def uses_proxy(b: BackendConfig) -> bool:
+    """A backend that opted into an egress proxy (trust_env or proxy): served by httpx, which speaks to HTTP
+    proxies (CONNECT for https, absolute-form for http) and reads HTTPS_PROXY/NO_PROXY; the native and aiohttp
+    clients stay proxy-free for engines on the cluster network."""
+    return b.trust_env or b.proxy is not None
+
+
+def make_transport(kind: str, b: BackendConfig) -> Transport:
+    """The client for one backend: `kind` is server.upstream_client (native: gateway/proxy/h1client.py; aiohttp;
+    httpx), except that a backend behind an egress proxy always gets httpx."""
+    if uses_proxy(b):
+        return HttpxTransport(b)
+    if kind == "native":
+        return H1Transport(b)
+    return HttpxTransport(b) if kind == "httpx" else AiohttpTransport(b)
 
 
 class Upstreams:

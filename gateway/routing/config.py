@@ -5,6 +5,8 @@ from typing import Any
 
 import msgspec
 
+from gateway.routing import registry
+
 
 class PluginSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One entry of a `routing.strategy` list: a registered filter, scorer or picker (docs/routing.md). Instead
@@ -112,9 +114,7 @@ class RoutingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def strategy_error(self) -> tuple[str, str] | None:
         """(key under `routing.`, why) when the strategy cannot be built (gateway.config names file:line)."""
-        from gateway.routing.registry import strategy_error
-
-        bad = strategy_error(self.strategy)
+        bad = registry.strategy_error(self.strategy)
         if bad is None and self.peers.mode not in ("auto", "redis", "postgres", "local", "off"):
             return "peers.mode", f"must be auto, redis, postgres, local or off, not {self.peers.mode!r}"
         if bad is None and not (self.peers.heartbeat_s > 0 and self.peers.peer_timeout_s > self.peers.heartbeat_s):

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from gateway.config import BackendConfig
+if TYPE_CHECKING:  # a candidate carries the backend's config; plan never builds one (the config loader imports
+    from gateway.config import BackendConfig  # the routing registry, which imports this module)
 
 
 @dataclass(slots=True)

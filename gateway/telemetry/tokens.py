@@ -26,21 +26,11 @@ from gateway.config import BackendConfig
 from gateway.proxy.h1client import H1Transport
 from gateway.proxy.transport import UpstreamBroken, UpstreamConnectError
 from gateway.telemetry.local_tokenizer import LocalTokenizer
+from gateway.telemetry.render import render_messages_plain
 
 APPROX_CHARS_PER_TOKEN = 4
 _MSG_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id")
 _REQ_FIELDS = ("model", "tools", "chat_template_kwargs")
-
-
-def render_messages_plain(messages: list[dict[str, Any]]) -> str:
-    """A stable ChatML-like text rendering (for the approximate source and as a last-resort template)."""
-    parts = []
-    for m in messages:
-        c = m.get("content")
-        if isinstance(c, list):
-            c = "".join(p.get("text", "") for p in c if isinstance(p, dict))
-        parts.append(f"<|im_start|>{m.get('role', 'user')}\n{c or ''}<|im_end|>\n")
-    return "".join(parts) + "<|im_start|>assistant\n"
 
 
 def approx_tokens(text: str) -> list[int]:

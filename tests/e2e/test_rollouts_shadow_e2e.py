@@ -4,7 +4,7 @@ Alias `support` answers from `support-v1` (engine in DE) and copies every answer
 shadow `support-v3`, served only by an engine in the US, charged to tenant `shadow-ops`. Pins: the client only
 ever gets the primary's answer; an EEA-bound caller's copies never reach the US engine (routing refuses them, as
 it would the primary); an unrestricted caller's copies do, run as `shadow-ops` with their own audit records, and
-the primary's record names its copy."""
+the primary's record names its copy; the copies are charged to the budget of `shadow-ops`, not the caller's."""
 from __future__ import annotations
 
 import json
@@ -30,7 +30,9 @@ def stack(tmp_path_factory):
                          tmp / "fleet.json")
     de, us = fleet.start()["engines"]
     (tmp / "policy.yaml").write_text(yaml.safe_dump({"version": 1, "defaults": {"allow": True}, "rules": [
-        {"id": "eu-stays-in-eea", "match": {"tenant": "eu"}, "require": {"jurisdiction": "EEA"}}]}))
+        {"id": "eu-stays-in-eea", "match": {"tenant": "eu"}, "require": {"jurisdiction": "EEA"}},
+        {"id": "shadow-budget", "match": {"tenant": "shadow-ops"}, "budgets": [{"window": "day", "tokens": 100000}]},
+        {"id": "acme-budget", "match": {"tenant": "acme"}, "budgets": [{"window": "day", "tokens": 100000}]}]}))
     port = free_port()
     cfg = {"server": {"host": "127.0.0.1", "port": port},
            "backends": [
@@ -111,6 +113,10 @@ def test_an_unrestricted_callers_copies_reach_the_shadow_charged_to_the_operator
     shadows = copies_of(stack, rids, 5)
     assert len(shadows) == 5 and all(r["backend"] == "v3-us" and r["status"] == 200 for r in shadows)
     assert {r["principal"]["tenant"] for r in shadows} == {"shadow-ops"}
+    # charged to the operator's scope only, never to the caller's budgets
+    for r in shadows:
+        assert [(lim["scope"], lim["id"]) for lim in r["budget"]["limits"]] == [("tenant", "shadow-ops")]
+        assert r["budget"]["settled"]["tokens"] > 0
     assert all(r["evidence"]["rollout"]["shadow"] is True for r in shadows)
     primaries = {r["request_id"]: r for r in records(stack) if r["request_id"] in rids}
     assert all(p["evidence"]["rollout"] == {"alias": "support", "arm": "support-v1", "shadow": ["support-v3"]}

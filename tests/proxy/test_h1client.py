@@ -17,7 +17,8 @@ from cryptography.x509.oid import NameOID
 
 from gateway.config import BackendConfig
 from gateway.proxy.h1client import H1Transport
-from gateway.proxy.transport import UpstreamBroken, UpstreamConnectError, make_transport
+from gateway.proxy.transport import UpstreamBroken, UpstreamConnectError
+from gateway.proxy.upstream import make_transport
 from tests.support.procs import free_port
 
 

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from gateway.config import BackendConfig
-from gateway.proxy.transport import make_transport
+from gateway.proxy.upstream import make_transport
 from tests.support.procs import free_port
 
 
