@@ -25,10 +25,27 @@ class AdapterStage:
         names = (ctx.model, *ctx.model_chain)
         if not any(n in reg for n in names):
             return
-        ctx.model_chain = visible_chain(p, ctx.model_chain, reg)
+        before = ctx.model_chain
+        ctx.model_chain = visible_chain(p, before, reg)
+        if ctx.model_chain != before:
+            hide_dropped_arm(ctx)
         used = [m for m in ctx.model_chain if m in reg]
         if used:
             ctx.evidence["adapter"] = {"name": used[0], "base_model": reg[used[0]].base_model}
 
     async def finish(self, ctx: RequestContext) -> None:
         return None
+
+
+def hide_dropped_arm(ctx: RequestContext) -> None:
+    """A rollout arm chosen before this stage (gateway/rollouts) that the caller may not use is not named to it:
+    the arm header and the audit record name the arm the request now goes to (none when nothing is left)."""
+    ro = ctx.evidence.get("rollout")
+    if not isinstance(ro, dict) or ro.get("arm") in ctx.model_chain:
+        return
+    arm = ctx.model_chain[0] if ctx.model_chain else None
+    ctx.evidence["rollout"] = {**ro, "arm": arm}
+    if arm is None:
+        ctx.extra_headers.pop("x-gateway-rollout-arm", None)
+    else:
+        ctx.extra_headers["x-gateway-rollout-arm"] = arm

@@ -103,7 +103,9 @@ def test_only_the_owner_scope_calls_an_adapter_and_others_learn_nothing(gw):
     # an alias arm that is an adapter: the owner gets it, others the alias's other arms (after the arm is chosen)
     for c, want in ((alpha, "alpha-lora"), (beta, "base")):
         raw = c.chat.completions.with_raw_response.create(model="support", messages=MSG, max_tokens=2)
-        assert audit_record(gw, raw.headers["x-request-id"], ADMIN_KEY)["backend_model"] == want
+        rec = audit_record(gw, raw.headers["x-request-id"], ADMIN_KEY)
+        assert rec["backend_model"] == want and rec["evidence"]["rollout"]["arm"] == want
+        assert raw.headers["x-gateway-rollout-arm"] == want  # beta never hears the adapter's name
     assert [m for m in beta.models.list() if m.id == "support"][0].alias_of == ["base"]  # type: ignore[attr-defined]
 
     # a key's model list applies to the adapter name like any model
