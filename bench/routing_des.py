@@ -4,7 +4,7 @@ Why: bench/routing.py runs 4 gateways, the sim fleet and the load generator as l
 so its TTFTs measure CPU contention. Here nothing waits on a wall clock: N `backends.sim.scheduler.Scheduler`
 instances (their KV block pool and profiles, heterogeneous: 2x h200-8b + 2x l40s-8b) advance step by step on
 one virtual clock, and every routing decision is made by the gateway's own code, called directly:
-`gateway.routing.plugins.build_strategy` (filters, scorers, pickers), `gateway.routing.predictor.Predictor`
+`gateway.routing.registry.build_strategy` (filters, scorers, pickers), `gateway.routing.predictor.Predictor`
 (the per-engine online learner, fed the observed TTFT on first token as `PredictiveRouteStage.finish` does)
 and `gateway.routing.admission.decide`. The engine views are built as `PredictiveRouteStage._view` builds
 them: own dispatched-but-not-first-token prompt tokens and own decodes, plus `num_running`/`num_waiting` as a
@@ -37,7 +37,9 @@ from backends.sim.scheduler import Scheduler, SimRequest, StepPlan
 from gateway.config import BackendConfig
 from gateway.routing.admission import decide
 from gateway.routing.plan import Candidate
-from gateway.routing.plugins import ApproxPrefixIndex, EngineView, Scored, build_strategy, text_blocks
+from gateway.routing.approx import ApproxPrefixIndex, text_blocks
+from gateway.routing.plugin import EngineView, Scored
+from gateway.routing.registry import build_strategy
 from gateway.routing.predictor import Features, Predictor, PredictorParams
 from gateway.routing.view import Scrape, engine_view
 from gateway.telemetry.index import KVIndex, RequestKeys
@@ -155,7 +157,7 @@ class Engine:
 
 @dataclass
 class Flight:
-    """A dispatched request as the router sees it (the stage's _Flight)."""
+    """A dispatched request as the router sees it (the stage's Flight)."""
 
     job: Job
     engine: str

@@ -87,7 +87,7 @@ def fleet_room(rooms: int, clear: int, engines: int, keep_clear: int, unplaced: 
 def engine_loads(router: Any, now: float) -> dict[str, tuple[int, int, float | None, float]]:
     """Per engine with flights of this replica: (realtime before first token, batch lines before first
     token, start time of the newest batch line, its predicted prefill s). A non-streamed line counts as
-    prefilling until its predicted TTFT has passed (the router's own rule, _Flight.prefilling)."""
+    prefilling until its predicted TTFT has passed (the router's own rule, Flight.prefilling)."""
     out: dict[str, tuple[int, int, float | None, float]] = {}
     for name, fls in getattr(router, "flights", {}).items():
         rt = bt = 0

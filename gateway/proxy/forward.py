@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Awaitable,
 
 
 from gateway.api.wire.base import StreamState
-from gateway.api.wire.openai import response_facts, usage_from  # noqa: F401  (re-exported: tests, batch)
 from gateway.errors import GatewayError, retry_headers
 from gateway.pipeline import RequestContext
 from gateway.types import Usage

@@ -105,7 +105,7 @@ class RoutingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # else the default (shown as "assumed" in /admin/routing until the engine showed its budget)
     prefill_token_budget: int = 8192  # assumed until learned from the engine's KV events
     prefill_token_budgets: dict[str, int] = msgspec.field(default_factory=dict)  # per backend; wins over learned
-    # predicted_ttft only: best-fit placement by TTFT target (plugins.TargetFitScorer); off by default
+    # predicted_ttft only: best-fit placement by TTFT target (gateway/routing/scorers/target_fit.py); off by default
     target_fit: bool = False  # send a request with a target to the engine meeting 0.6 x it with least slack
     flow_control: FlowControlConfig = msgspec.field(default_factory=FlowControlConfig)
     # when an engine counts as modelled (prediction, admission, flow control and the prefill guard act on it)

@@ -61,7 +61,6 @@ __all__ = ["APPROX_BLOCK_CHARS", "CHARS_PER_TOKEN", "PredictiveRouteStage", "Rou
            "kv_view_evidence", "last_chunk_from", "lora_name", "prompt_text", "residency_reason", "session_id",
            "split_partners", "tenant_cache_salt"]
 
-_Flight = Flight  # older name
 # a long prompt goes to the engine whose upper prediction meets this share of its target with the least slack:
 # its loose target is met on a slower engine, and the fast engines' prefill stays with the short prompts
 LONG_FIT = 0.8

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import itertools
 from typing import Iterable, Sequence
 
-from gateway.routing.plugins import EngineView
+from gateway.routing.plugin import EngineView
 
 
 @dataclass(frozen=True, slots=True)

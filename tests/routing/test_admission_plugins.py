@@ -9,7 +9,9 @@ import pytest
 from gateway.config import BackendConfig
 from gateway.routing.admission import BatchQueue, QueueFull, decide, slo_ms
 from gateway.routing.plan import Candidate
-from gateway.routing.plugins import ApproxPrefixIndex, EngineView, Scored, build_strategy, text_blocks
+from gateway.routing.approx import ApproxPrefixIndex, text_blocks
+from gateway.routing.plugin import EngineView, Scored
+from gateway.routing.registry import build_strategy
 from gateway.pipeline import RequestContext
 from gateway.routing.stage import _SALT_DEFAULT_SECRET, engine_cache_salt, tenant_cache_salt
 from gateway.types import Decision, Principal
@@ -136,7 +138,7 @@ def test_engine_cache_salt_uses_the_configured_secret(monkeypatch):
 
 
 def test_target_fit_puts_a_loose_target_on_the_engine_with_least_slack_and_keeps_fast_ones_free():
-    from gateway.routing.plugins import target_fit_score
+    from gateway.routing.scorers.target_fit import target_fit_score
 
     # engines predicted (upper) at 100, 700 and 1500 ms
     loose = [target_fit_score(m, u, 2500.0) for m, u in ((80, 100), (600, 700), (1300, 1500))]
@@ -150,7 +152,7 @@ def test_target_fit_puts_a_loose_target_on_the_engine_with_least_slack_and_keeps
 
 def test_target_fit_is_a_registered_strategy_and_off_by_default():
     from gateway.routing.config import RoutingConfig
-    from gateway.routing.plugins import STRATEGIES, build_strategy
+    from gateway.routing.registry import PRESETS
 
-    assert "target_fit" in STRATEGIES and build_strategy("target_fit").scorers[0].name == "target_fit"
+    assert "target_fit" in PRESETS and build_strategy("target_fit").scorers[0].name == "target_fit"
     assert RoutingConfig().target_fit is False
