@@ -7,7 +7,6 @@ its arm back to weight 0 within one window, clients still answered by the fallba
 log, /metrics and the admin view; audit records name the alias and the arm."""
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
@@ -17,7 +16,7 @@ import pytest
 import yaml
 
 from backends.sim.fleet import FleetProcess
-from tests.support.procs import free_port, start_gateway
+from tests.support.procs import audit_record, free_port, start_gateway
 
 pytestmark = pytest.mark.e2e
 KEY = "rollout-e2e-key-0123456789"
@@ -69,19 +68,6 @@ def admin(stack: dict[str, Any], method: str, path: str, **kw: Any) -> httpx.Res
                          **kw)
 
 
-def audit(tmp, rid: str, timeout: float = 5.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        p = tmp / "audit.jsonl"
-        if p.exists():
-            for line in p.read_text().splitlines():
-                rec = json.loads(line)
-                if rid == rec.get("request_id"):
-                    return rec
-        time.sleep(0.05)
-    raise AssertionError(f"no audit record for {rid}")
-
-
 def test_one_user_keeps_one_arm_across_workers_and_the_audit_names_it(stack):
     arms_of: dict[str, set[str]] = {}
     rid = ""
@@ -91,7 +77,7 @@ def test_one_user_keeps_one_arm_across_workers_and_the_audit_names_it(stack):
             arms_of.setdefault(f"user-{i}", set()).add(arm)
     assert all(len(a) == 1 for a in arms_of.values()), arms_of
     assert {next(iter(a)) for a in arms_of.values()} == {"support-v1", "support-v2"}
-    rec = audit(stack["tmp"], rid)
+    rec = audit_record(stack["base"], rid, ADMIN)
     assert rec["evidence"]["rollout"] == {"alias": "support", "arm": arms_of["user-29"].pop()}
     assert rec["model"] == "support"
 

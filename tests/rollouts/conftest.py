@@ -1,16 +1,14 @@
 """A config with one weighted alias over the identity store (SQLite or Postgres), as the identity tests build it."""
 from __future__ import annotations
 
-import secrets
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
-import asyncpg
 import pytest
 import yaml
 
 from gateway.config import Config, parse_config
-from tests.identity.conftest import PG_DSN, require_pg
+from tests.identity.conftest import PG_DSN, pg_schema  # noqa: F401 (the fixture: a fresh schema, dropped after)
 
 
 def rollout_config(tmp_path: Path, store: str = "sqlite", schema: str | None = None, **alias: Any) -> Config:
@@ -28,16 +26,7 @@ def rollout_config(tmp_path: Path, store: str = "sqlite", schema: str | None = N
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
-async def config_factory(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Any]:
+def config_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
     """Configs that share one store (the same SQLite file or the same Postgres schema): replicas."""
-    schema = None
-    if request.param == "postgres":
-        require_pg()
-        schema = "t_" + secrets.token_hex(6)
-    yield lambda **alias: rollout_config(tmp_path, request.param, schema, **alias)
-    if schema:
-        c = await asyncpg.connect(PG_DSN)
-        try:
-            await c.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-        finally:
-            await c.close()
+    schema = request.getfixturevalue("pg_schema") if request.param == "postgres" else None
+    return lambda **alias: rollout_config(tmp_path, request.param, schema, **alias)
