@@ -23,8 +23,8 @@ from gateway.policy.engine import CompiledPolicy
 from gateway.policy.model import Condition, Predicate, RequestAttrs, Rule
 from gateway.types import BudgetSpec, Principal
 
-# package data (importlib.resources), so an installed wheel validates policies too; policies/schema.json is
-# the editors' copy, kept equal by tests/policy/test_schema_copy.py
+# package data (importlib.resources), so an installed wheel validates policies too; policies/schema.json is a
+# link to it for editors (tests/packaging/test_package_data.py)
 SCHEMA_RESOURCE = resources.files("gateway.policy") / "schema.json"
 
 _GLOB_CHARS = re.compile(r"[*?\[]")

@@ -1,5 +1,5 @@
-"""Package data has one source: the copies under policies/ (for editors and `gateway policy check policies/`)
-are the files the package ships (gateway/policy/), byte for byte."""
+"""Package data has one source: what policies/ holds for editors and `gateway policy check policies/` is the files
+the package ships (gateway/policy/): the schema as a link to it, the demo policy as a byte-for-byte copy."""
 from __future__ import annotations
 
 from importlib import resources
@@ -8,9 +8,11 @@ from tests.support.procs import ROOT
 
 
 def test_policies_schema_json_is_the_packaged_schema():
+    link = ROOT / "policies" / "schema.json"
+    assert link.is_symlink() and link.resolve() == (ROOT / "gateway" / "policy" / "schema.json").resolve(), \
+        "policies/schema.json is a link to gateway/policy/schema.json (the one schema), not a copy"
     packaged = (resources.files("gateway.policy") / "schema.json").read_bytes()
-    assert (ROOT / "policies" / "schema.json").read_bytes() == packaged, \
-        "edit gateway/policy/schema.json and copy it to policies/schema.json"
+    assert link.read_bytes() == packaged
 
 
 def test_the_demo_policy_is_policies_tenants_yaml():
