@@ -30,6 +30,10 @@ TABLE: dict[tuple[str, str], frozenset[str]] = {
     ("GET", "/admin/batches"): BOTH,  # a tenant admin lists only its own tenant's batches
     ("POST", "/admin/batches/{batch_id}/cancel"): BOTH,  # a tenant admin cancels only its own tenant's
     ("GET", "/admin/cost"): PLATFORM,
+    ("GET", "/admin/aliases"): PLATFORM,  # weighted aliases are the platform's (gateway/rollouts)
+    ("GET", "/admin/aliases/{alias}"): PLATFORM,
+    ("PATCH", "/admin/aliases/{alias}"): PLATFORM,
+    ("POST", "/admin/aliases/{alias}/reset"): PLATFORM,
     ("DELETE", "/admin/cache"): BOTH,  # a tenant admin purges only its own tenant's entries
     ("GET", "/admin/ui"): frozenset({PUBLIC}),
     ("GET", "/admin/ui/data"): PLATFORM,
