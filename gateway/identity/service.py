@@ -17,7 +17,7 @@ import logging
 import os
 import re
 import time
-from typing import Any, Mapping
+from typing import Any, Mapping, Protocol
 
 from gateway.config import Config
 from gateway.errors import GatewayError
@@ -132,7 +132,7 @@ HIER_EDITABLE = ("name", "labels")
 KEY_EDITABLE = ("name", "labels", "scopes", "models", "expires_at")
 
 
-def validate_changes(changes: Mapping[str, Any], editable: tuple[str, ...]) -> dict[str, Any]:
+def validate_changes(changes: Mapping[str, Any], editable: tuple[str, ...], now: float) -> dict[str, Any]:
     """An update body checked field by field: 400 naming the first offending field. `labels` replaces the whole
     label set; null clears labels/scopes/models (empty `models` = no model restriction) and `expires_at`."""
     out: dict[str, Any] = {}
@@ -148,7 +148,7 @@ def validate_changes(changes: Mapping[str, Any], editable: tuple[str, ...]) -> d
         elif f in ("scopes", "models"):
             out[f] = validate_str_list(v, f)
         elif f == "expires_at":
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= time.time()):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= now):
                 raise _bad("expires_at must be a future unix time, or null for no expiry.", param="expires_at")
             out[f] = None if v is None else float(v)
     return out
@@ -189,8 +189,18 @@ def make_store(config: Config) -> IdentityStore:
     return SqliteIdentityStore(config.resolve_path(ic.sqlite_path))
 
 
+class Clock(Protocol):
+    """Where the service reads the time: `time()` the wall clock (key expiry and revocation, created_at, a JWT's
+    expiry), `monotonic()` the freshness of its caches. The `time` module is one; tests pass one they advance."""
+
+    def time(self) -> float: ...
+
+    def monotonic(self) -> float: ...
+
+
 class IdentityService:
-    def __init__(self, config: Config, store: IdentityStore | None = None) -> None:
+    def __init__(self, config: Config, store: IdentityStore | None = None, clock: Clock = time) -> None:
+        self._clock = clock
         self._store_override = store
         self.store: IdentityStore | None = None
         self._keys: dict[str, _KeyEntry] = {}
@@ -277,7 +287,7 @@ class IdentityService:
         without its credential: a stored key must still exist, be unrevoked, unexpired and a data key (its
         labels are re-read); a static key must still be in the config; a JWT principal holds until its
         token's expiry (`valid_until`). Raises the same 401/403 a request with that credential would get."""
-        now = time.time()
+        now = self._clock.time()
         if p.kind == "static_key":
             for sp in self._static.values():
                 if sp.id == p.id:
@@ -286,7 +296,7 @@ class IdentityService:
                                code="invalid_api_key")
         if p.kind in ("api_key", "partner") and p.key_id and not p.id.startswith("jwt:"):
             entry = self._keys.get(p.key_id)
-            if entry is None or time.monotonic() >= entry.fresh_until:
+            if entry is None or self._clock.monotonic() >= entry.fresh_until:
                 entry = await self._load_key(p.key_id)
             k = entry.key
             if k is None or entry.principal is None:
@@ -340,12 +350,12 @@ class IdentityService:
             raise invalid_key()
         kid, secret = parsed
         entry = self._keys.get(kid)
-        if entry is None or time.monotonic() >= entry.fresh_until:
+        if entry is None or self._clock.monotonic() >= entry.fresh_until:
             entry = await self._load_key(kid)
         k = entry.key
         if k is None or entry.principal is None or not keyfmt.secret_matches(secret, k.secret_hash):
             raise invalid_key()
-        now = time.time()
+        now = self._clock.time()
         if k.revoked_at is not None and k.revoked_at <= now:
             raise GatewayError(401, f"API key {kid} has been revoked.", code="revoked_api_key")
         if k.expires_at is not None and k.expires_at <= now:
@@ -361,7 +371,7 @@ class IdentityService:
         gen = self._gen
         k = await self.store.get_key(kid)
         p = await self._key_principal(k) if k is not None else None
-        entry = _KeyEntry(k, p, time.monotonic() + self.cache_ttl_s)
+        entry = _KeyEntry(k, p, self._clock.monotonic() + self.cache_ttl_s)
         if gen == self._gen:  # no change event arrived while loading: safe to cache
             if len(self._keys) > 200_000:
                 self._keys.clear()
@@ -372,7 +382,7 @@ class IdentityService:
                                 partner: str | None) -> dict[str, str]:
         ck = (tenant, team, project, partner)
         hit = self._labels.get(ck)
-        if hit is not None and time.monotonic() < hit[1]:
+        if hit is not None and self._clock.monotonic() < hit[1]:
             return hit[0]
         assert self.store is not None
         gen = self._gen
@@ -385,7 +395,7 @@ class IdentityService:
         if gen == self._gen:
             if len(self._labels) > 100_000:
                 self._labels.clear()
-            self._labels[ck] = (labels, time.monotonic() + self.cache_ttl_s)
+            self._labels[ck] = (labels, self._clock.monotonic() + self.cache_ttl_s)
         return labels
 
     async def _key_principal(self, k: ApiKey) -> Principal:
@@ -400,7 +410,7 @@ class IdentityService:
     async def _resolve_jwt(self, token: str) -> Principal:
         hit = self._jwt_cache.get(token)
         if hit is not None:
-            if time.time() < hit.valid_until:
+            if self._clock.time() < hit.valid_until:
                 return hit.principal
             del self._jwt_cache[token]
         if not self._jwt.issuers:
@@ -432,7 +442,7 @@ class IdentityService:
                       partner=partner, labels=merge_labels(base, claim_labels, restrictions=self.restrictions),
                       scopes=tuple(scope.split()) if isinstance(scope, str) else ())
         exp = claims["exp"]  # required and checked numeric by the verifier (jwt_verify: options.require)
-        valid_until = min(float(exp) + cfg.leeway_s, time.time() + cfg.jwks_cache_s)
+        valid_until = min(float(exp) + cfg.leeway_s, self._clock.time() + cfg.jwks_cache_s)
         if gen == self._gen:
             if len(self._jwt_cache) >= self.config.raw.identity.jwt_cache_max:
                 self._jwt_cache.pop(next(iter(self._jwt_cache)))
@@ -469,7 +479,7 @@ class IdentityService:
             raise GatewayError(404, str(e), code="not_found") from None
 
     async def create_tenant(self, tenant_id: str, name: Any = "", labels: dict[str, str] | None = None) -> Tenant:
-        t = Tenant(validate_id(tenant_id, "id"), validate_name(name, tenant_id), validate_labels(labels), time.time())
+        t = Tenant(validate_id(tenant_id, "id"), validate_name(name, tenant_id), validate_labels(labels), self._clock.time())
         return await self._guard(self._s().create_tenant(t))
 
     async def get_tenant(self, tenant_id: str) -> Tenant | None:
@@ -484,7 +494,7 @@ class IdentityService:
     # Updates and deletes publish their change event in the store's transaction (every replica drops what it
     # cached); this replica also applies it synchronously, so its next request already sees the change.
     async def update_tenant(self, tenant_id: str, changes: Mapping[str, Any]) -> Tenant | None:
-        t = await self._s().update_tenant(tenant_id, validate_changes(changes, HIER_EDITABLE))
+        t = await self._s().update_tenant(tenant_id, validate_changes(changes, HIER_EDITABLE, self._clock.time()))
         self._on_event(f"tenant:{tenant_id}")
         return t
 
@@ -501,7 +511,7 @@ class IdentityService:
 
     async def create_team(self, tenant: str, team_id: str, name: Any = "",
                           labels: dict[str, str] | None = None) -> Team:
-        t = Team(tenant, validate_id(team_id, "id"), validate_name(name, team_id), validate_labels(labels), time.time())
+        t = Team(tenant, validate_id(team_id, "id"), validate_name(name, team_id), validate_labels(labels), self._clock.time())
         self._check_tightens(await self._above(tenant), t.labels)
         return await self._guard(self._s().create_team(t))
 
@@ -512,7 +522,7 @@ class IdentityService:
         return await self._s().list_teams(tenant)
 
     async def update_team(self, tenant: str, team_id: str, changes: Mapping[str, Any]) -> Team | None:
-        ch = validate_changes(changes, HIER_EDITABLE)
+        ch = validate_changes(changes, HIER_EDITABLE, self._clock.time())
         if "labels" in ch:
             self._check_tightens(await self._above(tenant), ch["labels"])
         t = await self._s().update_team(tenant, team_id, ch)
@@ -533,7 +543,7 @@ class IdentityService:
     async def create_project(self, tenant: str, team: str, project_id: str, name: Any = "",
                              labels: dict[str, str] | None = None) -> Project:
         p = Project(tenant, validate_id(team, "team"), validate_id(project_id, "id"), validate_name(name, project_id),
-                    validate_labels(labels), time.time())
+                    validate_labels(labels), self._clock.time())
         self._check_tightens(await self._above(tenant, team), p.labels)
         return await self._guard(self._s().create_project(p))
 
@@ -545,7 +555,7 @@ class IdentityService:
 
     async def update_project(self, tenant: str, team: str, project_id: str,
                              changes: Mapping[str, Any]) -> Project | None:
-        ch = validate_changes(changes, HIER_EDITABLE)
+        ch = validate_changes(changes, HIER_EDITABLE, self._clock.time())
         if "labels" in ch:
             self._check_tightens(await self._above(tenant, team), ch["labels"])
         p = await self._s().update_project(tenant, team, project_id, ch)
@@ -566,7 +576,7 @@ class IdentityService:
     async def create_partner(self, partner_id: str, tenant: str, name: Any = "",
                              labels: dict[str, str] | None = None) -> Partner:
         p = Partner(validate_id(partner_id, "id"), validate_id(tenant, "tenant"), validate_name(name, partner_id),
-                    validate_labels(labels), time.time())
+                    validate_labels(labels), self._clock.time())
         self._check_tightens(await self._above(tenant), p.labels)
         return await self._guard(self._s().create_partner(p))
 
@@ -577,7 +587,7 @@ class IdentityService:
         return await self._s().list_partners(tenant)
 
     async def update_partner(self, partner_id: str, changes: Mapping[str, Any]) -> Partner | None:
-        ch = validate_changes(changes, HIER_EDITABLE)
+        ch = validate_changes(changes, HIER_EDITABLE, self._clock.time())
         if "labels" in ch:
             cur = await self._s().get_partner(partner_id)
             if cur is not None:
@@ -605,7 +615,7 @@ class IdentityService:
         """Create a key; returns the record and the full secret key string (shown once, never stored)."""
         if purpose not in ("data", "admin"):
             raise _bad("purpose must be 'data' or 'admin'.", param="purpose")
-        if expires_at is not None and (not isinstance(expires_at, (int, float)) or expires_at <= time.time()):
+        if expires_at is not None and (not isinstance(expires_at, (int, float)) or expires_at <= self._clock.time()):
             raise _bad("expires_at must be a future unix time.", param="expires_at")
         validate_id(tenant, "tenant")
         for what, v in (("team", team), ("project", project), ("partner", partner)):
@@ -617,7 +627,7 @@ class IdentityService:
         k = ApiKey(id=keyfmt.new_key_id(), tenant=tenant, secret_hash=keyfmt.hash_secret(secret), team=team,
                    project=project, partner=partner, name=validate_name(name, ""), purpose=purpose,
                    labels=validate_labels(labels), scopes=validate_str_list(scopes, "scopes"),
-                   models=validate_str_list(models, "models"), created_at=time.time(),
+                   models=validate_str_list(models, "models"), created_at=self._clock.time(),
                    expires_at=float(expires_at) if expires_at is not None else None, rotated_from=rotated_from)
         self._check_tightens(await self._above(tenant, team, project, partner), k.labels)
         await self._guard(self._s().create_key(k))
@@ -633,7 +643,7 @@ class IdentityService:
 
     async def update_key(self, key_id: str, changes: Mapping[str, Any]) -> ApiKey | None:
         """Edit name/labels/scopes/models/expires_at; 409 for a revoked key or the expiry of a rotated one."""
-        ch = validate_changes(changes, KEY_EDITABLE)
+        ch = validate_changes(changes, KEY_EDITABLE, self._clock.time())
         if "labels" in ch:
             cur = await self._s().get_key(key_id)
             if cur is not None:
@@ -648,7 +658,7 @@ class IdentityService:
         return k
 
     async def revoke_key(self, key_id: str) -> ApiKey | None:
-        k = await self._s().revoke_key(key_id, time.time())
+        k = await self._s().revoke_key(key_id, self._clock.time())
         self._on_event(f"key:{key_id}")
         if k is not None:
             log.info("api key %s revoked", key_id)
@@ -666,7 +676,7 @@ class IdentityService:
                        param="overlap_s")
         overlap = self.config.raw.identity.rotation_overlap_s if overlap_s is None else float(overlap_s)
         secret = keyfmt.new_secret()
-        now = time.time()
+        now = self._clock.time()
         new = dataclasses_replace_key(old, id=keyfmt.new_key_id(), secret_hash=keyfmt.hash_secret(secret),
                                       created_at=now, revoked_at=None, rotated_from=old.id, rotated_to=None)
         done = await self._guard(self._s().rotate_key(old.id, new, now + overlap))

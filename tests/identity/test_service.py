@@ -13,6 +13,8 @@ from gateway.identity.stage import AuthStage
 from gateway.identity.store import SCHEMA_VERSION
 from gateway.pipeline import RequestContext
 
+from tests.support.wait import ManualClock
+
 from .conftest import ADMIN_KEY, STATIC_KEY
 
 
@@ -65,7 +67,17 @@ async def test_wrong_secret_unknown_id_and_malformed(service: IdentityService) -
     assert (e.status, e.code) == (401, "missing_api_key")
 
 
-async def test_revoke_expire_and_rotate(service: IdentityService) -> None:
+async def test_revoke_expire_and_rotate(config_factory: Any) -> None:
+    clock = ManualClock()
+    service = IdentityService(config_factory(), clock=clock)
+    await service.start()
+    try:
+        await _revoke_expire_and_rotate(service, clock)
+    finally:
+        await service.close()
+
+
+async def _revoke_expire_and_rotate(service: IdentityService, clock: ManualClock) -> None:
     await seed(service)
     k, secret = await service.create_key("acme", team="search")
     await service.authenticate(bearer(secret), "a")
@@ -73,9 +85,9 @@ async def test_revoke_expire_and_rotate(service: IdentityService) -> None:
     e = await err(service.authenticate(bearer(secret), "a"))
     assert (e.status, e.code) == (401, "revoked_api_key") and secret not in e.message
 
-    k2, s2 = await service.create_key("acme", expires_at=time.time() + 0.3)
+    k2, s2 = await service.create_key("acme", expires_at=clock.time() + 0.3)
     await service.authenticate(bearer(s2), "a")
-    time.sleep(0.35)
+    clock.advance(0.35)
     e = await err(service.authenticate(bearer(s2), "a"))
     assert (e.status, e.code) == (401, "expired_api_key")
 
@@ -87,7 +99,7 @@ async def test_revoke_expire_and_rotate(service: IdentityService) -> None:
     assert (await service.authenticate(bearer(s3), "a")).key_id == k3.id  # overlap: both work
     assert (await service.authenticate(bearer(s4), "a")).key_id == k4.id
     assert await service.rotate_key(k3.id) is None  # already rotated
-    time.sleep(0.45)
+    clock.advance(0.45)
     e = await err(service.authenticate(bearer(s3), "a"))
     assert e.code == "expired_api_key"
     assert (await service.authenticate(bearer(s4), "a")).key_id == k4.id
