@@ -121,3 +121,16 @@ def test_an_unrestricted_callers_copies_reach_the_shadow_charged_to_the_operator
     primaries = {r["request_id"]: r for r in records(stack) if r["request_id"] in rids}
     assert all(p["evidence"]["rollout"] == {"alias": "support", "arm": "support-v1", "shadow": ["support-v3"]}
                for p in primaries.values())
+
+
+def test_a_hung_shadow_engine_never_holds_up_the_primary(stack):
+    faults = stack["us"]["url"].removesuffix("/v1") + "/sim/faults"
+    assert httpx.post(faults, json={"hang": True}).status_code == 200
+    try:
+        # each copy waits on the hung engine; every primary is answered regardless (the copy starts after it)
+        client = openai.OpenAI(base_url=stack["base"] + "/v1", api_key=KEY, max_retries=0, timeout=10)
+        for i in range(3):
+            r = client.chat.completions.create(model="support", messages=MSGS, max_tokens=4, user=f"h{i}")
+            assert r.choices[0].message.content
+    finally:
+        httpx.post(faults, json={"hang": False})

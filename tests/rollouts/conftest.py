@@ -19,8 +19,8 @@ def rollout_config(tmp_path: Path, store: str = "sqlite", schema: str | None = N
         "identity": ident,
         "admin": {"key": "admin-" + "x" * 32},
         "backends": [{"name": "b1", "url": "http://127.0.0.1:9/v1", "models": ["support-v1", "support-v2"]}],
-        "aliases": [{"name": "support", "targets": [{"model": "support-v2", "weight": 5},
-                                                    {"model": "support-v1", "weight": 95}], **alias}],
+        "aliases": [{"name": "support", **{"targets": [{"model": "support-v2", "weight": 5},
+                                                       {"model": "support-v1", "weight": 95}], **alias}}],
     }
     return parse_config(yaml.safe_dump(data), source="test.yaml", base_dir=tmp_path)
 

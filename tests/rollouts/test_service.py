@@ -81,3 +81,13 @@ async def test_the_stable_arm_is_never_rolled_back(replicas: Any) -> None:
     for i in range(50):
         assert a.rollouts.observe("support", "support-v1", False, None, now=float(i)) is None
     assert a.rollouts.state("support").rolled_back == {}
+
+
+async def test_live_weights_survive_a_reload_that_changes_the_config_weights(replicas: Any, config_factory: Any) -> None:
+    a = await replicas()
+    await a.rollouts.set_weights("support", {"support-v2": 40.0})
+    a.rollouts.swap_config(config_factory(targets=[{"model": "support-v2", "weight": 1},
+                                                   {"model": "support-v1", "weight": 99}]))
+    assert a.rollouts.state("support").weights == {"support-v2": 40.0, "support-v1": 95.0}
+    await a.rollouts.reset("support")
+    assert a.rollouts.state("support").weights == {"support-v2": 1.0, "support-v1": 99.0}  # the new config's
