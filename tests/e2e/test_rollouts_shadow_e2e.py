@@ -134,3 +134,24 @@ def test_a_hung_shadow_engine_never_holds_up_the_primary(stack):
             assert r.choices[0].message.content
     finally:
         httpx.post(faults, json={"hang": False})
+
+
+def test_gateway_report_gives_gpu_seconds_per_arm_and_for_the_shadow(stack):
+    import subprocess
+    import sys
+
+    ask(stack, KEY, 3)
+    wait_for(lambda: len(records(stack)) >= 6)
+
+    def report() -> dict:
+        out = subprocess.run([sys.executable, "-m", "gateway", "report", "--config", str(stack["tmp"] / "gw.yaml"),
+                              "--group-by", "tenant,model", "--format", "json"], capture_output=True, text=True,
+                             check=True).stdout
+        return {(g["tenant"], g["model"]): g for g in json.loads(out)["groups"]}
+
+    groups = wait_for(lambda: (lambda g: g if ("shadow-ops", "support-v3") in g and ("acme", "support-v1") in g
+                               else None)(report()))
+    assert groups, report()
+    assert groups[("acme", "support-v1")]["gpu_seconds"] > 0  # the arm, charged to the caller
+    assert groups[("shadow-ops", "support-v3")]["gpu_seconds"] > 0  # the shadow, charged to the operator's scope
+    assert ("acme", "support-v3") not in groups
