@@ -15,6 +15,7 @@ import pytest
 
 from backends.sim.fleet import FleetProcess
 from tests.support.procs import audit_record, free_port, start_gateway
+from tests.support.wait import wait_until
 
 KEY = "route-e2e-key-0123456789"
 ADMIN = "route-e2e-admin-0123456789"
@@ -75,13 +76,27 @@ def _decision(base: str, rid: str) -> dict:
     return audit_record(base, rid, ADMIN, tries=50)
 
 
+def _indexed_blocks(base: str) -> dict[str, int]:
+    """GPU blocks the gateway's KV index holds per engine (/admin/fleet counts them on each read)."""
+    fleet = httpx.get(base + "/admin/fleet", headers={"authorization": f"Bearer {ADMIN}"}, timeout=10).json()
+    return {n: e["cached_blocks"].get("GPU", 0) for n, e in fleet["engines"]["engines"].items()}
+
+
+def _wait_for_kv_events(base: str, engine: str, before: dict[str, int], prompt_tokens: int) -> None:
+    """Until the KV events of a new prompt of `prompt_tokens` reached the gateway's index: `engine` holds its full
+    blocks (16 tokens each, the sim's block size) on top of what it held `before`."""
+    wait_until(lambda: _indexed_blocks(base)[engine] - before.get(engine, 0) >= prompt_tokens // 16,
+               what=f"the KV events of {engine} in the gateway's index")
+
+
 def test_repeated_long_prompt_goes_to_the_engine_that_holds_it(stack):
     base = stack["base"]
     prompt = "Policy manual section. " + " ".join(f"clause{i} applies" for i in range(1500))
-    st, h, _ = _stream(base, _body(prompt + " first question"), {"x-request-id": "warm-1"})
-    assert st == 200
+    before = _indexed_blocks(base)
+    st, h, warm = _stream(base, _body(prompt + " first question"), {"x-request-id": "warm-1"})
+    assert st == 200 and warm is not None
     holder = h["x-gateway-backend"]
-    time.sleep(0.3)  # KV events reach the index
+    _wait_for_kv_events(base, holder, before, warm["prompt_tokens"])
     for i in range(4):
         st, h, usage = _stream(base, _body(prompt + f" question {i}"), {"x-request-id": f"rep-{i}"})
         assert st == 200 and h["x-gateway-backend"] == holder
@@ -101,10 +116,11 @@ def test_lora_requests_are_predicted_with_the_adapters_own_blocks(stack):
     adapter's blocks only (exact against the engine), and the base model does not reuse them, nor they its."""
     base = stack["base"]
     prompt = "Adapter handbook. " + " ".join(f"rule{i} holds" for i in range(1200))
-    st, h, _ = _stream(base, {**_body(prompt + " warm"), "model": "sim-lora"}, {"x-request-id": "lora-warm"})
-    assert st == 200
+    before = _indexed_blocks(base)
+    st, h, warm = _stream(base, {**_body(prompt + " warm"), "model": "sim-lora"}, {"x-request-id": "lora-warm"})
+    assert st == 200 and warm is not None
     holder = h["x-gateway-backend"]
-    time.sleep(0.3)  # KV events reach the index
+    _wait_for_kv_events(base, holder, before, warm["prompt_tokens"])
     st, h, usage = _stream(base, {**_body(prompt + " again"), "model": "sim-lora"}, {"x-request-id": "lora-rep"})
     assert st == 200 and h["x-gateway-backend"] == holder
     rec = _decision(base, "lora-rep")

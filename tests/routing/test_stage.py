@@ -15,6 +15,7 @@ from gateway.pipeline import RequestContext
 from gateway.proxy.health import Health
 from gateway.routing.stage import PredictiveRouteStage
 from gateway.types import Decision, Principal
+from tests.support.wait import async_wait_until
 
 
 def _cfg():
@@ -164,7 +165,8 @@ async def test_a_prediction_made_on_a_stale_kv_view_says_so_in_the_evidence():
                 r = await client.post(engines[0]["url"] + "/completions", json={"prompt": "blocks " * 64,
                                                                                 "max_tokens": 1})
                 assert r.status_code == 200
-            await asyncio.sleep(0.3)  # its KV events arrive
+            await async_wait_until(lambda: sum(tel.index.engine_blocks(engines[0]["name"]).values()) > 0,
+                                   what="the engine's KV events in the index")
             await tel.refresh_block_counts()
             snap = tel.fleet_snapshot()["engines"]
             assert {n: e["cached_blocks"] for n, e in snap.items()} == {
