@@ -13,7 +13,7 @@ import pytest
 from bench import fast_upstream as fu
 from bench import streaming
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_stream_has_max_tokens_content_events_then_usage_and_done() -> None:
