@@ -23,9 +23,8 @@ os.register_at_fork(after_in_child=lambda: _ids.seed(os.urandom(32)))  # a forke
 def new_request_id() -> str:
     """`req_` + 24 hex digits: the wall clock in milliseconds (12) then 48 random bits (12). Time-ordered ids
     keep the indexes keyed by them (the spend ledger's primary key in SQLite and Postgres, the audit sink)
-    appending at their right edge instead of inserting at random pages: bench/ledger_ids.py measured a SQLite
-    ledger insert at 400,000 rows at 45.8 us with random ids against 8.1 us with these (the gap grows with the
-    table; Postgres 16.8 against 11.7 us).
+    appending at their right edge instead of inserting at random pages, so an insert stays cheap as the table
+    grows (bench/ledger_ids.py; docs/benchmarks.md, Proxy overhead: request ids).
     48 random bits per millisecond keep ids unique across replicas (two ids of one millisecond collide with
     probability 2^-48) and infeasible to guess; no syscall per request."""
     return "req_%012x%012x" % (int(time.time() * 1000) & 0xFFFFFFFFFFFF, _ids.getrandbits(48))

@@ -183,7 +183,7 @@ class Ledger:
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         # spool lines of rows enqueued during this event-loop iteration, written by one os.write at its end
-        # instead of one per request (measured: ~8 rows per write at saturation); the crash window is the same
+        # instead of one per request (several rows per write at saturation); the crash window is the same
         # iteration either way: a row is spooled before the loop next waits for I/O
         self._spool_buf: list[bytes] = []
         # called with each row before it is queued, to add fields other subsystems own (gateway/cost adds the

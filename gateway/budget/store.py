@@ -137,8 +137,8 @@ class SqliteBudgetStore:
     writer at a time into a database, so the worker processes of `gateway serve --workers N` sharing the file
     see one budget, exactly as replicas sharing a Redis do, without a server or a network round trip.
 
-    Where it runs: a transaction takes ~30-40 us of CPU, less than handing it to a thread costs in a busy process
-    (the thread waits for the GIL the event loop holds), so it runs on the event loop's thread, on a connection
+    Where it runs: a transaction takes tens of microseconds of CPU, less than handing it to a thread costs in a
+    busy process (the thread waits for the GIL the event loop holds), so it runs on the event loop's thread, on a connection
     of its own that never waits on SQLite's busy handler: when another process holds the write lock the
     operation yields to the event loop and tries again (a transaction holds the lock for tens of microseconds;
     the loop serves other requests meanwhile), for at most FAST_WAIT_S, then hands it to the store's thread,

@@ -43,8 +43,8 @@ class EngineClock:
     O(1) per event whatever the number of requests on the engine: paying in proportion to what each owes
     shrinks every debt by the same factor, so one running factor `_s` stands for all of them (a debt of `o`
     made when the factor was `s0` is `o * _s / s0` now). When the whole debt is paid at once the factor would be
-    0: a new generation starts instead (every older debt is paid in full). Measured: 24.6 -> ~3 us per request
-    with 32 requests on the engine, where the per-debt loop it replaces was O(requests in flight)."""
+    0: a new generation starts instead (every older debt is paid in full). The per-debt loop it replaces was
+    O(requests in flight) per event (bench/cost_apportion.py; docs/benchmarks.md)."""
 
     n: int = 0  # requests on the engine now
     v: float = 0.0  # virtual time: integral of shared dt / n over busy time

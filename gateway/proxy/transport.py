@@ -1,10 +1,10 @@
 """Upstream HTTP transports behind one small interface: native (default, gateway/proxy/h1client.py), aiohttp
 or httpx (`server.upstream_client`; gateway/proxy/upstream.py::make_transport picks one per backend).
 
-Profiling the proxy showed httpx/httpcore's pool and anyio stream layers taking ~60% of the gateway's CPU
-per request; aiohttp's client (C parser, plain asyncio transports) does the same work for far less, and the
-native client (asyncio protocols + httptools, only what the gateway needs) for less again (see
-docs/benchmarks.md). All three are kept, selectable, and run by the same end-to-end suite.
+Why three: httpx/httpcore's pool and anyio stream layers were most of the gateway's CPU per request; aiohttp's
+client (C parser, plain asyncio transports) does the same work for far less, and the native client (asyncio
+protocols + httptools, only what the gateway needs) for less again (docs/benchmarks.md, Proxy overhead). All
+three are kept, selectable, and run by the same end-to-end suite.
 """
 from __future__ import annotations
 

@@ -15,8 +15,8 @@ from gateway.routing.predictor import Predictor
 def engine_part(ttft_s: float, elapsed_s: float) -> float:
     """What the engine learner is fit on: the TTFT after the prediction was made. The time from arrival to the
     prediction (parse, policy, the /tokenize round trip, this box's CPU contention) is known when predicting and
-    is added to the prediction as measured; fitting it with engine features left it as noise (measured: the
-    residuals' correlation with it was 0.84 at 32 req/s on 2 shared cores, where it was 21 ms p50, 56 ms p90)."""
+    is added to the prediction as measured; fitting it with engine features left it as noise, since it follows the
+    gateway host's load rather than the engine's (docs/benchmarks.md, Routing)."""
     return max(1e-4, ttft_s - max(0.0, elapsed_s))
 
 

@@ -68,8 +68,7 @@ class PredictorParams:
     quantile: float = 0.9  # admission's upper bound
     window: int = 256  # recent out-of-sample errors kept for MdARE and calibration (reporting)
     # residuals the upper quantile is taken over: the most recent only, since the error's spread moves with the
-    # load (measured on the live bench's ladder, 2 shared cores: 256 residuals covered 67% at the top step,
-    # the last 64 covered 75%; see docs/routing.md)
+    # load (the coverage by window size is in docs/routing.md)
     quantile_window: int = 64
     min_samples: int = 16  # before this many, the upper bound uses cold_margin
     cold_margin: float = 0.5  # upper = mean * (1 + cold_margin) while cold
@@ -315,7 +314,7 @@ class EngineLearner:
 
     def _observe_recursive(self, f: Features, ttft_s: float) -> None:
         """One step of the recursive fit. Once the batch refit predicts, nothing reads this fit (the refit
-        starts from scratch on its window), so it is no longer updated: ~35 µs saved per observed TTFT."""
+        starts from scratch on its window), so it is no longer updated: work per observed TTFT that bought nothing."""
         self._observe_recursive_x(f.vector(), ttft_s)
 
     def _observe_recursive_x(self, vec: list[float], ttft_s: float) -> None:
