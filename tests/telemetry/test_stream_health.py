@@ -28,6 +28,7 @@ from gateway.telemetry.service import TelemetryService
 from gateway.telemetry.stream_health import StreamWatch, silence_reason
 from gateway.telemetry.subscriber import KVEventSubscriber
 from tests.support.procs import free_port
+from tests.support.wait import async_wait_until
 
 BS = 16
 
@@ -111,13 +112,6 @@ class RawPub:
         self.sock.close(linger=0)
 
 
-async def _until(cond, timeout: float = 5.0) -> None:
-    async def go():
-        while not cond():
-            await asyncio.sleep(0.02)
-    await asyncio.wait_for(go(), timeout)
-
-
 async def _sub(endpoint: str, topic: str, idx: KVIndex, grace: float = 0.3) -> KVEventSubscriber:
     s = KVEventSubscriber("e", endpoint, None, topic, idx, silence_grace_s=grace)
     await s.start()
@@ -132,7 +126,7 @@ async def test_empty_topic_takes_every_topic_vllms_default_included():
     try:
         pub.send(b"", _payload(0))  # vLLM's default topic
         pub.send(b"kv", _payload(1))
-        await _until(lambda: sub.counters["batches"] == 2)
+        await async_wait_until(lambda: sub.counters["batches"] == 2)
         assert sub.watch.other_topic_frames == 0
         assert idx.lookup(["e"], [100 + t for t in range(BS)] + [0])["e"].tokens == BS
     finally:
@@ -148,7 +142,7 @@ async def test_named_topic_is_exact_and_other_topics_are_counted_then_reported_w
     try:
         pub.send(b"", _payload(0))  # the engine kept vLLM's default topic
         pub.send(b"kvx", _payload(1))  # a prefix of ours is not ours (ZMQ prefix matching would take it)
-        await _until(lambda: sub.watch.other_topic_frames == 2)
+        await async_wait_until(lambda: sub.watch.other_topic_frames == 2)
         assert sub.counters["batches"] == 0 and sub.watch.other_topics == {"": 1, "kvx": 1}
         assert not sub.evaluate_stream()  # within grace
         await asyncio.sleep(0.35)
@@ -158,7 +152,7 @@ async def test_named_topic_is_exact_and_other_topics_are_counted_then_reported_w
         assert snap["stream_reason"] == "wrong_topic" and snap["other_topic_frames"] == 2
         assert "telemetry.kv_topic" in snap["stream_detail"]
         pub.send(b"kv", _payload(2))
-        await _until(lambda: sub.counters["batches"] == 1)
+        await async_wait_until(lambda: sub.counters["batches"] == 1)
         assert sub.evaluate_stream() and sub.watch.reason is None
         warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "KV " in r.getMessage()]
         assert len(warnings) == 2, warnings
@@ -174,7 +168,7 @@ async def test_undecodable_frames_on_our_topic_are_reported_decode():
     try:
         pub.send(b"kv", b"\xc1 not msgpack")
         pub.send(b"kv", b"", frames=2)  # not (topic, seq, payload)
-        await _until(lambda: sub.counters["decode_errors"] == 2)
+        await async_wait_until(lambda: sub.counters["decode_errors"] == 2)
         await asyncio.sleep(0.35)
         assert sub.evaluate_stream() and sub.watch.reason == "decode"
         assert "failed to decode" in sub.snapshot()["stream_detail"]
@@ -190,7 +184,7 @@ async def test_sim_publisher_on_its_default_topic_reaches_a_default_gateway():
     sub = await _sub(pub.endpoint, TelemetryConfig().kv_topic, idx)
     try:
         s = pub.publish([BlockStored([7], None, list(range(BS)), BS, None, None, None)])  # medium None: GPU
-        await _until(lambda: sub.last_seq == s)
+        await async_wait_until(lambda: sub.last_seq == s)
         assert idx.lookup(["e"], list(range(BS)) + [1])["e"].tokens == BS
         assert idx.engine_blocks("e") == {"GPU": 1}
     finally:
@@ -232,7 +226,7 @@ async def test_served_work_without_events_is_no_events_in_fleet_and_metrics():
         assert not svc.is_stale("e")
         svc.observe_served("e", 10 * BS, 8 * BS)  # two uncached blocks: a BlockStored must come
         assert not svc.is_stale("e")
-        await _until(lambda: svc.is_stale("e"), 3)  # the watch loop re-judges on its own
+        await async_wait_until(lambda: svc.is_stale("e"), 3)  # the watch loop re-judges on its own
         e = svc.fleet_snapshot()["engines"]["e"]
         assert e["stale"] and e["stale_reason"] == "no_events" and "no KV batch" in e["stale_detail"]
         assert e["kv_events"]["batches"] == 0 and e["kv_events"]["last_batch_age_s"] is None
@@ -283,7 +277,7 @@ async def test_wrong_topic_against_the_simulator_through_the_service():
             async with httpx.AsyncClient(timeout=10) as c:
                 r = await c.post(m["url"] + "/completions", json={"prompt": "alpha " * 80, "max_tokens": 1})
                 assert r.status_code == 200
-            await _until(lambda: svc.kv_view("e")["stale"], 5)
+            await async_wait_until(lambda: svc.kv_view("e")["stale"], 5)
             e = svc.fleet_snapshot()["engines"]["e"]
             assert e["stale_reason"] == "wrong_topic" and e["kv_events"]["other_topics"] == {"": 1}
             assert _gauges(svc, cfg)[("gateway_kv_stream_other_topic_frames", ("e",))] == 1.0
@@ -320,11 +314,11 @@ async def test_hot_reload_retunes_topic_and_grace_on_the_same_subscription():
         sub = svc.subscribers["e"]
         await asyncio.sleep(0.3)
         pub.send(b"", _payload(0))
-        await _until(lambda: sub.watch.other_topic_frames == 1)
+        await async_wait_until(lambda: sub.watch.other_topic_frames == 1)
         await svc.swap_config(_cfg(pub.endpoint, topic="", grace=2, url=url))
         assert svc.subscribers["e"] is sub and sub.topic == "" and sub.watch.grace_s == 2
         pub.send(b"", _payload(1))
-        await _until(lambda: sub.counters["batches"] == 1)
+        await async_wait_until(lambda: sub.counters["batches"] == 1)
     finally:
         await svc.close()
         pub.close()

@@ -8,6 +8,7 @@ from backends.sim.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored
 from backends.sim.publisher import KVEventPublisher
 from gateway.telemetry.index import KVIndex
 from gateway.telemetry.subscriber import KVEventSubscriber
+from tests.support.wait import async_wait_until
 
 BS = 16
 
@@ -121,7 +122,7 @@ async def test_restart_resets_engine():
         assert idx.lookup(["e"], chain(3)[1] + [1])["e"].tokens == 16
         p2 = await _restart(p1)
         s = p2.publish([chain(7)[0]])
-        await asyncio.wait_for(_until(lambda: sub.counters["restarts"] == 1), 5)
+        await async_wait_until(lambda: sub.counters["restarts"] == 1, 5)
         assert idx.lookup(["e"], chain(3)[1] + [1])["e"].tokens == 0
         assert idx.lookup(["e"], chain(7)[1] + [1])["e"].tokens == 16
         await p2.close()
@@ -147,8 +148,8 @@ async def test_restart_is_detected_when_the_new_engines_seq_0_is_lost():
         p2 = await _restart(p1)
         for i in (10, 11, 12):  # seq 0 and 1 are "lost", seq 2 arrives
             p2.publish([chain(i)[0]])
-        await asyncio.wait_for(_until(lambda: sub.counters["restarts"] == 1), 5)
-        await asyncio.wait_for(_until(lambda: sub.last_seq == 2), 5)
+        await async_wait_until(lambda: sub.counters["restarts"] == 1, 5)
+        await async_wait_until(lambda: sub.last_seq == 2, 5)
         assert idx.lookup(["e"], chain(3)[1] + [1])["e"].tokens == 0  # the old engine's blocks are gone
         for i in (10, 11, 12):  # and the new engine's, the lost ones included (replayed), are known
             assert idx.lookup(["e"], chain(i)[1] + [1])["e"].tokens == 16
@@ -156,11 +157,6 @@ async def test_restart_is_detected_when_the_new_engines_seq_0_is_lost():
         await p2.close()
     finally:
         await sub.close()
-
-
-async def _until(cond):
-    while not cond():
-        await asyncio.sleep(0.02)
 
 
 async def test_flood_is_bounded_and_recovered(pub):
