@@ -62,12 +62,15 @@ def _chunk(b: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(b), b)
 
 
-async def paced(t: asyncio.Transport, n: int, gap_s: float) -> None:
-    """One HTTP chunk per event, gap_s apart."""
+async def paced(t: asyncio.Transport, n: int, gap_s: float, first_s: float | None = None) -> None:
+    """One HTTP chunk per event: the first after first_s (gap_s when not given), the rest gap_s apart. Headers at
+    once, as a partner API sends them before its first token."""
     t.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
     events = sse_body(n).split(b"\n\n")[:-1]
-    for ev in events:
-        await asyncio.sleep(gap_s)
+    for i, ev in enumerate(events):
+        wait = gap_s if i or first_s is None else first_s
+        if wait:
+            await asyncio.sleep(wait)
         if t.is_closing():
             return
         t.write(_chunk(ev + b"\n\n"))
@@ -82,20 +85,6 @@ async def delayed(t: asyncio.Transport, data: bytes, delay_s: float) -> None:
     await asyncio.sleep(delay_s)
     if not t.is_closing():
         t.write(data)
-
-
-async def partner_stream(t: asyncio.Transport, n: int, first_s: float, gap_s: float) -> None:
-    """Headers at once, the first event after first_s, the rest gap_s apart (one HTTP chunk each)."""
-    t.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
-    events = sse_body(n).split(b"\n\n")[:-1]
-    await asyncio.sleep(first_s)
-    for i, ev in enumerate(events):
-        if i and gap_s:
-            await asyncio.sleep(gap_s)
-        if t.is_closing():
-            return
-        t.write(_chunk(ev + b"\n\n"))
-    t.write(b"0\r\n\r\n")
 
 
 class Proto(asyncio.Protocol):
@@ -121,7 +110,7 @@ class Proto(asyncio.Protocol):
                 self.t.write(HEALTH_RESP)
             elif FIRST_S and b'"stream":true' in body:
                 n, _ = stream_params(body)
-                self.task = asyncio.ensure_future(partner_stream(self.t, n, FIRST_S, GAP_S))
+                self.task = asyncio.ensure_future(paced(self.t, n, GAP_S, FIRST_S))
             elif FIRST_S:
                 n, _ = stream_params(body)
                 self.task = asyncio.ensure_future(delayed(self.t, JSON_RESP, FIRST_S + GAP_S * max(0, n - 1)))
