@@ -34,6 +34,13 @@ TABLE: dict[tuple[str, str], frozenset[str]] = {
     ("GET", "/admin/aliases/{alias}"): PLATFORM,
     ("PATCH", "/admin/aliases/{alias}"): PLATFORM,
     ("POST", "/admin/aliases/{alias}/reset"): PLATFORM,
+    ("GET", "/admin/adapters"): BOTH,  # tenant-owned LoRA adapters (gateway/adapters): a tenant admin sees its own
+    ("POST", "/admin/adapters"): BOTH,
+    ("GET", "/admin/adapters/{name:path}"): BOTH,
+    ("PATCH", "/admin/adapters/{name:path}"): BOTH,
+    ("DELETE", "/admin/adapters/{name:path}"): BOTH,
+    ("GET", "/admin/tenants/{tenant}/adapter_sources"): BOTH,
+    ("PUT", "/admin/tenants/{tenant}/adapter_sources"): PLATFORM,  # only the platform grants weight sources
     ("DELETE", "/admin/cache"): BOTH,  # a tenant admin purges only its own tenant's entries
     ("GET", "/admin/ui"): frozenset({PUBLIC}),
     ("GET", "/admin/ui/data"): PLATFORM,
@@ -68,7 +75,7 @@ TABLE: dict[tuple[str, str], frozenset[str]] = {
 }
 # Routes a tenant admin of another tenant reaches with 200 because they list only its own records.
 LISTS = {("GET", "/admin/tenants"), ("GET", "/admin/keys"), ("GET", "/admin/partners"), ("GET", "/admin/projects"),
-         ("GET", "/admin/batches")}
+         ("GET", "/admin/batches"), ("GET", "/admin/adapters")}
 # Bodies for the routes that take one (harmless: names, labels within the tenant, a project in ta).
 BODIES: dict[tuple[str, str], dict[str, Any]] = {
     ("POST", "/admin/tenants/{tenant}/teams"): {"id": "newteam"},
@@ -79,6 +86,10 @@ BODIES: dict[tuple[str, str], dict[str, Any]] = {
     ("PATCH", "/admin/keys/{key_id}"): {"name": "renamed"},
     ("PATCH", "/admin/tenants/{tenant}"): {"name": "renamed"},
     ("PATCH", "/admin/partners/{partner}"): {"name": "renamed"},
+    ("POST", "/admin/adapters"): {"name": "ta-lora", "base_model": "m", "source": "/weights/ta/lora",
+                                  "owner": {"tenant": "ta"}},
+    ("PATCH", "/admin/adapters/{name:path}"): {"description": "renamed"},
+    ("PUT", "/admin/tenants/{tenant}/adapter_sources"): {"prefixes": ["/weights/ta/"]},
 }
 
 
@@ -114,6 +125,10 @@ def gw(tmp_path_factory):
                     ).status_code == 201
         assert _adm(base, "POST", "/admin/partners", ADMIN_KEY, {"id": "pa", "tenant": "ta"}).status_code == 201
         ids["victim"] = _adm(base, "POST", "/admin/keys", ADMIN_KEY, {"tenant": "ta"}).json()["id"]
+        assert _adm(base, "PUT", "/admin/tenants/ta/adapter_sources", ADMIN_KEY, {"prefixes": ["/weights/ta/"]}
+                    ).status_code == 200
+        assert _adm(base, "POST", "/admin/adapters", ADMIN_KEY, {"name": "ta-lora0", "base_model": "m",
+                    "source": "/weights/ta/lora0", "owner": {"tenant": "ta"}}).status_code == 201
         yield {"base": base, "proc": proc, **ids}
     finally:
         proc.stop()
@@ -184,7 +199,8 @@ def test_every_admin_route_declares_its_roles(gw):
 
 def _concrete(gw, path: str) -> str:
     return (path.replace("{tenant}", "ta").replace("{team}", "core").replace("{project}", "p")
-            .replace("{partner}", "pa").replace("{key_id}", gw["victim"]).replace("{request_id}", gw["ta_rid"]))
+            .replace("{partner}", "pa").replace("{key_id}", gw["victim"]).replace("{request_id}", gw["ta_rid"])
+            .replace("{name:path}", "ta-lora0"))
 
 
 # The order matters for the mutating routes: refusals first, then the tenant admin of ta, then the platform admin.
