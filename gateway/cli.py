@@ -171,7 +171,7 @@ def _probe_kv_events(cfg, timeout_s: float) -> int:  # type: ignore[no-untyped-d
         return 2
     results = asyncio.run(probe_config(cfg, timeout_s))
     if not results:
-        print("probe: no backend publishes KV events (kind vllm/sim with kv_events, telemetry.kv_events on)")
+        print("probe: no backend publishes KV events (kind vllm/sim/sglang with kv_events, telemetry.kv_events on)")
         return 0
     for r in results:
         print(r.line())

@@ -92,7 +92,8 @@ class DnsDiscovery(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class BackendConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     name: str
     url: str
-    kind: Literal["openai", "vllm", "sim", "anthropic"] = "openai"
+    # one of the dialect registry's kinds (gateway/proxy/dialects KINDS), checked by parse_config
+    kind: str = "openai"
     models: list[str] = msgspec.field(default_factory=list)
     model_map: dict[str, str] = msgspec.field(default_factory=dict)  # our model name -> upstream's name
     location: Location | None = None
@@ -103,7 +104,7 @@ class BackendConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     timeouts: Timeouts = msgspec.field(default_factory=Timeouts)
     limits: PoolLimits = msgspec.field(default_factory=PoolLimits)
     health: HealthCheck = msgspec.field(default_factory=HealthCheck)
-    # vLLM telemetry (kind vllm / sim)
+    # engine telemetry (the kinds that publish KV events and metrics: vllm, sim, sglang)
     kv_events: str | None = None
     replay: str | None = None
     kv_topic: str | None = None  # this engine's KV-event topic; null: telemetry.kv_topic ("" = every topic)
@@ -112,13 +113,17 @@ class BackendConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kv_cache_report_mode: Literal["incremental", "full"] = "incremental"
     metrics: str | None = None
     priority_scheduling: bool = False
+    # the order the engine runs `priority` values in; null: its kind's default (vllm/sim: lower first; sglang:
+    # higher first, the gateway then negates the routing.priority_values it sends; true for an SGLang engine run
+    # with --schedule-low-priority-values-first)
+    priority_low_values_first: bool | None = None
     # an inference_gateway upstream's endpoint picker then queues by the same flows (gateway/routing/flowkey.py)
     # and priorities as the gateway's own fair queue (docs/routing.md, "Inference gateway upstreams")
     inference_gateway: bool = False  # the upstream is itself a Gateway API Inference Extension / llm-d gateway: it is sent the flow (x-llm-d-inference-fairness-id / x-gateway-inference-fairness-id), the policy priority (x-llm-d-inference-objective / x-gateway-inference-objective) and the policy TTFT target (x-llm-d-slo-ttft-ms / x-slo-ttft-ms)
     inference_gateway_headers: Literal["both", "llm-d", "gie"] = "both"  # which spelling of those headers an inference_gateway upstream is sent: both, llm-d (x-llm-d-*) or gie (x-gateway-inference-*, x-slo-*); docs/routing.md
-    # upstream model names that are LoRA adapters (vLLM --lora-modules NAME=PATH): their KV blocks are keyed by
-    # the adapter name, so the KV-index lookup for a request to one uses that name (else it would match base
-    # blocks the adapter cannot reuse)
+    # upstream model names that are LoRA adapters (vLLM --lora-modules NAME=PATH; SGLang `<base>:<adapter>`, with
+    # model_map sending the client's name as that): their KV blocks are keyed by the adapter name, so the KV-index
+    # lookup for a request to one uses that name (else it would match base blocks the adapter cannot reuse)
     lora_adapters: list[str] = msgspec.field(default_factory=list)
     context_window: int | None = None
     capabilities: list[str] = msgspec.field(default_factory=lambda: ["chat", "completions"])
@@ -389,8 +394,15 @@ def parse_config(text: str, source: str = "<config>", base_dir: Path | None = No
         raise _fail(source, marks, "server.gc_threshold", "thresholds must be positive integers")
     names: set[str] = set()
     models: dict[str, list[str]] = {}
+    from gateway.proxy.dialects import DIALECTS, KINDS
+
     for i, b in enumerate(raw.backends):
         k = f"backends[{i}]"
+        if b.kind not in DIALECTS:
+            raise _fail(source, marks, f"{k}.kind", f"must be one of {', '.join(KINDS)}, got {b.kind!r}")
+        if b.kv_cache_report_mode == "full" and not DIALECTS[b.kind].kv_report_full:
+            raise _fail(source, marks, f"{k}.kv_cache_report_mode", f"'full' is vLLM's (kinds "
+                        f"{', '.join(k2 for k2 in KINDS if DIALECTS[k2].kv_report_full)}), not kind {b.kind}'s")
         if b.name in names:
             raise _fail(source, marks, f"{k}.name", f"duplicate backend name {b.name!r}")
         names.add(b.name)

@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from gateway.config import GatewayConfigRaw  # noqa: E402
+from gateway.proxy.dialects import KINDS  # noqa: E402
 
 HEADER = """# Configuration reference
 
@@ -64,7 +65,7 @@ NOTES: dict[str, str] = {
     "Location.region": "free text (e.g. eu-central-1); informational, shown in evidence",
     "BackendConfig.name": "unique; used in evidence, metrics labels, `x-gateway-backend` and budgets.prices `<backend>:<model>`",
     "BackendConfig.url": "OpenAI-compatible base URL including /v1",
-    "BackendConfig.kind": "`vllm`/`sim` engines publish KV events and /metrics; `openai` is any OpenAI-compatible HTTP API (partners); `anthropic` a partner speaking Anthropic Messages (docs/messages.md)",
+    "BackendConfig.kind": "one of the dialect registry's kinds (gateway/proxy/dialects): " + ", ".join(f"`{k}`" for k in KINDS) + "; `vllm`, `sglang` and `sim` (the simulator) engines publish KV events and /metrics (docs/kv-index.md, docs/sglang.md); `openai` is any OpenAI-compatible HTTP API (partners); `anthropic` a partner speaking Anthropic Messages (docs/messages.md)",
     "BackendConfig.models": "model names clients use that this backend serves",
     "BackendConfig.location": "a backend without a location never satisfies a residency requirement",
     "BackendConfig.operator": "`partner` routes are used only when the model has no own engine or policy sets spill_to_partner",
@@ -73,7 +74,8 @@ NOTES: dict[str, str] = {
     "BackendConfig.kv_events": "ZMQ endpoint of the engine's KV-event PUB socket, e.g. tcp://engine:5557",
     "BackendConfig.replay": "ZMQ endpoint of the engine's replay ROUTER socket, e.g. tcp://engine:5558",
     "BackendConfig.metrics": "Prometheus /metrics URL of the engine (load scraping)",
-    "BackendConfig.priority_scheduling": "the engine runs --scheduling-policy priority; the gateway sends `priority`",
+    "BackendConfig.priority_scheduling": "the engine schedules by priority (vLLM --scheduling-policy priority, SGLang --enable-priority-scheduling); the gateway sends `priority`",
+    "BackendConfig.priority_low_values_first": "the order the engine runs `priority` in; null: its kind's (vllm/sim lower first; sglang higher first, so the gateway negates routing.priority_values; true for SGLang run with --schedule-low-priority-values-first)",
     "BackendConfig.context_window": "tokens; a request whose prompt is estimated at this many tokens or more skips this backend",
     "BackendConfig.capabilities": "what the backend serves beyond generation: embeddings, rerank, score (pooling models; docs/api.md)",
     "BackendConfig.weight": "reserved; not read by the current routing strategies",

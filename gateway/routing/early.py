@@ -12,6 +12,7 @@ from typing import Any, Callable, NamedTuple
 
 from gateway.errors import GatewayError, retry_headers
 from gateway.pipeline import RequestContext
+from gateway.proxy.dialects import telemetry_form
 from gateway.routing.admission import Admission, decide
 from gateway.routing.pending import PendingCache
 from gateway.routing.plan import Candidate
@@ -132,7 +133,9 @@ def learn_prefix(ctx: RequestContext, cand: Candidate, toks: list[int], salt: st
             or not hasattr(ts, "learn_prefix") or len(tasks) >= MAX_LEARNING:
         return
     try:
-        t = asyncio.get_running_loop().create_task(ts.learn_prefix(cand.backend.server_root, body, toks, salt))
+        form = telemetry_form(cand.backend.kind) or "vllm"
+        t = asyncio.get_running_loop().create_task(ts.learn_prefix(cand.backend.server_root, body, toks, salt,
+                                                                   form=form))
     except RuntimeError:
         return
     tasks.add(t)

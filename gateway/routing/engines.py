@@ -6,6 +6,7 @@ import time
 from typing import Any, Callable
 
 from gateway.config import Config
+from gateway.proxy.dialects import TELEMETRY_KINDS
 from gateway.routing.inflight import InFlight
 from gateway.routing.pending import PendingCache
 from gateway.routing.plan import Candidate
@@ -14,7 +15,6 @@ from gateway.routing.predictor import Predictor
 from gateway.routing.view import Drain, Scrape, queue_view
 
 DEFAULT_UNCACHED = 512.0  # what one waiting request weighs until the engine's mean uncached prompt is observed
-TELEMETRY_KINDS = ("vllm", "sim")  # the backend kinds that publish KV events and metrics
 _ASK = object()  # "the telemetry service was not resolved by the caller: ask for it"
 
 

@@ -3,8 +3,9 @@
 First, do no harm: prediction, admission refusals, holding requests in the fair queue and the prefill guard are
 only as good as the model behind them. An upstream is **modelled** when all of these hold:
 
-1. its kind publishes what the model reads (`vllm`, `sim`: KV events and vLLM-style metrics); a partner API or
-   any other OpenAI-compatible service (`openai`, `anthropic`) has no prefill queue the gateway can observe;
+1. its kind publishes what the model reads (the dialect registry's kinds with KV events and engine metrics:
+   `vllm`, `sim`, `sglang`); a partner API or any other OpenAI-compatible service (`openai`, `anthropic`) has no
+   prefill queue the gateway can observe;
 2. its telemetry is live: a healthy metrics scrape younger than `telemetry_fresh_s`, and its KV-event stream
    not stale (rebuilding after lost events, silent, undecodable);
 3. its learned fit is valid: at least `min_observations` out-of-sample TTFT observations since the learner's
@@ -25,6 +26,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
+from gateway.proxy.dialects import TELEMETRY_KINDS
 from gateway.routing.config import ModelValidity
 
 if TYPE_CHECKING:
@@ -33,7 +35,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gateway.routing.mode")
 
-MODELLED_KINDS = ("vllm", "sim")  # kinds whose queue, cache and prefill the gateway observes
+MODELLED_KINDS = TELEMETRY_KINDS  # kinds whose queue, cache and prefill the gateway observes (dialect registry)
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable, NamedTuple
 
 from gateway.pipeline import RequestContext
+from gateway.proxy.dialects import DIALECTS
 from gateway.routing.approx import ApproxPrefixIndex, text_blocks
 from gateway.routing.pending import PendingCache
 from gateway.routing.plan import Candidate
@@ -32,9 +33,13 @@ def routing_body(ctx: RequestContext) -> dict[str, Any]:
 
 
 def lora_name(cand: Candidate) -> str | None:
-    """The LoRA adapter a candidate serves the request with (the KV index's lora key), or None for the base."""
+    """The LoRA adapter a candidate serves the request with (the KV index's lora key: the name the kind's KV
+    events give it, e.g. `adapter` of SGLang's `base:adapter`), or None for the base."""
     up = cand.backend.upstream_model(cand.model)
-    return up if up in cand.backend.lora_adapters else None
+    if up not in cand.backend.lora_adapters:
+        return None
+    d = DIALECTS.get(cand.backend.kind)
+    return d.lora_key(up) if d is not None else up
 
 
 class PromptFacts(NamedTuple):

@@ -25,6 +25,7 @@ import msgspec
 from gateway.config import Config
 from gateway.errors import GatewayError, retry_headers
 from gateway.pipeline import RequestContext
+from gateway.proxy.dialects import TELEMETRY_KINDS
 from gateway.proxy.health import Health
 from gateway.routing.admission import BatchQueue, QueueFull, decide, slo_ms
 from gateway.routing.affinity import Affinity, affinity_key, session_id
@@ -846,7 +847,7 @@ class PredictiveRouteStage:
         engines = self.predictor.snapshot()
         now = self.clock()
         for b in cfg.backends:
-            if b.kind in ("vllm", "sim") or b.name in engines:
+            if b.kind in TELEMETRY_KINDS or b.name in engines:
                 e = engines.setdefault(b.name, {})
                 e["facts"] = self.facts(b.name)
                 v = self._view(b.name, now, self.engines.has_telemetry_name(b.name))  # own + the peers' flights

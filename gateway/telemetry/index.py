@@ -1,8 +1,9 @@
 """The live KV index: which engine holds which prompt blocks, in which tier, keyed by the gateway's own hashes.
 
 Own key of a block = xxh3_64(block token ids as uint32 bytes, seed = own key of the parent block); the first
-block's seed folds in cache_salt and the LoRA name (what vLLM puts in the block's extra keys). Requests and
-events therefore meet in one key space that does not depend on vLLM's hash function or seed.
+block's seed folds in cache_salt and the LoRA name (what vLLM puts in the block's extra keys; SGLang sends the
+salt as the event's `cache_salt`). Requests and events therefore meet in one key space that depends on neither
+engine's hash function or seed (vLLM's uint64 or bytes hashes, SGLang's signed int64 namespaced ones).
 
 Memory: no per-entry Python objects. One open-addressing table (numpy uint64 arrays) maps own key -> an
 "any tier" engine bitmask (bit = engine slot, up to 64 engines), with per-tier masks added only once a
@@ -26,7 +27,8 @@ _GOLD = 0x9E3779B97F4A7C15
 _ZERO_SUB = 0x5BD1E9955BD1E995  # stands in for a key of 0 (0 marks an empty slot)
 TIERS = ("GPU", "CPU", "DISK", "SHARED")  # priority order: the tier an engine would load a block from
 _MEDIUM_TIER = {None: 0, "GPU": 0, "CPU": 1, "CPU_PINNED": 1, "DISK": 2, "STORAGE": 2, "LOCAL_DISK": 2,
-                "SHARED": 3, "REMOTE": 3, "LMCACHE": 3}
+                "SHARED": 3, "REMOTE": 3, "LMCACHE": 3, "EXTERNAL": 3}  # SGLang's StorageMedium: GPU, CPU_PINNED,
+# DISK, EXTERNAL (a shared / remote pool such as Mooncake)
 MAX_ENGINES = 64
 _WIN = np.arange(8, dtype=np.intp)  # slots probed per key in one vectorised gather
 _NO_SLOTS = np.zeros(0, dtype=np.intp)
@@ -35,7 +37,8 @@ _NO_SEED = _h64(b"gateway-kv-root")
 
 
 def tier_of(medium: str | None) -> int:
-    """Map vLLM's `medium` string to a tier index (unknown media count as shared/remote storage)."""
+    """Map an event's `medium` string (vLLM's or SGLang's) to a tier index (unknown media count as shared/remote
+    storage)."""
     t = _MEDIUM_TIER.get(medium if medium is None else medium.upper())
     return 3 if t is None else t
 
@@ -366,7 +369,7 @@ class KVIndex:
             x = extras[i] if extras is not None and i < len(extras) else None
             if seed is None:
                 salt, poison = _split_extra(x, lora, first=True)
-                seed = root_seed(salt, lora)
+                seed = root_seed(salt or ev.cache_salt, lora)  # vLLM: the salt in extra_keys; SGLang: cache_salt
             elif x is not None:
                 _, poison = _split_extra(x, lora, first=False)
             else:
@@ -456,7 +459,7 @@ class KVIndex:
             x = extras[i] if extras is not None and i < len(extras) else None
             if seed is None:
                 salt, poison = _split_extra(x, lora, first=True)
-                seed = root_seed(salt, lora)
+                seed = root_seed(salt or ev.cache_salt, lora)  # vLLM: the salt in extra_keys; SGLang: cache_salt
             elif x is not None:
                 _, poison = _split_extra(x, lora, first=False)
             else:

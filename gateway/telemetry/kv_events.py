@@ -1,9 +1,18 @@
-"""vLLM's KV-cache event wire format, decoded with msgspec.
+"""The KV-cache event wire format of vLLM and SGLang, decoded with msgspec.
 
 Field order follows vLLM's `vllm/distributed/kv_events.py` (0.32): events are tagged structs (tag key "type",
 value = class name) sent as msgpack maps by current vLLM and as arrays `["BlockStored", ...]` by older
 versions; the batch is `EventBatch(ts, events, data_parallel_rank)`, as an array or a map. One decoder
 accepts every combination, and normalises array-form events to the map-form classes.
+
+SGLang (read in sglang/srt/disaggregation/kv_events.py and mem_cache/events.py; no code taken) publishes the
+same frames and batch (`[ts, events, attn_dp_rank]`, an array): 0.5.10 as array-form events in vLLM's older
+positions (`block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium`), 0.5.23 as tagged maps
+whose BlockStored carries `lora_id` (always, nil), `medium` ("GPU", "CPU_PINNED", "DISK", "EXTERNAL"), and
+fields of its own: `cache_salt` (the salt of the request that stored the blocks, on every event of a salted
+chain: vLLM puts it in the first block's extra_keys instead), `session_id`, `lora_name`. Its hashes are
+signed int64; one BlockStored may carry several pages (coalesced), one BlockRemoved a whole radix node. With
+EAGLE's bigram radix keys a page's `token_ids` are pairs `(t[j], t[j+1])`: read as t[j] (`_pairs`).
 """
 from __future__ import annotations
 
@@ -34,6 +43,7 @@ class BlockStored(KVCacheEvent):
     locality: Any = None
     ownership: Any = None
     session_id: Any = None
+    cache_salt: str | None = None  # SGLang's: the salt of the chain these blocks belong to
 
 
 class BlockRemoved(KVCacheEvent):
@@ -84,6 +94,26 @@ class _AllBlocksClearedA(_ArrayEvent, tag="AllBlocksCleared"):
     pass
 
 
+class _BlockStoredPairs(KVCacheEvent, tag="BlockStored"):
+    """SGLang's BlockStored of a bigram (EAGLE) radix key: token_ids are pairs."""
+
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[tuple[int, int]]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    cache_salt: str | None = None
+    session_id: Any = None
+    lora_name: str | None = None
+
+
+def _pairs(e: _BlockStoredPairs) -> BlockStored:
+    """A bigram page as its tokens: position j holds (t[j], t[j+1]), so t[j] is the token there."""
+    return BlockStored(e.block_hashes, e.parent_block_hash, [p[0] for p in e.token_ids], e.block_size, e.lora_id,
+                       e.medium, e.lora_name, session_id=e.session_id, cache_salt=e.cache_salt)
+
+
 _MapEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
 _ArrEvent = Union[_BlockStoredA, _BlockRemovedA, _AllBlocksClearedA]
 
@@ -115,6 +145,7 @@ _DECODERS: dict[tuple[bool, bool], msgspec.msgpack.Decoder[Any]] = {
 }
 _RAW: dict[bool, msgspec.msgpack.Decoder[Any]] = {True: msgspec.msgpack.Decoder(_BatchArrayR), False: msgspec.msgpack.Decoder(_BatchMapR)}
 _EV_MAP = msgspec.msgpack.Decoder(_MapEvent)
+_EV_PAIRS = msgspec.msgpack.Decoder(_BlockStoredPairs)
 _EV_ARR = msgspec.msgpack.Decoder(_ArrEvent)
 _ENC = msgspec.msgpack.Encoder()
 
@@ -149,9 +180,16 @@ def decode_batch(payload: bytes) -> KVEventBatch:
         return KVEventBatch(raw.ts, [_normalise(e) for e in raw.events], raw.data_parallel_rank)
     except msgspec.ValidationError:
         pass
-    rawb = _RAW[batch_arr].decode(payload)  # mixed forms: decode event by event
-    evs = [_normalise(_EV_ARR.decode(r)) if _is_array(memoryview(r)) else _EV_MAP.decode(r) for r in rawb.events]
+    rawb = _RAW[batch_arr].decode(payload)  # mixed forms or bigram pages: decode event by event
+    evs = [_normalise(_EV_ARR.decode(r)) if _is_array(memoryview(r)) else _map_event(r) for r in rawb.events]
     return KVEventBatch(rawb.ts, evs, rawb.data_parallel_rank)
+
+
+def _map_event(r: msgspec.Raw) -> Event:
+    try:
+        return _EV_MAP.decode(r)
+    except msgspec.ValidationError:
+        return _pairs(_EV_PAIRS.decode(r))  # SGLang's bigram pages; anything else raises
 
 
 def encode_batch(batch: KVEventBatch, array_events: bool = False) -> bytes:
@@ -161,7 +199,7 @@ def encode_batch(batch: KVEventBatch, array_events: bool = False) -> bytes:
     evs: list[Any] = []
     for e in batch.events:
         if isinstance(e, BlockStored):
-            evs.append(_BlockStoredA(*(getattr(e, f) for f in e.__struct_fields__)))
+            evs.append(_BlockStoredA(*(getattr(e, f) for f in _BlockStoredA.__struct_fields__)))
         elif isinstance(e, BlockRemoved):
             evs.append(_BlockRemovedA(*(getattr(e, f) for f in e.__struct_fields__)))
         else:

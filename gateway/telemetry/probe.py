@@ -1,11 +1,13 @@
 """`gateway config check --probe`: does each engine's KV-event stream reach the gateway, on its topic, decodable?
 
-For every kind vllm/sim backend with `kv_events`, subscribe to every topic (as the running gateway does), ask
-the replay socket for its buffer from seq 0, and wait (bounded) for one batch on the gateway's topic that
-decodes. vLLM 0.32's replay answers `[b"", topic, seq, payload]` per buffered batch (ZmqEventPublisher
-`_service_replay`, vllm/distributed/kv_events.py), so an engine that published anything before is judged at
-once, and an idle one is judged by what arrives live within the timeout. Verdicts use the running gateway's
-reasons (gateway/telemetry/stream_health.py): ok, wrong_topic, decode, no_events.
+For every backend of a kind that publishes KV events (vllm, sim, sglang: the dialect registry) with `kv_events`,
+subscribe to every topic (as the running gateway does), ask the replay socket for its buffer from seq 0, and
+wait (bounded) for one batch on the gateway's topic that decodes. vLLM 0.32's replay answers
+`[b"", topic, seq, payload]` per buffered batch (ZmqEventPublisher `_service_replay`,
+vllm/distributed/kv_events.py; SGLang 0.5.23's does the same, sglang/srt/disaggregation/kv_events.py), so an
+engine that published anything before is judged at once, and an idle one is judged by what arrives live within
+the timeout. Verdicts use the running gateway's reasons (gateway/telemetry/stream_health.py): ok, wrong_topic,
+decode, no_events.
 """
 from __future__ import annotations
 
@@ -75,7 +77,7 @@ class _Judge:
         if r.decode_errors:
             r.status = "decode"
             r.message = (f"{r.decode_errors} frame(s) on topic {r.topic!r} failed to decode ({self.last_error}); "
-                         "is the publisher vLLM's KVEventBatch format?")
+                         "is the publisher vLLM's or SGLang's KVEventBatch format?")
         elif r.other_topics:
             tops = ", ".join(repr(t) for t in sorted(r.other_topics))
             r.status = "wrong_topic"
@@ -160,7 +162,7 @@ async def probe_stream(backend: str, endpoint: str, replay: str | None, topic: s
 
 
 async def probe_config(cfg: Config, timeout_s: float = 5.0) -> list[ProbeResult]:
-    """Probe every kind vllm/sim backend with kv_events, all at once (the wait is shared)."""
+    """Probe every KV-event-publishing backend with kv_events, all at once (the wait is shared)."""
     tc = cfg.raw.telemetry
     if not tc.kv_events:
         return []

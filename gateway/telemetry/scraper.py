@@ -1,4 +1,19 @@
-"""Scrape an engine's Prometheus /metrics into an EngineLoad snapshot (vLLM metric names, any label set)."""
+"""Scrape an engine's Prometheus /metrics into an EngineLoad snapshot (vLLM's or SGLang's names, any label set).
+
+vLLM (`vllm/v1/metrics/loggers.py`): the `vllm:*` names of `_SUMS`, block size and capacity from
+`vllm:cache_config_info`'s labels. SGLang (`sglang/srt/observability/metrics_collector.py`, 0.5.23, read for the
+names and labels; `--enable-metrics`): the scheduler's gauges carry `model_name, engine_type, tp_rank, pp_rank,
+moe_ep_rank` (+ `dp_rank`, + `priority` with `--enable-priority-scheduling`, whose queue counts are the total
+under `priority=""` and a breakdown under `priority="<n>"`: only the totals are summed); the tokenizer manager's
+counters carry `model_name, engine_type` (+ `priority`, filled in per request, + `is_streaming`, + `cache_source`
+on the cached-token counter), all summed.
+  running      sglang:num_running_reqs          waiting       sglang:num_queue_reqs
+  kv_usage     sglang:token_usage (mean)        preemptions   sglang:num_retracted_requests_total
+  prompt_tokens sglang:prompt_tokens_total      prompt_tokens_cached  sglang:cached_tokens_total (every source)
+  block_size   sglang:page_size                 num_gpu_blocks        sglang:num_pages
+SGLang exports no prefix-cache query counters (its `sglang:cache_hit_rate` is a gauge of recent batches), so
+prefix_hits / prefix_queries stay 0 and the stream watch reads prompt_tokens - prompt_tokens_cached.
+"""
 from __future__ import annotations
 
 import time
@@ -61,8 +76,48 @@ _SUMS: dict[str, _SumField] = {  # sample name -> field (samples of every engine
 }
 
 
-def parse_metrics(text: str, now: float | None = None) -> EngineLoad:
-    """Pure parse of Prometheus text exposition into EngineLoad."""
+_SGL_SUMS: dict[str, _SumField] = {  # SGLang's sample names (see the module docstring)
+    "sglang:num_running_reqs": "running",
+    "sglang:num_queue_reqs": "waiting",
+    "sglang:token_usage": "kv_usage",
+    "sglang:prompt_tokens_total": "prompt_tokens",
+    "sglang:cached_tokens_total": "prompt_tokens_cached",
+    "sglang:num_retracted_requests_total": "preemptions",
+}
+
+
+def _parse_sglang(text: str, now: float | None) -> EngineLoad:
+    vals: _Sums = {}
+    usage: list[float] = []
+    page = pages = total_tokens = None
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            f = _SGL_SUMS.get(s.name)
+            if f is not None:
+                if f in ("running", "waiting") and s.labels.get("priority", ""):
+                    continue  # a per-priority breakdown of the total under priority=""
+                if f == "kv_usage":
+                    usage.append(s.value)
+                else:
+                    vals[f] = vals.get(f, 0.0) + s.value
+            elif s.name == "sglang:page_size" and s.value >= 1:
+                page = int(s.value)
+            elif s.name == "sglang:num_pages" and s.value >= 1:
+                pages = max(pages or 0, int(s.value))
+            elif s.name == "sglang:max_total_num_tokens" and s.value >= 1:
+                total_tokens = max(total_tokens or 0, int(s.value))
+    if usage:
+        vals["kv_usage"] = sum(usage) / len(usage)  # mean over DP ranks
+    if pages is None and page and total_tokens:
+        pages = total_tokens // page
+    return EngineLoad(block_size=page, num_gpu_blocks=pages, healthy=True,
+                      scraped_at=time.time() if now is None else now, **vals)
+
+
+def parse_metrics(text: str, now: float | None = None, form: str = "vllm") -> EngineLoad:
+    """Pure parse of Prometheus text exposition into EngineLoad; `form`: the engine's (vllm | sglang)."""
+    if form == "sglang":
+        return _parse_sglang(text, now)
     vals: _Sums = {}
     seen_usage: dict[str, list[float]] = {}
     block_size = num_blocks = None
@@ -89,11 +144,11 @@ def parse_metrics(text: str, now: float | None = None) -> EngineLoad:
                       scraped_at=time.time() if now is None else now, **vals)
 
 
-async def scrape(client: httpx.AsyncClient, url: str, timeout_s: float = 1.0) -> EngineLoad:
+async def scrape(client: httpx.AsyncClient, url: str, timeout_s: float = 1.0, form: str = "vllm") -> EngineLoad:
     """GET url and parse; an unreachable or failing engine yields healthy=False with the error."""
     try:
         r = await client.get(url, timeout=timeout_s)
         r.raise_for_status()
-        return parse_metrics(r.text)
+        return parse_metrics(r.text, form=form)
     except (httpx.HTTPError, ValueError) as e:
         return EngineLoad(healthy=False, scraped_at=time.time(), error=f"{type(e).__name__}: {e}"[:200])

@@ -126,7 +126,8 @@ class TelemetryService:
             await sub.start()
             self.subscribers[b.name] = sub
         url = b.metrics or (b.server_root.rstrip("/") + "/metrics")
-        self._scrapers[b.name] = asyncio.create_task(self._scrape_loop(b.name, url), name=f"scrape-{b.name}")
+        self._scrapers[b.name] = asyncio.create_task(self._scrape_loop(b.name, url, self.form(b.name)),
+                                                     name=f"scrape-{b.name}")
 
     async def _stop_backend(self, name: str, forget: bool = True) -> None:
         sub = self.subscribers.pop(name, None)
@@ -159,15 +160,16 @@ class TelemetryService:
         await self.tokens.close()
 
     async def swap_config(self, config: Config) -> None:
-        """Hot reload: start new engines, stop removed ones, restart those whose endpoints changed."""
+        """Hot reload: start new engines, stop removed ones, restart those whose endpoints or kind (its formats)
+        changed."""
         old = self._backends
         self.config = config
         new = {b.name: b for b in _telemetry_backends(config)}
         for name in list(old):
             if name not in new:
                 await self._stop_backend(name)
-            elif (old[name].kv_events, old[name].replay, old[name].metrics, old[name].url) != \
-                    (new[name].kv_events, new[name].replay, new[name].metrics, new[name].url):
+            elif (old[name].kv_events, old[name].replay, old[name].metrics, old[name].url, old[name].kind) != \
+                    (new[name].kv_events, new[name].replay, new[name].metrics, new[name].url, new[name].kind):
                 await self._stop_backend(name)
             elif name in self.subscribers:  # same stream: a new topic or grace applies in place
                 self.subscribers[name].retune(self.topic_for(new[name]), config.raw.telemetry.kv_silence_grace_s)
@@ -176,10 +178,17 @@ class TelemetryService:
                 if name not in self._backends:
                     await self._start_backend(b)
 
-    async def _scrape_loop(self, name: str, url: str) -> None:
+    def form(self, engine: str | None) -> str:
+        """The formats (metrics, /tokenize) of an engine's kind: "vllm" or "sglang" (the dialect registry)."""
+        from gateway.proxy.dialects import telemetry_form
+
+        b = self._backends.get(engine) if engine else None
+        return (telemetry_form(b.kind) if b is not None else None) or "vllm"
+
+    async def _scrape_loop(self, name: str, url: str, form: str = "vllm") -> None:
         tc = self.config.raw.telemetry
         while True:
-            load = await scrape(self._client, url, tc.scrape_timeout_s)
+            load = await scrape(self._client, url, tc.scrape_timeout_s, form)
             self._loads[name] = load
             if load.block_size and self.index.block_size(name) is None:
                 self.index.set_block_size(name, load.block_size)
@@ -258,7 +267,7 @@ class TelemetryService:
         zero-retention request) keeps them out of the token cache: tokenized, used, dropped."""
         if endpoint is None and backend_name in self._backends:
             endpoint = self._backends[backend_name].server_root
-        return await self.tokens.tokens(endpoint, body, retain=retain)
+        return await self.tokens.tokens(endpoint, body, retain=retain, form=self.form(backend_name))
 
     def lookup(self, engine_names: Iterable[str], tokens: Sequence[int] | RequestKeys, salt: str | None = None,
                lora: str | None = None) -> dict[str, CachedPrefix]:

@@ -218,9 +218,12 @@ class TokenSource:
         tail = tail_token_lower_bound(content_bytes(body["messages"][k:]), self.prefixes.max_token_bytes.get(endpoint))
         return ids, tail
 
-    async def learn_prefix(self, endpoint: str, body: dict[str, Any], full_ids: list[int], salt: str | None) -> bool:
+    async def learn_prefix(self, endpoint: str, body: dict[str, Any], full_ids: list[int], salt: str | None,
+                           form: str = "vllm") -> bool:
         """Off the request's path: tokenize the chat's earlier messages (all but the last) on the engine and cache
-        their ids when they are a prefix of `full_ids`. Never for zero-retention requests (the caller's job)."""
+        their ids when they are a prefix of `full_ids`. Never for zero-retention requests (the caller's job).
+        vLLM answers `token_strs` too (the tail bound's longest token); SGLang's /tokenize has none (its
+        TokenizeResponse is tokens, count, max_model_len), so an SGLang engine's prefixes give no tail bound."""
         keys = prefix_keys(body, salt, endpoint)
         if not keys or keys[-1] in self.prefixes:
             return False
@@ -246,15 +249,16 @@ class TokenSource:
         return xxhash.xxh3_128_digest(orjson.dumps(sub, option=orjson.OPT_SORT_KEYS, default=str)) + \
             (endpoint or "").encode()
 
-    async def tokens(self, endpoint: str | None, body: dict[str, Any], retain: bool = True
+    async def tokens(self, endpoint: str | None, body: dict[str, Any], retain: bool = True, form: str = "vllm"
                      ) -> tuple[list[int], str]:
-        """Token ids for the request's prompt and the source that produced them ("local"/"engine"/"approx").
+        """Token ids for the request's prompt and the source that produced them ("local"/"engine"/"approx");
+        `form`: the engine's /tokenize dialect (vllm | sglang).
 
         retain=False (zero retention): resolve without touching the cache, so nothing of the prompt outlives
         the call here."""
         if not retain:
             self.uncached += 1
-            res = await self._resolve(endpoint, body)
+            res = await self._resolve(endpoint, body, form)
             self.by_source[res[1]] = self.by_source.get(res[1], 0) + 1
             return res
         key = self._key(endpoint if self._local is None else None, body)
@@ -264,14 +268,15 @@ class TokenSource:
             self.hits += 1
             return hit
         self.misses += 1
-        res = await self._resolve(endpoint, body)
+        res = await self._resolve(endpoint, body, form)
         self._cache[key] = res
         if len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
         self.by_source[res[1]] = self.by_source.get(res[1], 0) + 1
         return res
 
-    async def _resolve(self, endpoint: str | None, body: dict[str, Any]) -> tuple[list[int], str]:
+    async def _resolve(self, endpoint: str | None, body: dict[str, Any], form: str = "vllm"
+                       ) -> tuple[list[int], str]:
         if self._local is not None:
             try:
                 return self._local.encode_body(body), "local"
@@ -279,7 +284,7 @@ class TokenSource:
                 pass
         if self.mode in ("auto", "engine") or self._local is None and self.mode != "approx":
             if endpoint:
-                ids = await self._engine_tokenize(endpoint, body)
+                ids = await self._engine_tokenize(endpoint, body, form)
                 if ids is not None:
                     return ids, "engine"
         if "messages" in body:
@@ -289,11 +294,16 @@ class TokenSource:
             text = p if isinstance(p, str) else "".join(map(str, p))
         return approx_tokens(text), "approx"
 
-    async def _engine_tokenize(self, server_root: str, body: dict[str, Any]) -> list[int] | None:
-        """vLLM's POST /tokenize: {model, messages, add_generation_prompt} or {model, prompt}."""
+    async def _engine_tokenize(self, server_root: str, body: dict[str, Any], form: str = "vllm") -> list[int] | None:
+        """The engine's POST /tokenize: {model, messages, add_generation_prompt} or {model, prompt} (vLLM). SGLang's
+        (sglang/srt/entrypoints/openai/serving_tokenize.py, 0.5.23) renders messages "as for a chat completion"
+        only without `add_generation_prompt` (given, it is passed to a Jinja template as it is, and refused for a
+        named template), so an SGLang engine is asked without it; both answer {"tokens": [...], ...}."""
         req: dict[str, Any] = {"model": body.get("model")}
         if "messages" in body:
-            req.update(messages=body["messages"], add_generation_prompt=True)
+            req["messages"] = body["messages"]
+            if form != "sglang":
+                req["add_generation_prompt"] = True
             if body.get("tools"):
                 req["tools"] = body["tools"]
         else:

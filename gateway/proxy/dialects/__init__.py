@@ -1,17 +1,27 @@
-"""Backend dialects by `kind` (gateway/proxy/dialects/base.py): one registry line per kind."""
+"""Backend dialects by `kind` (gateway/proxy/dialects/base.py): one registry line per kind.
+
+Everything that depends on what a kind can do is read from here: config validation of `backends[].kind`
+(gateway/config.py), which kinds publish KV events and metrics (the telemetry plane, the router's engine model
+and its modes) and in which formats (`telemetry_form`)."""
 from __future__ import annotations
 
 from gateway.proxy.dialects.anthropic import AnthropicDialect
 from gateway.proxy.dialects.base import Dialect, Exchange, StreamTranslator
 from gateway.proxy.dialects.openai import OpenAIDialect
+from gateway.proxy.dialects.sglang import SGLangDialect
 from gateway.proxy.dialects.vllm import VLLMDialect
 
 DIALECTS: dict[str, Dialect] = {d.kind: d for d in (
     VLLMDialect("vllm"),
     VLLMDialect("sim"),
+    SGLangDialect(),
     OpenAIDialect(),
     AnthropicDialect(),
 )}
+
+KINDS: tuple[str, ...] = tuple(sorted(DIALECTS))
+# the kinds whose engines publish KV events and engine metrics (the router models their queue, cache and prefill)
+TELEMETRY_KINDS: frozenset[str] = frozenset(k for k, d in DIALECTS.items() if d.kv_events)
 
 
 def dialect_for(kind: str) -> Dialect:
@@ -19,9 +29,16 @@ def dialect_for(kind: str) -> Dialect:
 
 
 def publishes_kv_events(backend: object) -> bool:
-    """Does this backend's kind publish vLLM KV-cache events and engine metrics (the router's telemetry)?"""
+    """Does this backend's kind publish KV-cache events and engine metrics (the router's telemetry)?"""
     d = DIALECTS.get(getattr(backend, "kind", ""))
     return d is not None and d.kv_events
 
 
-__all__ = ["DIALECTS", "Dialect", "Exchange", "StreamTranslator", "dialect_for", "publishes_kv_events"]
+def telemetry_form(kind: str) -> str | None:
+    """The formats a kind's KV events, metrics and /tokenize follow ("vllm", "sglang"), or None."""
+    d = DIALECTS.get(kind)
+    return d.telemetry if d is not None and d.kv_events else None
+
+
+__all__ = ["DIALECTS", "Dialect", "Exchange", "KINDS", "StreamTranslator", "TELEMETRY_KINDS", "dialect_for",
+           "publishes_kv_events", "telemetry_form"]

@@ -8,8 +8,10 @@ A `Dialect` answers, for one backend kind:
 - `adjust(ctx, cand, body)`: fields this kind does not accept removed from the upstream body;
 - `auth_headers(token)`: how the gateway's credential for the backend is sent;
 - `error_message(status, body)`: the human message of an upstream error body;
-- capabilities: `kv_events` (publishes vLLM KV-cache events and Prometheus metrics the router reads),
-  `tokenize_path`, `provider` (OpenTelemetry gen_ai.provider.name).
+- `lora_key(upstream_model)`: the name this kind's KV events give the LoRA adapter an upstream model selects;
+- capabilities: `kv_events` (publishes KV-cache events and Prometheus metrics the router reads), `telemetry`
+  (whose formats those are: "vllm" or "sglang"; gateway/telemetry reads each), `kv_report_full` (takes vLLM's
+  kv_cache_report_mode), `tokenize_path`, `provider` (OpenTelemetry gen_ai.provider.name).
 
 The registry (gateway/proxy/dialects/__init__.py) maps a backend `kind` to its dialect: a new backend kind is
 one file plus one registry line.
@@ -72,7 +74,9 @@ class Exchange:
 class Dialect:
     kind = "base"
     provider = ""  # OpenTelemetry gen_ai.provider.name
-    kv_events = False  # publishes vLLM KV-cache events (ZMQ) and engine metrics the router reads
+    kv_events = False  # publishes KV-cache events (ZMQ) and engine metrics the router reads
+    telemetry: str | None = None  # the formats of those events, metrics and /tokenize: "vllm" | "sglang"
+    kv_report_full = False  # takes vLLM's kv_cache_report_mode="full" (backends[].kv_cache_report_mode)
     tokenize_path: str | None = None
     native: frozenset[str] = frozenset()  # endpoint names served as they are (empty: see `translated`)
     drop_fields: tuple[str, ...] = ()  # body fields this kind refuses (vLLM-only extensions)
@@ -91,6 +95,10 @@ class Dialect:
             body.pop(f, None)
         if not cand.backend.priority_scheduling:
             body.pop("priority", None)
+
+    def lora_key(self, upstream_model: str) -> str:
+        """The adapter name this kind's KV events carry for an upstream model that is a LoRA adapter."""
+        return upstream_model
 
     def auth_headers(self, bearer: str | None) -> dict[str, str]:
         return {"authorization": bearer} if bearer else {}

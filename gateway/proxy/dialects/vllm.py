@@ -14,6 +14,8 @@ from gateway.proxy.dialects.base import Dialect, Exchange
 class VLLMDialect(Dialect):
     provider = "vllm"
     kv_events = True
+    telemetry = "vllm"
+    kv_report_full = True
     tokenize_path = "tokenize"
 
     def __init__(self, kind: str = "vllm") -> None:
