@@ -43,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topic", default="", help="KV-event topic (default \"\", vLLM's KVEventsConfig.topic default)")
     p.add_argument("--kv-batch-form", choices=["array", "map"], default="array",
                    help="msgpack form of KVEventBatch (events are always tagged maps)")
+    p.add_argument("--present-as", choices=["vllm", "sglang"], default="vllm",
+                   help="answer as vLLM 0.32 (default) or as SGLang 0.5.23: KV-event wire, /metrics names, error "
+                        "shape, priority order, /tokenize, LoRA as <base>:<adapter> (gateway kind sim / sglang)")
     # faults
     p.add_argument("--event-delay-ms", type=float, default=0.0)
     p.add_argument("--event-loss", type=float, default=0.0, help="probability a batch is dropped from PUB")
@@ -68,6 +71,7 @@ def _fleet_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
                        lora_modules=args.lora_modules, priority_policy=args.scheduling_policy == "priority",
                        enable_prefix_caching=not args.no_prefix_caching, faults=faults, topic=args.topic,
                        batch_form=args.kv_batch_form, log_level=args.log_level, overrides=overrides,
+                       present_as=args.present_as,
                        lora=LoraConfig(max_loras=args.max_loras, load_s=args.lora_load_ms / 1000.0)
                        if args.enable_lora else None)
 
@@ -100,7 +104,7 @@ async def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="gateway sim", description="Run simulated vLLM engines.")
+    p = argparse.ArgumentParser(prog="gateway sim", description="Run simulated vLLM (or SGLang) engines.")
     add_arguments(p)
     return _cmd(p.parse_args(argv))
 

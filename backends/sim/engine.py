@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from backends.sim.kv_wire import WireForm
+from backends.sim.kv_wire import Wire, WireForm
 from backends.sim.profiles import EngineProfile
 from backends.sim.publisher import KVEventPublisher
 from backends.sim.scheduler import ABORTED, FINISHED, Scheduler, SimRequest
@@ -59,7 +59,7 @@ class SimEngine:
                  engine_index: int = 0, host: str = "127.0.0.1", zmq_port: int = 0, replay_port: int = 0,
                  topic: str = "", enable_prefix_caching: bool = True, priority_policy: bool = False,
                  batch_form: WireForm = "array", event_form: WireForm = "map", faults: Faults | None = None,
-                 tokenizer: Tokenizer | None = None) -> None:
+                 tokenizer: Tokenizer | None = None, present_as: Wire = "vllm") -> None:
         self.profile = profile
         self.name = name
         self.model = model
@@ -68,6 +68,7 @@ class SimEngine:
         self.topic = topic
         self.enable_prefix_caching = enable_prefix_caching
         self.priority_policy = priority_policy
+        self.present_as = present_as  # "sglang": SGLang's KV-event payloads, metrics, errors, priority order
         self._forms = (batch_form, event_form)
         self._zmq_ports = (zmq_port, replay_port)
         self.faults = faults or Faults()
@@ -104,7 +105,8 @@ class SimEngine:
         for attempt in range(100):  # zmq closes listeners asynchronously: a rebind after restart may need a moment
             try:
                 self.publisher = KVEventPublisher(self.host, self._zmq_ports[0], self._zmq_ports[1], self.topic,
-                                                  batch_form=self._forms[0], event_form=self._forms[1])
+                                                  batch_form=self._forms[0], event_form=self._forms[1],
+                                                  wire=self.present_as)
                 break
             except zmq.ZMQError as e:
                 if e.errno != zmq.EADDRINUSE or attempt == 99:
@@ -178,6 +180,8 @@ class SimEngine:
                seed: int = 0) -> SimRequest:
         loop = asyncio.get_running_loop()
         now = loop.time()
+        if self.present_as == "sglang":
+            priority = -priority  # SGLang runs higher values first; the scheduler orders lower first
         req = SimRequest(rid=f"{self.name}-{next(self._ids)}", prompt_len=len(prompt_ids), tokens=list(prompt_ids),
                          max_tokens=max_tokens, stop_reason=stop_reason, cache_salt=cache_salt,
                          lora_name=lora_name, lora_id=self.lora_id(lora_name), priority=priority, arrival=now,
@@ -259,7 +263,8 @@ class SimEngine:
     # ------------------------------------------------------------------ views
     def snapshot(self) -> dict[str, object]:
         s = self.sched
-        return {"name": self.name, "profile": self.profile.name, "running": len(s.running),
+        return {"name": self.name, "profile": self.profile.name, "present_as": self.present_as,
+                "running": len(s.running),
                 "waiting": len(s.waiting), "kv_cache_usage": s.pool.usage(), "free_blocks": s.pool.num_free,
                 "cached_blocks": len(s.pool.cached), "generation": self.generation,
                 "busy_s": round(s.stats.busy_s, 6), "busy_prefill_s": round(s.stats.busy_prefill_s, 6),

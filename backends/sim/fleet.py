@@ -2,8 +2,9 @@
 
 Ports: engine i listens for HTTP on base_port + 3i, publishes KV events on base_port + 3i + 1 and serves
 replay on base_port + 3i + 2 (base_port 0: every port is picked by the OS, which tests use). The manifest
-is JSON {"engines": [{name, url, kv_events, replay, metrics, location, profile, model}]}, whose url,
-kv_events and replay keys a gateway backend of kind vllm takes as they are.
+is JSON {"engines": [{name, url, kv_events, replay, metrics, location, profile, model, present_as, kind}]},
+whose url, kv_events and replay keys a gateway backend takes as they are; `kind` is the backend kind that reads
+the engine (`sim` for an engine presenting as vLLM, `sglang` for one presenting as SGLang).
 """
 from __future__ import annotations
 
@@ -16,10 +17,13 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from backends.sim.engine import Faults, SimEngine
-from backends.sim.kv_wire import WireForm
+from backends.sim.kv_wire import Wire, WireForm
 from backends.sim.lora import LoraConfig
 from backends.sim.profiles import EngineProfile, get_profile
 from backends.sim.server import EngineServer
+
+
+GATEWAY_KIND = {"vllm": "sim", "sglang": "sglang"}  # the gateway backend kind that reads each presentation
 
 
 def parse_location(loc: str | dict[str, Any] | None) -> dict[str, Any] | None:
@@ -82,6 +86,7 @@ class Fleet:
                 "replay": pub.replay_endpoint if pub else None,
                 "metrics": s.root + "/metrics", "location": s.location, "profile": e.profile.name,
                 "model": e.model, "topic": e.topic, "block_size": e.profile.block_size,
+                "present_as": e.present_as, "kind": GATEWAY_KIND[e.present_as],
             })
         return {"engines": engines}
 
@@ -100,8 +105,9 @@ def build_fleet(n: int, base_port: int = 0, *, profiles: Sequence[str | EnginePr
                 enable_prompt_tokens_details: bool = True, faults: Faults | None = None, topic: str = "",
                 batch_form: WireForm = "array", event_form: WireForm = "map",
                 log_level: str = "warning", overrides: dict[str, Any] | None = None,
-                lora: LoraConfig | None = None) -> Fleet:
-    """A Fleet that is not started yet; profiles and locations cycle over the engines."""
+                lora: LoraConfig | None = None, present_as: Wire = "vllm") -> Fleet:
+    """A Fleet that is not started yet; profiles and locations cycle over the engines. `present_as` "sglang":
+    the engines answer as SGLang does (KV-event wire, metrics, errors, priority, tokenize, LoRA naming)."""
     servers = []
     for i in range(n):
         prof = profiles[i % len(profiles)]
@@ -112,7 +118,7 @@ def build_fleet(n: int, base_port: int = 0, *, profiles: Sequence[str | EnginePr
         eng = SimEngine(prof, name=f"{name_prefix}-{i}", model=model, engine_index=0, host=host,
                         zmq_port=0 if base_port == 0 else port + 1, replay_port=0 if base_port == 0 else port + 2,
                         topic=topic, enable_prefix_caching=enable_prefix_caching, priority_policy=priority_policy,
-                        batch_form=batch_form, event_form=event_form,
+                        batch_form=batch_form, event_form=event_form, present_as=present_as,
                         faults=Faults(**faults.as_dict()) if faults else None)  # type: ignore[arg-type]
         servers.append(EngineServer(eng, host, port, lora_modules=list(lora_modules),
                                     enable_prompt_tokens_details=enable_prompt_tokens_details, log_level=log_level,
@@ -174,11 +180,12 @@ class FleetProcess:
 
 
 
-def manifest_backends(manifest: dict[str, Any], kind: str = "vllm") -> list[dict[str, Any]]:
-    """The manifest's engines as gateway `backends:` entries (url, kv_events, replay, metrics taken as they are)."""
+def manifest_backends(manifest: dict[str, Any], kind: str | None = "vllm") -> list[dict[str, Any]]:
+    """The manifest's engines as gateway `backends:` entries (url, kv_events, replay, metrics taken as they are);
+    kind None: each engine's own (`sim` or `sglang`, as it presents itself)."""
     out = []
     for e in manifest["engines"]:
-        b: dict[str, Any] = {"name": e["name"], "url": e["url"], "kind": kind, "models": [e.get("model", "sim-model")],
+        b: dict[str, Any] = {"name": e["name"], "url": e["url"], "kind": kind or e.get("kind", "sim"), "models": [e.get("model", "sim-model")],
                              "kv_events": e["kv_events"], "replay": e["replay"], "metrics": e["metrics"]}
         if e.get("location"):
             b["location"] = e["location"]

@@ -10,6 +10,16 @@ sees the frames without the identity). Captured 0.32 traffic: batch = array, eve
 
 The decoder accepts both the map and the array forms of events and of the batch, so it reads every vLLM
 version we know of; the encoder writes the form selected by `WireForm`.
+
+SGLang's wire (`Wire` "sglang"; written from reading sglang/srt/disaggregation/kv_events.py and
+mem_cache/events.py of 0.5.23 and 0.5.10, no code taken): the same frames, replay and batch
+(`EventBatch(ts, events, attn_dp_rank)`, always an array); 0.5.23's events are tagged maps with a BlockStored of
+`block_hashes, parent_block_hash, token_ids, block_size, lora_id` (no default: always sent, nil),
+`medium, cache_salt, session_id, lora_name` (omitted when nil) and no extra_keys or KV-cache group fields, a
+BlockRemoved of `block_hashes, medium`; 0.5.10's are arrays `["BlockStored", hashes, parent, token_ids,
+block_size, lora_id, medium]` / `["BlockRemoved", hashes, medium]`. Hashes are signed int64 (SHA-256 of the
+page chain, first 8 bytes), the salt of a salted chain rides on every one of its BlockStored, and SGLang
+coalesces consecutive removals of one medium into one BlockRemoved (one per radix node).
 """
 from __future__ import annotations
 
@@ -24,6 +34,7 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 MEDIUM_GPU = "GPU"
 
 WireForm = Literal["map", "array"]
+Wire = Literal["vllm", "sglang"]
 
 
 # ------------------------------------------------------------------------------------------ map form
@@ -116,6 +127,112 @@ class KVEventBatchOfArrays(msgspec.Struct, array_like=True, omit_defaults=True, 
     data_parallel_rank: int | None = None
 
 
+# ------------------------------------------------------------------------------------- SGLang's wire
+class _SGLEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """SGLang 0.5.23's KVCacheEvent: tagged maps, omit_defaults."""
+
+
+class SGLBlockStored(_SGLEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None = None
+    cache_salt: str | None = None
+    session_id: str | None = None
+    lora_name: str | None = None
+
+
+class SGLBlockRemoved(_SGLEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None = None
+
+
+class SGLAllBlocksCleared(_SGLEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class _SGLArrayEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """SGLang 0.5.10's KVCacheEvent: tagged arrays."""
+
+
+class SGLBlockStoredArray(_SGLArrayEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None = None
+
+
+class SGLBlockRemovedArray(_SGLArrayEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None = None
+
+
+class SGLAllBlocksClearedArray(_SGLArrayEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class SGLEventBatch(msgspec.Struct, array_like=True, gc=False):
+    """[ts, events, attn_dp_rank] (0.5.23: no omit_defaults on the batch, the rank is always sent)."""
+
+    ts: float
+    events: list[Any]
+    attn_dp_rank: int | None = None
+
+
+def int64(h: int) -> int:
+    """A uint64 hash as SGLang's signed int64 (its `hash_str_to_int64`, `namespaced_block_hash`)."""
+    return h - (1 << 64) if h >= (1 << 63) else h
+
+
+def _first_salt(e: BlockStored) -> str | None:
+    """The cache_salt in a chain's first block's extra keys (vLLM's order: LoRA name, then the salt)."""
+    x = e.extra_keys[0] if e.extra_keys else None
+    rest = list(x or ())
+    if rest and e.lora_name and rest[0] == e.lora_name:
+        rest = rest[1:]
+    return rest[0] if len(rest) == 1 and isinstance(rest[0], str) else None
+
+
+def sglang_events(events: list[Any], event_form: WireForm = "map", salts: dict[int, str] | None = None) -> list[Any]:
+    """The sim's events in SGLang's classes: signed hashes, the chain's salt on every stored event, consecutive
+    removals of one medium coalesced (SGLang's `KVCacheEventRecorder.enqueue`). `salts` (a publisher's, kept
+    across batches): block hash -> the salt of its chain, since the sim's events, vLLM's, carry the salt only in a
+    chain's first block."""
+    out: list[Any] = []
+    arr = event_form == "array"
+    salts = {} if salts is None else salts
+    for e in events:
+        if isinstance(e, BlockStored):
+            salt = _first_salt(e) if e.parent_block_hash is None else salts.get(int(e.parent_block_hash))
+            if salt is not None:
+                for h in e.block_hashes:
+                    salts[int(h)] = salt
+            hs = [int64(int(h)) for h in e.block_hashes]
+            p = None if e.parent_block_hash is None else int64(int(e.parent_block_hash))
+            if arr:
+                out.append(SGLBlockStoredArray(hs, p, list(e.token_ids), e.block_size, None, e.medium))
+            else:
+                out.append(SGLBlockStored(hs, p, list(e.token_ids), e.block_size, None, e.medium, salt,
+                                          None, e.lora_name))
+        elif isinstance(e, BlockRemoved):
+            for h in e.block_hashes:
+                salts.pop(int(h), None)
+            hs = [int64(int(h)) for h in e.block_hashes]
+            tail = out[-1] if out else None
+            if isinstance(tail, (SGLBlockRemoved, SGLBlockRemovedArray)) and tail.medium == e.medium:
+                tail.block_hashes.extend(hs)
+            else:
+                out.append(SGLBlockRemovedArray(hs, e.medium) if arr else SGLBlockRemoved(hs, e.medium))
+        else:
+            salts.clear()
+            out.append(SGLAllBlocksClearedArray() if arr else SGLAllBlocksCleared())
+    return out
+
+
 Event = Union[BlockStored, BlockRemoved, AllBlocksCleared]
 
 _ENC = msgspec.msgpack.Encoder()
@@ -188,8 +305,12 @@ def decode_batch(payload: bytes) -> DecodedBatch:
 
 
 def encode_batch(ts: float, events: list[Event], data_parallel_rank: int | None = 0,
-                 batch_form: WireForm = "map", event_form: WireForm = "map") -> bytes:
-    """Encode a batch in the chosen form (vLLM's current source: map batch with map events)."""
+                 batch_form: WireForm = "map", event_form: WireForm = "map", wire: Wire = "vllm",
+                 salts: dict[int, str] | None = None) -> bytes:
+    """Encode a batch in the chosen form (vLLM's current source: map batch with map events; SGLang's: an array
+    batch, `event_form` map for 0.5.23, array for 0.5.10; `salts`: see `sglang_events`)."""
+    if wire == "sglang":
+        return _ENC.encode(SGLEventBatch(ts, sglang_events(events, event_form, salts), data_parallel_rank))
     if event_form == "array":
         arr: list[Any] = []
         for e in events:

@@ -3,7 +3,8 @@
 Mirrors `ZmqEventPublisher` (vllm/distributed/kv_events.py): PUB frames `(topic, seq 8-byte BE, payload)`,
 seq from 0 per publisher instance, a bounded replay buffer served by a ROUTER socket that answers
 `(identity, b"", topic, seq, payload)` per buffered batch with seq >= start and ends with `(identity, b"", b"",
-END_SEQ, b"")` (vLLM 0.32 as captured from a live engine; older sources had no topic frame). Runs on the asyncio loop (zmq.asyncio) instead of a thread. A "lost" batch consumes its seq and stays
+END_SEQ, b"")` (vLLM 0.32 as captured from a live engine; older sources had no topic frame; SGLang 0.5.23's
+ZmqEventPublisher sends and replays exactly these frames, so only the payload differs with `wire`). Runs on the asyncio loop (zmq.asyncio) instead of a thread. A "lost" batch consumes its seq and stays
 in the replay buffer but never reaches PUB subscribers, which is exactly a gap a subscriber must repair.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections import deque
 import zmq
 import zmq.asyncio
 
-from backends.sim.kv_wire import END_SEQ, Event, WireForm, encode_batch, seq_bytes
+from backends.sim.kv_wire import END_SEQ, Event, Wire, WireForm, encode_batch, seq_bytes
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +36,14 @@ class KVEventPublisher:
     # topic "": vLLM's default (vllm/config/kv_events.py `KVEventsConfig.topic`, ZmqEventPublisher(topic=""))
     def __init__(self, host: str = "127.0.0.1", port: int = 0, replay_port: int = 0, topic: str = "",
                  buffer_steps: int = 10_000, data_parallel_rank: int = 0, batch_form: WireForm = "array",
-                 event_form: WireForm = "map", ctx: zmq.asyncio.Context | None = None) -> None:
+                 event_form: WireForm = "map", ctx: zmq.asyncio.Context | None = None, wire: Wire = "vllm") -> None:
         self.host = host
         self.topic = topic
         self._topic_b = topic.encode("utf-8")
         self._dp = data_parallel_rank
         self._forms = (batch_form, event_form)
+        self.wire = wire
+        self._salts: dict[int, str] = {}  # SGLang's wire: block hash -> its chain's salt (kv_wire.sglang_events)
         self._ctx = ctx or zmq.asyncio.Context.instance()
         # PUB is a plain socket: a non-blocking send needs no future, and it is cheaper per batch.
         self._pub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
@@ -81,7 +84,8 @@ class KVEventPublisher:
 
     def publish(self, events: list[Event], ts: float | None = None) -> int:
         """Encode and send one batch; returns its seq."""
-        payload = encode_batch(time.time() if ts is None else ts, events, self._dp, *self._forms)
+        payload = encode_batch(time.time() if ts is None else ts, events, self._dp, *self._forms, wire=self.wire,
+                               salts=self._salts)
         seq = self._seq
         self._seq += 1
         self._buffer.append((seq, payload))

@@ -318,7 +318,7 @@ class Scheduler:
                 ek = [block_extra_keys(j, req.lora_name, req.cache_salt) for j in range(start, full)]
                 parent = req.block_hashes[start - 1] if start > 0 else None
                 pool.cache_blocks(req.block_ids[start:full], hashes, parent, req.tokens[start * bs:full * bs],
-                                  ek, req.lora_id, req.lora_name, req.cache_salt)
+                                  ek, req.lora_id, req.lora_name)
                 req.num_cached_blocks = full
             if req.num_output >= req.max_tokens:
                 req.status = FINISHED

@@ -26,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from backends.sim import anthropic_api, extra_api
+from backends.sim import anthropic_api, extra_api, sglang_api
 from backends.sim.engine import EngineDead, SimEngine
 from backends.sim.http import ApiError, json_response, read_body
 from backends.sim.lora import LoraConfig, LoraError, LoraState
@@ -170,22 +170,31 @@ class EngineServer:
             Route("/sim/state", self._wrap(self.state), methods=["GET"]),
             Route("/sim/costs", self._wrap(self.costs), methods=["GET"]),
         ]
+        if self.engine.present_as == "sglang":  # SGLang's own routes (backends/sim/sglang_api.py)
+            routes += [Route("/v1/tokenize", self._wrap(self.tokenize), methods=["POST"]),
+                       Route("/flush_cache", self._wrap(lambda r: sglang_api.flush_cache(self, r)),
+                             methods=["GET", "POST"])]
         return Starlette(routes=routes)
 
     def _wrap(self, fn: Any) -> Any:
         async def endpoint(request: Request) -> Response:
+            sgl = self.engine.present_as == "sglang"
             try:
                 return await fn(request)
-            except ApiError as e:
-                return e.response()
+            except (ApiError, sglang_api.SGLangError) as e:
+                return sglang_api.error_response(e.status, e.message, e.param) if sgl else \
+                    ApiError(e.status, e.message, e.param).response()
             except EngineDead:
-                return ApiError(500, "engine died while handling the request").response()
+                msg = "engine died while handling the request"
+                return sglang_api.error_response(500, msg) if sgl else ApiError(500, msg).response()
         return endpoint
 
     # ------------------------------------------------------------------ request parsing
     def _resolve_model(self, model: Any) -> str | None:
         """The LoRA adapter a model name selects (None for the base model); 404 for unknown names."""
         e = self.engine
+        if e.present_as == "sglang":
+            return sglang_api.resolve_model(self, model)
         if model is None or model == e.model:
             return None
         if isinstance(model, str) and self.lora.has(model):
@@ -201,7 +210,7 @@ class EngineServer:
         prio = body.get("priority", 0)
         if not isinstance(prio, int) or isinstance(prio, bool):
             raise ApiError(400, "priority must be an integer", "priority")
-        if prio != 0 and not self.engine.priority_policy:
+        if prio != 0 and not self.engine.priority_policy and self.engine.present_as != "sglang":
             raise ApiError(400, f"Got priority {prio} != 0 but Priority scheduling is not enabled.", "priority")
         n = body.get("n", 1)
         if n != 1:
@@ -245,7 +254,9 @@ class EngineServer:
                                   priority=c["priority"], seed=seed)
 
     def _usage(self, req: SimRequest, stream: bool = False) -> dict[str, Any]:
-        """vLLM 0.32's usage; in streams fields that are None are left out (as captured)."""
+        """vLLM 0.32's usage; in streams fields that are None are left out (as captured). SGLang's UsageInfo."""
+        if self.engine.present_as == "sglang":
+            return sglang_api.usage(self, req)
         u: dict[str, Any] = {"prompt_tokens": req.prompt_len, "total_tokens": req.prompt_len + req.num_output,
                              "completion_tokens": req.num_output}
         if self.enable_prompt_tokens_details:
@@ -464,6 +475,8 @@ class EngineServer:
 
     async def tokenize(self, request: Request) -> Response:
         body = await read_body(request)
+        if self.engine.present_as == "sglang":
+            return sglang_api.tokenize(self, body)
         self._resolve_model(body.get("model"))
         tok = self.engine.tokenizer
         if "messages" in body:

@@ -3,6 +3,9 @@
 Pins: a repeated long prompt goes to the engine that holds it (predicted cached == engine's cached tokens),
 overload is refused at once with 429 ttft_slo_unattainable and its headers, and the audit record carries the
 candidates with predicted TTFT, the predicted and the actual TTFT.
+
+Every test runs twice: against the fleet presenting as vLLM (backends of kind `sim`) and as SGLang (kind
+`sglang`: SGLang's KV-event wire, `sglang:*` metrics, /tokenize, priority order and LoRA as `<base>:<adapter>`).
 """
 from __future__ import annotations
 
@@ -23,18 +26,25 @@ H = {"authorization": f"Bearer {KEY}"}
 pytestmark = pytest.mark.e2e
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+# the LoRA adapter as each kind selects it: vLLM by its name, SGLang as `<base>:<adapter>`
+LORA = {"vllm": "sim-lora", "sglang": "sim-model:sim-lora"}
+
+
+@pytest.fixture(scope="module", params=["vllm", "sglang"])
+def stack(request, tmp_path_factory):
+    present_as = request.param
     tmp = tmp_path_factory.mktemp("route")
     fleet = FleetProcess(["--engines", "3", "--profile", "h200-8b,l40s-8b", "--base-port", "0",
-                          "--lora-modules", "sim-lora"], tmp / "fleet.json")
+                          "--lora-modules", "sim-lora", "--present-as", present_as], tmp / "fleet.json")
     man = fleet.start()
     try:
         port = free_port()
-        backends = [{"name": e["name"], "kind": "sim", "url": e["url"], "models": ["sim-model", "sim-lora"],
-                     "lora_adapters": ["sim-lora"],
+        lora = LORA[present_as]
+        backends = [{"name": e["name"], "kind": e["kind"], "url": e["url"], "models": ["sim-model", "sim-lora"],
+                     "model_map": {"sim-lora": lora}, "lora_adapters": [lora],
                      "kv_events": e["kv_events"], "replay": e["replay"], "metrics": e["metrics"],
                      "location": {"country": "DE"}} for e in man["engines"]]
+        assert {b["kind"] for b in backends} == {"sim" if present_as == "vllm" else "sglang"}
         cfg = tmp / "gateway.yaml"
         cfg.write_text(json.dumps({"server": {"host": "127.0.0.1", "port": port}, "backends": backends,
                                    "keys": [{"key": KEY, "tenant": "t1"}], "admin": {"key": ADMIN},
@@ -181,3 +191,33 @@ def test_admin_routing_shows_each_engines_learned_chunk_budget_and_prediction_qu
     served = [e for e in snap["engines"].values() if e.get("samples")]
     assert served and all("mdare" in e and "calibration" in e and e["calibration_target"] == 0.9
                           and "resets" in e["guard"] for e in served)
+
+
+DASHBOARD_ENGINE_KEYS = {
+    "name", "kind", "country", "retention", "circuit", "running", "waiting", "kv_usage", "cached_blocks", "stale",
+    "stale_reason", "stale_detail", "inflight", "kv_agreement", "prefill_tokens_per_s", "overhead_ms", "mape",
+    "samples", "mdare", "calibration", "calibration_target", "chunk_budget", "chunk_budget_source", "guard_resets",
+    "predicted_ttft_ms", "mode", "mode_reason", "holding_with_room"}
+
+
+def test_admin_fleet_and_the_dashboard_show_each_engine_in_one_shape(stack):
+    """An SGLang engine appears in /admin/fleet and on the dashboard exactly as a vLLM one does: its load from its
+    own metrics, its KV index, agreement and mode."""
+    base, admin = stack["base"], {"authorization": f"Bearer {ADMIN}"}
+    st, _, _ = _stream(base, _body("fleet view " + "words " * 200), {"x-request-id": "fleet-view"})
+    assert st == 200
+    time.sleep(0.5)
+    fleet = httpx.get(base + "/admin/fleet", headers=admin, timeout=10).json()["engines"]["engines"]
+    kinds = {e["name"]: e["kind"] for e in stack["engines"]}
+    for name in kinds:
+        e = fleet[name]
+        assert set(e) == {"block_size", "cached_blocks", "kv_events", "stale", "stale_reason", "stale_detail",
+                          "load", "inflight", "agreement", "kv_event_fields", "kv_groups"}
+        assert e["load"]["healthy"] and e["load"]["block_size"] == 16 and e["load"]["num_gpu_blocks"] > 0
+        assert e["block_size"] == 16 and not e["stale"]
+    assert sum(e["cached_blocks"].get("GPU", 0) for e in fleet.values()) > 0
+    ui = httpx.get(base + "/admin/ui/data", headers=admin, timeout=10).json()
+    rows = {r["name"]: r for r in ui["engines"]}
+    for name, kind in kinds.items():
+        assert set(rows[name]) == DASHBOARD_ENGINE_KEYS and rows[name]["kind"] == kind
+        assert rows[name]["mode"] in ("modelled", "pass_through") and rows[name]["running"] is not None

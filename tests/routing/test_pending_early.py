@@ -1,5 +1,6 @@
 """Pending cache (issue 17b) and refusal before tokenizing (issue 17c), against the simulator fleet with the real
-telemetry service (KV events, /tokenize, metrics)."""
+telemetry service (KV events, /tokenize, metrics); the fleet tests run with the engines presenting as vLLM (kind
+sim) and as SGLang (kind sglang, whose /tokenize answers no token strings: its prefixes give no tail bound)."""
 from __future__ import annotations
 
 import asyncio
@@ -31,15 +32,15 @@ def _token_calls(tel) -> int:
     return t.hits + t.misses + t.uncached
 
 
-@pytest.fixture
-async def rig():
+@pytest.fixture(params=["vllm", "sglang"])
+async def rig(request):
     from backends.sim.fleet import start_fleet
     from gateway.telemetry.service import TelemetryService
 
-    async with start_fleet(2, profiles=["tiny"]) as fleet:
+    async with start_fleet(2, profiles=["tiny"], present_as=request.param) as fleet:
         engines = fleet.manifest()["engines"]
         cfg = parse_config(yaml.safe_dump({"backends": [
-            {"name": e["name"], "kind": "sim", "url": e["url"], "models": ["sim-model"], "kv_events": e["kv_events"],
+            {"name": e["name"], "kind": e["kind"], "url": e["url"], "models": ["sim-model"], "kv_events": e["kv_events"],
              "replay": e["replay"], "metrics": e["metrics"]} for e in engines],
             "telemetry": {"scrape_interval_s": 0.1},
             # these tests pin the modelled mechanics (refusal before tokenizing) from the first request: the

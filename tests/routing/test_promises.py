@@ -27,15 +27,15 @@ def _ctx(rid: str, slo: float | None = None) -> RequestContext:
     return c
 
 
-@pytest.fixture
-async def rig():
+@pytest.fixture(params=["vllm", "sglang"])  # the fleet presenting as vLLM (kind sim) and as SGLang (kind sglang)
+async def rig(request):
     from backends.sim.fleet import start_fleet
     from gateway.telemetry.service import TelemetryService
 
-    async with start_fleet(1, profiles=["tiny"]) as fleet:
+    async with start_fleet(1, profiles=["tiny"], present_as=request.param) as fleet:
         engines = fleet.manifest()["engines"]
         cfg = parse_config(yaml.safe_dump({"backends": [
-            {"name": e["name"], "kind": "sim", "url": e["url"], "models": ["sim-model"], "kv_events": e["kv_events"],
+            {"name": e["name"], "kind": e["kind"], "url": e["url"], "models": ["sim-model"], "kv_events": e["kv_events"],
              "replay": e["replay"], "metrics": e["metrics"]} for e in engines],
             "telemetry": {"scrape_interval_s": 0.1},
             "routing": {"model_validity": {"min_observations": 0}, "flow_control": {"max_wait_s": 0.2, "max_queue_per_flow": 1}}}))

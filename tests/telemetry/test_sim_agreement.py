@@ -1,8 +1,10 @@
-"""End to end against the simulator fleet: index predictions vs the engines' reported cached_tokens."""
+"""End to end against the simulator fleet: index predictions vs the engines' reported cached_tokens, with the
+fleet presenting as vLLM (kind sim) and as SGLang (kind sglang: SGLang's KV-event wire, metrics and /tokenize)."""
 import asyncio
 import random
 
 import httpx
+import pytest
 import yaml
 
 from backends.sim.fleet import start_fleet
@@ -12,7 +14,7 @@ from gateway.telemetry.service import TelemetryService
 
 
 def _config(fleet):
-    backends = [{"name": e["name"], "url": e["url"], "kind": "sim", "models": ["sim-model"],
+    backends = [{"name": e["name"], "url": e["url"], "kind": e["kind"], "models": ["sim-model"],
                  "kv_events": e["kv_events"], "replay": e["replay"], "metrics": e["metrics"]}
                 for e in fleet.manifest()["engines"]]
     return parse_config(yaml.safe_dump({"backends": backends, "telemetry": {"scrape_interval_s": 0.2}}))
@@ -45,9 +47,10 @@ async def _workload(svc, fleet, client, n, rng):
         svc.observe_cached(engine, pred, actual, rk)
 
 
-async def test_steady_shared_prefix_agreement_and_recovery_after_loss():
+@pytest.mark.parametrize("present_as", ["vllm", "sglang"])
+async def test_steady_shared_prefix_agreement_and_recovery_after_loss(present_as):
     rng = random.Random(3)
-    async with start_fleet(2, profiles=["tiny"]) as fleet:
+    async with start_fleet(2, profiles=["tiny"], present_as=present_as) as fleet:
         svc = TelemetryService(_config(fleet))
         await svc.start()
         try:
@@ -78,5 +81,10 @@ async def test_steady_shared_prefix_agreement_and_recovery_after_loss():
                 assert lost >= 1 and gaps >= 1 and replayed == gaps
                 assert all(not e["stale"] for e in snap["engines"].values())
                 assert any(e["load"] and e["load"]["healthy"] for e in snap["engines"].values())
+                # the engine view from the kind's own metrics: block size and capacity as the engine states them
+                load = next(e["load"] for e in snap["engines"].values() if e["load"] and e["load"]["healthy"])
+                assert load["block_size"] == fleet.servers[0].engine.profile.block_size
+                assert load["num_gpu_blocks"] == fleet.servers[0].engine.profile.num_gpu_blocks
+                assert load["prompt_tokens"] > 0 and load["prompt_tokens_cached"] > 0
         finally:
             await svc.close()
