@@ -89,6 +89,15 @@ class DnsDiscovery(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     refresh_s: float = 10.0  # how often the name is resolved again; a changed address set reloads the config
 
 
+class LoraPlacement(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """An engine that loads LoRA adapters at run time (vLLM --enable-lora with VLLM_ALLOW_RUNTIME_LORA_UPDATING):
+    registered adapters of a base model it serves are loaded on it where routing sends them
+    (gateway/adapters/placement.py, docs/adapters.md)."""
+    dynamic: bool = False  # load registered adapters on this engine at run time
+    max_loras: int = 1  # adapters resident at once (the engine's --max-loras); the least recently used idle one is unloaded past it
+    refresh_s: float = 2.0  # how often the engine's resident adapters are read back from its /v1/models (also after a 404 for one)
+
+
 class BackendConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     name: str
     url: str
@@ -125,6 +134,7 @@ class BackendConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # model_map sending the client's name as that): their KV blocks are keyed by the adapter name, so the KV-index
     # lookup for a request to one uses that name (else it would match base blocks the adapter cannot reuse)
     lora_adapters: list[str] = msgspec.field(default_factory=list)
+    lora: LoraPlacement | None = None  # runtime adapter loading (docs/adapters.md, "Placement")
     context_window: int | None = None
     capabilities: list[str] = msgspec.field(default_factory=lambda: ["chat", "completions"])
     weight: float = 1.0
@@ -410,6 +420,10 @@ def parse_config(text: str, source: str = "<config>", base_dir: Path | None = No
             raise _fail(source, marks, f"{k}.url", f"must be an http(s) URL, got {b.url!r}")
         if not b.models:
             raise _fail(source, marks, f"{k}.models", "a backend must serve at least one model")
+        if b.lora is not None and not 1 <= b.lora.max_loras <= 1024:
+            raise _fail(source, marks, f"{k}.lora.max_loras", f"must be between 1 and 1024, got {b.lora.max_loras}")
+        if b.lora is not None and not b.lora.refresh_s > 0:
+            raise _fail(source, marks, f"{k}.lora.refresh_s", "must be > 0 (seconds)")
         if b.location is not None:
             for attr in ("country", "storage_country"):
                 v = getattr(b.location, attr)

@@ -23,6 +23,7 @@ def wire(gw: Gateway) -> None:
     """Attach every subsystem to the gateway (called once, before the app starts)."""
     authenticate = _wire_identity(gw)
     adapters = _wire_adapters(gw)
+    placement = _wire_placement(gw)
     decide = _wire_policy(gw)
     rollout = _wire_rollouts(gw)
     reserve = _wire_budgets(gw)
@@ -37,6 +38,7 @@ def wire(gw: Gateway) -> None:
         authenticate,
         rollout,  # a weighted alias's arm, sticky per end user (gateway/rollouts, docs/rollouts.md)
         adapters,  # after the arm is chosen: an adapter exists only for its owner scope (gateway/adapters)
+        placement,  # its finish releases the request's hold on an adapter it placed (the dispatcher places)
         decide,
         cache,  # a hit answers here: no route, no GPU; charged at the cache price (budgets.prices, default 0)
         reserve,
@@ -93,6 +95,22 @@ def _wire_adapters(gw: Gateway) -> Any:
     gw.adapters = svc
     gw.extra_routes.extend(adapter_routes(svc, gateway_guard(gw)))
     return AdapterStage(svc)
+
+
+def _wire_placement(gw: Gateway) -> Any:
+    """Registered adapters loaded on dynamic engines (backends[].lora.dynamic) where routing sends them: the
+    dispatcher asks it before each attempt; its stage's finish ends a request's hold (gateway/adapters/placement)."""
+    from gateway.adapters.placement import Placement
+    from gateway.proxy.dialects import dialect_for
+
+    def auth(b: Any) -> dict[str, str]:
+        return dialect_for(b.kind).auth_headers(gw.upstreams.auth(b.name))
+
+    pl = Placement(lambda: gw.config, auth, gw.adapters.registry, registry=gw.metrics.registry)
+    gw.services.append(pl)
+    gw.dispatcher.placement = pl
+    gw.adapters.placement = pl  # DELETE unloads its copies once their requests finish
+    return pl
 
 
 def _wire_rollouts(gw: Gateway) -> Any:

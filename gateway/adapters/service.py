@@ -82,6 +82,7 @@ class AdapterService:
         self._loaded_at = 0.0
         self._gen = 0
         self._lock = asyncio.Lock()
+        self.placement: Any = None  # gateway.adapters.placement.Placement (wired with the adapters)
 
     @property
     def config(self) -> Config:
@@ -162,7 +163,10 @@ class AdapterService:
                 raise source_refused(source)
 
         try:
-            return await self._s().create(a, check)
+            made = await self._s().create(a, check)
+            if self.placement is not None:
+                self.placement.registered(name)
+            return made
         except Conflict:
             raise GatewayError(409, f"An adapter named {name!r} already exists.", code="conflict",
                                param="name") from None
@@ -195,4 +199,7 @@ class AdapterService:
         return await self._s().update(name, changes, check)
 
     async def delete(self, name: str) -> bool:
-        return await self._s().delete(name)
+        gone = await self._s().delete(name)
+        if gone and self.placement is not None:  # unload its copies on dynamic engines once requests finish
+            await self.placement.forget(name)
+        return gone

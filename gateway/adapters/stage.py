@@ -5,6 +5,7 @@ audit record names the adapter. Policy, budgets and routing then treat the adapt
 from __future__ import annotations
 
 from gateway.adapters.model import visible_chain
+from gateway.adapters.placement import dynamic_backends
 from gateway.adapters.service import AdapterService
 from gateway.pipeline import RequestContext
 
@@ -25,6 +26,8 @@ class AdapterStage:
         names = (ctx.model, *ctx.model_chain)
         if not any(n in reg for n in names):
             return
+        if not ctx.model_chain and ctx.model in reg and dynamic_backends(self.svc.config, reg[ctx.model].base_model):
+            ctx.model_chain = (ctx.model,)  # served by loading it where routing sends it (gateway/adapters/placement)
         before = ctx.model_chain
         ctx.model_chain = visible_chain(p, before, reg)
         if ctx.model_chain != before:

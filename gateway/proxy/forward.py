@@ -198,6 +198,7 @@ class Dispatcher:
         self.max_attempts = max_attempts
         self.retry_budget = RetryBudget()
         self.attempts: AttemptObserver | None = None  # gateway.cost.meter.CostMeter when cost is enabled
+        self.placement: Any = None  # gateway.adapters.placement.Placement: registered adapters on dynamic engines
 
     def _headers(self, ctx: RequestContext, cand: Candidate, dialect: Dialect) -> dict[str, str]:
         h = {"content-type": "application/json", "x-request-id": ctx.request_id}
@@ -219,6 +220,9 @@ class Dispatcher:
         self.retry_budget.request()
         last_error: GatewayError | None = None
         attempts = 0
+        placement = self.placement
+        if placement is not None:  # a registered adapter: engines holding it first, then the cheapest load
+            plan.candidates = placement.order(ctx, plan.candidates)
         for cand in plan.candidates:
             name = cand.backend.name
             why = self._residency_check(ctx, cand)
@@ -246,7 +250,10 @@ class Dispatcher:
             if obs is not None:
                 obs.attempt_begin(ctx, cand)
             try:
-                result = await self._attempt(ctx, cand, ex)
+                if placement is None:
+                    result = await self._attempt(ctx, cand, ex)
+                else:
+                    result = await self._placed_attempt(ctx, cand, ex, placement)
             except GatewayError as e:
                 if obs is not None:
                     obs.attempt_failed(ctx, cand)
@@ -274,6 +281,20 @@ class Dispatcher:
             raise last_error
         raise GatewayError(503, f"No healthy backend is available for model '{ctx.model}'.",
                            code="no_backend_available", headers=retry_headers(1.0))
+
+    async def _placed_attempt(self, ctx: RequestContext, cand: Candidate, ex: Exchange,
+                              placement: Any) -> StreamStart | JsonResult:
+        """An attempt on an engine that must hold a registered adapter: made resident first; an engine that
+        answers 404 for it (restarted, or unloaded behind the gateway's back) is re-read, and the adapter is
+        loaded again and the request retried there once."""
+        await placement.prepare(ctx, cand)
+        result = await self._attempt(ctx, cand, ex)
+        if (isinstance(result, JsonResult) and placement.placed(ctx, cand) is not None
+                and placement.not_loaded_answer(result, cand.model)):
+            await placement.not_loaded(ctx, cand)
+            await placement.prepare(ctx, cand)
+            result = await self._attempt(ctx, cand, ex)
+        return result
 
     async def _attempt(self, ctx: RequestContext, cand: Candidate, ex: Exchange) -> StreamStart | JsonResult:
         b = cand.backend

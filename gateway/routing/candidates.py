@@ -7,6 +7,7 @@ a spill only where policy allows (`split_partners`); the client's provider order
 from __future__ import annotations
 
 from gateway.config import Config
+from gateway.adapters.placement import adapter_backends
 from gateway.errors import GatewayError, retry_headers
 from gateway.pipeline import RequestContext
 from gateway.policy.residency import backend_allowed
@@ -49,8 +50,8 @@ def candidates(config: Config, ctx: RequestContext, health: Health) -> RoutePlan
     ep = ctx.ep
     need = ep.capability if ep is not None else None  # e.g. pooling APIs need a pooling model
     for model in ctx.model_chain:
-        for name in config.models.get(model, ()):
-            b = config.backend(name)
+        for b in adapter_backends(config, ctx, model):  # a registered adapter: the dynamic engines of its base
+            name = b.name
             why, kind = residency_reason(ctx.decision, b), "residency"
             if why is None and not health.available(name):
                 why, kind = "circuit open", "health"

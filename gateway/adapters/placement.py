@@ -1,0 +1,388 @@
+"""Placement of registered adapters on engines that load LoRA adapters at run time (`backends[].lora.dynamic`).
+
+Pure decisions first (no I/O; tests/adapters/test_placement.py): which engines a registered adapter may run on
+(`dynamic_backends`), what serving it on one engine takes (`step`: resident, load, load after unloading the least
+recently used idle adapter, or nothing when every slot has requests in flight), and the order to try the engines
+in (`choose`: resident first, else the lowest predicted TTFT plus the engine's learned load time).
+
+Then `Placement`, the I/O: the dispatcher asks it to order an adapter request's candidates and to make the adapter
+resident on the engine before each attempt (one lock per engine, so concurrent requests never load twice); it
+loads with vLLM's `POST /v1/load_lora_adapter`, unloads with `/v1/unload_lora_adapter`, learns each engine's load
+time (EWMA), counts requests in flight per (engine, adapter) until the pipeline finishes the request, and re-reads
+what an engine holds from its `/v1/models` every `lora.refresh_s` and after a 404 for an adapter it believed loaded.
+State is this process's own: replicas (and `server.workers` > 1) do not share it yet (docs/adapters.md).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Iterable, Mapping, NamedTuple
+
+import httpx
+import msgspec
+from prometheus_client import Counter
+
+from gateway.config import BackendConfig, Config
+from gateway.errors import GatewayError, retry_headers
+from gateway.pipeline import RequestContext
+from gateway.routing.plan import Candidate
+
+DEFAULT_LOAD_S = 0.5  # the prior for an engine's load time until a load was measured
+LOAD_EWMA = 0.3  # weight of the newest measured load
+log = logging.getLogger(__name__)
+LOAD_TIMEOUT_S = 60.0
+
+
+# ------------------------------------------------------------------------------------------------ pure part
+
+
+def is_dynamic(b: BackendConfig) -> bool:
+    return b.lora is not None and b.lora.dynamic
+
+
+def dynamic_backends(config: Config, base_model: str) -> list[BackendConfig]:
+    """The engines that may load an adapter of `base_model`: dynamic ones serving that base model."""
+    return [b for b in config.backends if is_dynamic(b) and base_model in b.models]
+
+
+def as_adapter_backend(b: BackendConfig, adapter: str) -> BackendConfig:
+    """The engine as a candidate for the adapter: it serves the adapter's name as a LoRA adapter (so the KV index
+    keys its blocks by that name, gateway/routing/prompt.py::lora_name)."""
+    return msgspec.structs.replace(b, models=[*b.models, adapter], lora_adapters=[*b.lora_adapters, adapter])
+
+
+@dataclass
+class Slots:
+    """One engine's adapter slots as the gateway believes them."""
+
+    max_loras: int
+    resident: dict[str, float] = field(default_factory=dict)  # adapter -> when last used (monotonic)
+    inflight: dict[str, int] = field(default_factory=dict)  # adapter -> requests in flight on this engine
+    load_s: float | None = None  # learned load time (EWMA); None until one was measured
+
+    def busy(self, adapter: str) -> bool:
+        return self.inflight.get(adapter, 0) > 0
+
+
+class Step(NamedTuple):
+    """What serving an adapter on one engine takes: load it or not, and which adapter to unload first."""
+
+    load: bool
+    evict: str | None = None
+
+
+def lru_idle(resident: Mapping[str, float], inflight: Mapping[str, int]) -> str | None:
+    """The least recently used resident adapter with no request in flight, or None when all are busy."""
+    idle = [(t, n) for n, t in resident.items() if inflight.get(n, 0) <= 0]
+    return min(idle)[1] if idle else None
+
+
+def step(adapter: str, s: Slots) -> Step | None:
+    """Resident: nothing to do. A free slot: load. Full: load after unloading the LRU idle adapter. Every slot
+    busy with requests in flight: None (the engine cannot take the adapter now)."""
+    if adapter in s.resident:
+        return Step(False)
+    if len(s.resident) < s.max_loras:
+        return Step(True)
+    victim = lru_idle(s.resident, s.inflight)
+    return None if victim is None else Step(True, victim)
+
+
+def load_cost_s(s: Slots, prior_s: float) -> float:
+    return s.load_s if s.load_s is not None else prior_s
+
+
+def choose(adapter: str, engines: Iterable[tuple[str, float | None]], slots: Mapping[str, Slots],
+           prior_s: float = DEFAULT_LOAD_S) -> list[tuple[str, Step]]:
+    """The engines to try for `adapter`, best first, each with its step. `engines` are (name, predicted TTFT in
+    seconds or None). Engines holding it come first (by predicted TTFT); then those with a free slot, then those
+    that must unload an idle adapter first, each by predicted TTFT + that engine's load time; engines whose slots
+    are all busy are left out."""
+    resident: list[tuple[float, int, str, Step]] = []
+    loading: list[tuple[bool, float, int, str, Step]] = []
+    for i, (name, ttft) in enumerate(engines):
+        st = step(adapter, slots[name])
+        if st is None:
+            continue
+        t = ttft or 0.0
+        if st.load:
+            loading.append((st.evict is not None, t + load_cost_s(slots[name], prior_s), i, name, st))
+        else:
+            resident.append((t, i, name, st))
+    return [(n, st) for _, _, n, st in sorted(resident)] + [(n, st) for _, _, _, n, st in sorted(loading)]
+
+
+def learn_load(prev: float | None, measured_s: float) -> float:
+    return measured_s if prev is None else (1 - LOAD_EWMA) * prev + LOAD_EWMA * measured_s
+
+
+def mean_load(slots: Iterable[Slots]) -> float:
+    """The prior for an engine never measured: the mean of the others' learned load times, else DEFAULT_LOAD_S."""
+    seen = [s.load_s for s in slots if s.load_s is not None]
+    return sum(seen) / len(seen) if seen else DEFAULT_LOAD_S
+
+
+def adapter_ids(models_body: Any, base_models: Iterable[str]) -> set[str]:
+    """The adapters an engine's /v1/models lists (vLLM: a card with a `parent` is a LoRA adapter)."""
+    bases = set(base_models)
+    data = models_body.get("data") if isinstance(models_body, dict) else None
+    out = set()
+    for c in data if isinstance(data, list) else ():
+        if isinstance(c, dict) and isinstance(c.get("id"), str) and (c.get("parent") or c["id"] not in bases):
+            out.add(c["id"])
+    return out
+
+
+def not_loaded_answer(status: int, upstream_message: str | None, adapter: str) -> bool:
+    """Is an engine's answer vLLM's 404 for a model (adapter) it does not serve?"""
+    if status != 404:
+        return False
+    msg = upstream_message or ""
+    return not msg or "does not exist" in msg or adapter in msg
+
+
+# ------------------------------------------------------------------------------------------------ I/O part
+
+
+class PlacementMetrics:
+    def __init__(self, registry: Any) -> None:
+        self.ops = Counter("gateway_adapter_placements_total", "LoRA adapter loads and unloads the gateway made, "
+                           "per engine", ["backend", "op"], registry=registry)
+
+
+class Placement:
+    """Where registered adapters are resident, and the loads/unloads that change it (see the module doc)."""
+
+    name = "adapter_placement"  # a pipeline stage too: its finish ends the request's hold on its adapter
+
+    def __init__(self, config: Callable[[], Config], auth_headers: Callable[[BackendConfig], dict[str, str]],
+                 sources: Callable[[], Awaitable[Mapping[str, Any]]], registry: Any = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._config = config
+        self._sources = sources  # the adapter registry: name -> Adapter (its `source` is the lora_path)
+        self._held: dict[str, tuple[str, str]] = {}  # request id -> (engine, adapter) it holds
+        self._auth = auth_headers
+        self.metrics = PlacementMetrics(registry) if registry is not None else None
+        self.clock = clock
+        self.slots: dict[str, Slots] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._read_at: dict[str, float] = {}
+        self._deleted: set[str] = set()  # adapters to unload everywhere once their requests finish
+        self._http: httpx.AsyncClient | None = None
+
+    # ---- lifecycle (a gateway service)
+    async def start(self) -> None:
+        self._http = httpx.AsyncClient(timeout=LOAD_TIMEOUT_S)
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+
+    def _client(self) -> httpx.AsyncClient:
+        if self._http is None:
+            self._http = httpx.AsyncClient(timeout=LOAD_TIMEOUT_S)
+        return self._http
+
+    def _slots(self, b: BackendConfig) -> Slots:
+        s = self.slots.get(b.name)
+        n = b.lora.max_loras if b.lora is not None else 1
+        if s is None:
+            s = self.slots[b.name] = Slots(max_loras=n)
+        s.max_loras = n
+        return s
+
+    def _lock(self, name: str) -> asyncio.Lock:
+        lk = self._locks.get(name)
+        if lk is None:
+            lk = self._locks[name] = asyncio.Lock()
+        return lk
+
+    def placed(self, ctx: RequestContext, cand: Candidate) -> str | None:
+        """The registered adapter this candidate must hold, when it is a dynamic engine serving it at run time
+        (not one the config serves it on statically)."""
+        ad = ctx.evidence.get("adapter")
+        if not isinstance(ad, dict) or ad.get("name") != cand.model or not is_dynamic(cand.backend):
+            return None
+        return None if cand.backend.name in self._config().models.get(cand.model, ()) else cand.model
+
+    # ---- the stage's half: nothing before routing; finish releases the request's hold
+    async def run(self, ctx: RequestContext) -> None:
+        return None
+
+    async def finish(self, ctx: RequestContext) -> None:
+        held = self._held.pop(ctx.request_id, None)
+        if held is not None:
+            await self._release(*held)
+
+    async def _release(self, engine: str, adapter: str) -> None:
+        s = self.slots.get(engine)
+        if s is None:
+            return
+        n = s.inflight.get(adapter, 0) - 1
+        if n > 0:
+            s.inflight[adapter] = n
+            return
+        s.inflight.pop(adapter, None)
+        if adapter in self._deleted:
+            b = self._backend(engine)
+            if b is not None:
+                try:
+                    async with self._lock(engine):
+                        if not s.busy(adapter) and adapter in s.resident:
+                            await self._unload(b, s, adapter)
+                except GatewayError as e:
+                    log.warning("adapter %s: unload on %s failed: %s", adapter, engine, e.message)
+
+    def _backend(self, name: str) -> BackendConfig | None:
+        try:
+            return self._config().backend(name)
+        except Exception:
+            return None
+
+    # ---- the dispatcher's half
+    def order(self, ctx: RequestContext, cands: list[Candidate]) -> list[Candidate]:
+        """An adapter request's dynamic candidates in `choose` order (full engines dropped), after the others."""
+        dyn = [c for c in cands if self.placed(ctx, c)]
+        if not dyn:
+            return cands
+        adapter = dyn[0].model
+        by_name = {c.backend.name: c for c in dyn}
+        for c in dyn:
+            self._slots(c.backend)
+        prior = mean_load(self.slots.values())
+        picks = choose(adapter, [(c.backend.name, (c.predicted_ttft_ms or 0.0) / 1000.0) for c in dyn],
+                       self.slots, prior)
+        rest = [c for c in cands if c not in dyn]
+        return rest + [by_name[n] for n, _ in picks]
+
+    async def prepare(self, ctx: RequestContext, cand: Candidate) -> None:
+        """Make the adapter resident on the candidate's engine (loading it, unloading the LRU idle one when the
+        engine is full) and hold it there until the request finishes. 503 (retryable) when it cannot."""
+        adapter = self.placed(ctx, cand)
+        if adapter is None:
+            return
+        prev = self._held.pop(ctx.request_id, None)
+        if prev is not None:  # an earlier attempt of this request (another engine, or a retry) held one
+            await self._release(*prev)
+        ad = ctx.evidence["adapter"]
+        reg = await self._sources()
+        a = reg.get(adapter)
+        if a is None:  # deleted since the adapters stage ran: refused like a deleted model
+            raise GatewayError(404, f"The model '{adapter}' does not exist or you do not have access to it.",
+                               code="model_not_found", param="model")
+        b = cand.backend
+        s = self._slots(b)
+        loaded = False
+        async with self._lock(b.name):
+            if b.lora is None or self.clock() - self._read_at.get(b.name, -1e9) > b.lora.refresh_s:
+                await self._read(b, s)
+            st = step(adapter, s)
+            if st is None:
+                raise GatewayError(503, f"Every adapter slot of backend {b.name} is in use.", code="adapter_slots_busy",
+                                   headers=retry_headers(1.0), extra={"_retryable": True})
+            if st.evict is not None:
+                await self._unload(b, s, st.evict)
+            if st.load:
+                await self._load(b, s, adapter, a.source)
+                loaded = True
+            s.resident[adapter] = self.clock()
+            s.inflight[adapter] = s.inflight.get(adapter, 0) + 1
+        self._held[ctx.request_id] = (b.name, adapter)
+        ad["engine"] = b.name
+        ad["loaded"] = loaded
+
+    async def not_loaded(self, ctx: RequestContext, cand: Candidate) -> None:
+        """The engine answered 404 for the adapter: it lost it (a restart, an unload behind our back). Drop the
+        request's hold and re-read the engine's adapters, so `prepare` loads it again."""
+        held = self._held.pop(ctx.request_id, None)
+        if held is not None:
+            await self._release(*held)
+        ad = ctx.evidence.get("adapter")
+        if isinstance(ad, dict):
+            ad["reloaded"] = True  # the audit record says the engine had lost it
+        s = self._slots(cand.backend)
+        async with self._lock(cand.backend.name):
+            s.resident.pop(cand.model, None)
+            await self._read(cand.backend, s)
+
+    @staticmethod
+    def not_loaded_answer(result: Any, adapter: str) -> bool:
+        return not_loaded_answer(result.status, result.upstream_message, adapter)
+
+    # ---- DELETE
+    async def forget(self, adapter: str) -> None:
+        """The adapter was deleted: unload it wherever no request holds it now; elsewhere when the last ends."""
+        self._deleted.add(adapter)
+        for name, s in list(self.slots.items()):
+            b = self._backend(name)
+            if b is None or adapter not in s.resident:
+                continue
+            try:
+                async with self._lock(name):
+                    if adapter in s.resident and not s.busy(adapter):
+                        await self._unload(b, s, adapter)
+            except GatewayError as e:  # the engine is away: a restart loses it anyway; the next read forgets it
+                log.warning("adapter %s: unload on %s failed: %s", adapter, name, e.message)
+
+    def registered(self, adapter: str) -> None:
+        """A (re-)registered adapter is no longer pending deletion."""
+        self._deleted.discard(adapter)
+
+    # ---- engine I/O
+    async def _read(self, b: BackendConfig, s: Slots) -> None:
+        """The engine's resident adapters from its /v1/models (what it lost is forgotten; what it gained is kept
+        with the oldest use time)."""
+        try:
+            r = await self._client().get(b.server_root + "/v1/models", headers=self._auth(b), timeout=5.0)
+            ids = adapter_ids(r.json(), [b.upstream_model(m) for m in b.models]) if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            ids = None
+        if ids is None:
+            return  # unreadable now: keep the belief, read again next time
+        s.resident = {n: s.resident.get(n, 0.0) for n in ids}
+        self._read_at[b.name] = self.clock()
+
+    async def _post(self, b: BackendConfig, path: str, body: dict[str, Any]) -> httpx.Response:
+        try:
+            return await self._client().post(b.server_root + path, json=body, headers=self._auth(b))
+        except httpx.HTTPError:
+            raise GatewayError(503, f"Backend {b.name} could not be reached to place the adapter.",
+                               code="upstream_unavailable", headers=retry_headers(1.0),
+                               extra={"_retryable": True}) from None
+
+    async def _load(self, b: BackendConfig, s: Slots, adapter: str, source: str) -> None:
+        t0 = time.perf_counter()
+        r = await self._post(b, "/v1/load_lora_adapter", {"lora_name": adapter, "lora_path": source})
+        took = time.perf_counter() - t0
+        if r.status_code == 400 and "already been loaded" in r.text:
+            return  # resident after all (loaded behind our back)
+        if r.status_code != 200:
+            raise GatewayError(502, f"Backend {b.name} failed to load the adapter (HTTP {r.status_code}).",
+                               code="adapter_load_failed", extra={"_retryable": True})
+        s.load_s = learn_load(s.load_s, took)
+        if self.metrics is not None:
+            self.metrics.ops.labels(b.name, "load").inc()
+
+    async def _unload(self, b: BackendConfig, s: Slots, adapter: str) -> None:
+        r = await self._post(b, "/v1/unload_lora_adapter", {"lora_name": adapter})
+        if r.status_code not in (200, 404):  # 404: already gone
+            raise GatewayError(502, f"Backend {b.name} failed to unload an adapter (HTTP {r.status_code}).",
+                               code="adapter_unload_failed", extra={"_retryable": True})
+        s.resident.pop(adapter, None)
+        if self.metrics is not None and r.status_code == 200:
+            self.metrics.ops.labels(b.name, "unload").inc()
+
+
+def adapter_backends(config: Config, ctx: RequestContext, model: str) -> list[BackendConfig]:
+    """The backends that may serve `model` for this request: the config's, else, for the registered adapter the
+    adapters stage let through, the dynamic engines of its base model (as candidates serving it)."""
+    names = config.models.get(model)
+    if names:
+        return [config.backend(n) for n in names]
+    ad = ctx.evidence.get("adapter")
+    if not isinstance(ad, dict) or ad.get("name") != model or not isinstance(ad.get("base_model"), str):
+        return []
+    return [as_adapter_backend(b, model) for b in dynamic_backends(config, ad["base_model"])]
