@@ -3,6 +3,7 @@ kv_cache_report_mode="full" re-announcements. Events go through the wire (encode
 of vllm/distributed/kv_events.py: map events tagged "type", array batch) and back before they are applied."""
 from types import SimpleNamespace
 
+import pytest
 import yaml
 
 from gateway.config import parse_config
@@ -176,9 +177,62 @@ VLLM_SLIDING_EVICT = bytes.fromhex(
 )
 
 
-def test_hybrid_eviction_inside_the_window_from_vllms_own_bytes():
+# The same case made by vLLM 0.34.0's classes (the newest release, installed beside the CPU build: `pip download
+# vllm==0.34.0 --no-deps`, the wheel unpacked without its .so files, imported by .venv-vllm's Python with
+# PYTHONPATH on it; the script is the one above). 0.34's BlockStored has four more optional fields (locality,
+# ownership, session_id, lookahead_token_ids), so msgspec writes a map16 header: other bytes, the same events. Its
+# BlockRemoved of the sliding group encodes to VLLM_SLIDING_EVICT byte for byte.
+VLLM034_HYBRID_STORE = bytes.fromhex(
+    "93cb000000000000000092de000aa474797065ab426c6f636b53746f726564ac626c6f636b5f6861736865739ccd03e8cd03"
+    "e9cd03eacd03ebcd03eccd03edcd03eecd03efcd03f0cd03f1cd03f2cd03f3b1706172656e745f626c6f636b5f68617368c0"
+    "a9746f6b656e5f696473dc00c00102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f202122232425"
+    "262728292a2b2c2d2e2f303132333435363738393a3b3c3d3e3f404142434445464748494a4b4c4d4e4f5051525354555657"
+    "58595a5b5c5d5e5f606162636465666768696a6b6c6d6e6f707172737475767778797a7b7c7d7e7fcc80cc81cc82cc83cc84"
+    "cc85cc86cc87cc88cc89cc8acc8bcc8ccc8dcc8ecc8fcc90cc91cc92cc93cc94cc95cc96cc97cc98cc99cc9acc9bcc9ccc9d"
+    "cc9ecc9fcca0cca1cca2cca3cca4cca5cca6cca7cca8cca9ccaaccabccacccadccaeccafccb0ccb1ccb2ccb3ccb4ccb5ccb6"
+    "ccb7ccb8ccb9ccbaccbbccbcccbdccbeccbfccc0aa626c6f636b5f73697a6510a76c6f72615f6964c0a66d656469756da347"
+    "5055a96c6f72615f6e616d65c0a967726f75705f69647800b26b765f63616368655f737065635f6b696e64ae66756c6c5f61"
+    "7474656e74696f6ede000ba474797065ab426c6f636b53746f726564ac626c6f636b5f6861736865739ccd07d0cd07d1cd07"
+    "d2cd07d3cd07d4cd07d5cd07d6cd07d7cd07d8cd07d9cd07dacd07dbb1706172656e745f626c6f636b5f68617368c0a9746f"
+    "6b656e5f696473dc00c00102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f202122232425262728"
+    "292a2b2c2d2e2f303132333435363738393a3b3c3d3e3f404142434445464748494a4b4c4d4e4f505152535455565758595a"
+    "5b5c5d5e5f606162636465666768696a6b6c6d6e6f707172737475767778797a7b7c7d7e7fcc80cc81cc82cc83cc84cc85cc"
+    "86cc87cc88cc89cc8acc8bcc8ccc8dcc8ecc8fcc90cc91cc92cc93cc94cc95cc96cc97cc98cc99cc9acc9bcc9ccc9dcc9ecc"
+    "9fcca0cca1cca2cca3cca4cca5cca6cca7cca8cca9ccaaccabccacccadccaeccafccb0ccb1ccb2ccb3ccb4ccb5ccb6ccb7cc"
+    "b8ccb9ccbaccbbccbcccbdccbeccbfccc0aa626c6f636b5f73697a6510a76c6f72615f6964c0a66d656469756da3475055a9"
+    "6c6f72615f6e616d65c0a967726f75705f69647801b26b765f63616368655f737065635f6b696e64ae736c6964696e675f77"
+    "696e646f77bc6b765f63616368655f737065635f736c6964696e675f77696e646f77cc8000"
+)
+# vLLM 0.34.0: a store and a removal carrying the new fields (locality LOCAL, an ownership tier, a session id,
+# lookahead tokens), as an offloading tier or a session-tagged engine sends them.
+VLLM034_NEW_FIELDS = bytes.fromhex(
+    "93cb3ff000000000000092de000ca474797065ab426c6f636b53746f726564ac626c6f636b5f686173686573920708b17061"
+    "72656e745f626c6f636b5f68617368c0a9746f6b656e5f696473dc00200102030405060708090a0b0c0d0e0f101112131415"
+    "161718191a1b1c1d1e1f20aa626c6f636b5f73697a6510a76c6f72615f6964c0a66d656469756da3475055a96c6f72615f6e"
+    "616d65c0a86c6f63616c697479a54c4f43414ca96f776e657273686970a57469657232aa73657373696f6e5f6964a6736573"
+    "732d31b36c6f6f6b61686561645f746f6b656e5f696473929111912185a474797065ac426c6f636b52656d6f766564ac626c"
+    "6f636b5f6861736865739108a66d656469756da3475055a86c6f63616c697479a54c4f43414ca96f776e657273686970a574"
+    "69657232c0"
+)
+
+
+@pytest.mark.parametrize("version,store", [("0.32.0", VLLM_HYBRID_STORE), ("0.34.0", VLLM034_HYBRID_STORE)])
+def test_hybrid_eviction_inside_the_window_from_vllms_own_bytes(version, store):
     idx = KVIndex()
-    idx.apply("v", decode_batch(VLLM_HYBRID_STORE))
-    assert idx.lookup(["v"], PROMPT)["v"].tokens == 192
+    idx.apply("v", decode_batch(store))
+    assert idx.lookup(["v"], PROMPT)["v"].tokens == 192, version
     idx.apply("v", decode_batch(VLLM_SLIDING_EVICT))
-    assert idx.lookup(["v"], PROMPT)["v"].tokens == 64  # what vLLM reuses; group 0 alone would say 192
+    assert idx.lookup(["v"], PROMPT)["v"].tokens == 64, version  # what vLLM reuses; group 0 alone would say 192
+
+
+def test_vllm_034_events_with_its_new_fields_decode_and_index():
+    """0.34's locality/ownership/session_id decode and index like any store; the removal drops its one copy."""
+    batch = decode_batch(VLLM034_NEW_FIELDS)
+    st, rm = batch.events
+    assert (st.locality, st.ownership, st.session_id) == ("LOCAL", "tier2", "sess-1")
+    assert (rm.locality, rm.ownership) == ("LOCAL", "tier2")
+    idx = KVIndex()
+    idx.apply("v", KVEventBatch(batch.ts, [st]))
+    assert idx.lookup(["v"], list(range(1, 41)))["v"].tokens == 32  # 40 tokens: both full blocks
+    idx.apply("v", KVEventBatch(batch.ts, [rm]))
+    assert idx.lookup(["v"], list(range(1, 41)))["v"].tokens == 16
