@@ -338,7 +338,7 @@ def build_app(gw: Gateway) -> GatewayApp:
         if gw.adapters is not None and ctx.principal is not None:  # adapters only their owners may use
             from gateway.adapters.catalog import visible_catalog
 
-            data = visible_catalog(ctx.principal, data, await gw.adapters.registry())
+            data = visible_catalog(ctx.principal, data, await gw.adapters.registry(), gw.config)
         return JSONResponse({"object": "list", "data": data}, headers={"x-request-id": rid})
 
     async def admin_reload(request: Request, principal: Principal | None) -> Response:

@@ -5,11 +5,22 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from gateway.adapters.model import Adapter, owns, visible_chain
+from gateway.adapters.placement import dynamic_backends
+from gateway.config import Config
 from gateway.types import Principal
 
 
 def visible_catalog(p: Principal, entries: list[dict[str, Any]],
-                    registry: Mapping[str, Adapter]) -> list[dict[str, Any]]:
+                    registry: Mapping[str, Adapter], config: Config | None = None) -> list[dict[str, Any]]:
+    """With `config`, the caller's adapters placed on dynamic engines (no backend serves them statically) are
+    listed too, as their base model's entry (the same engines, so the same residency facts) under their name."""
+    if config is not None:
+        listed = {e.get("id") for e in entries}
+        bases = {e.get("id"): e for e in entries}
+        placed = [a for a in sorted(registry.values(), key=lambda x: x.name)
+                  if a.name not in listed and a.base_model in bases and owns(p, a)
+                  and dynamic_backends(config, a.base_model)]
+        entries = entries + [{**bases[a.base_model], "id": a.name} for a in placed]
     out = []
     for e in entries:
         mid = e.get("id")

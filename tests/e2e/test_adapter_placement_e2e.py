@@ -88,6 +88,15 @@ def test_adapters_are_loaded_where_used_unloaded_lru_and_reloaded_after_loss(sta
         assert r.status_code == 201, r.text
     k = admin(base, "POST", "/admin/keys", {"tenant": "alpha"}).json()["key"]
     c = openai.OpenAI(base_url=base + "/v1", api_key=k, max_retries=0)
+    assert [m.id for m in c.models.list()] == ["base", *NAMES]  # the owner's adapters, placed where used
+    assert admin(base, "POST", "/admin/tenants", {"id": "beta"}).status_code == 201
+    kb = admin(base, "POST", "/admin/keys", {"tenant": "beta"}).json()["key"]
+    beta = openai.OpenAI(base_url=base + "/v1", api_key=kb, max_retries=0)
+    assert [m.id for m in beta.models.list()] == ["base"]
+    with pytest.raises(openai.NotFoundError) as e:  # another tenant: the unknown model's 404, nothing loaded
+        beta.chat.completions.create(model="ad-1", messages=MSG, max_tokens=2)
+    assert e.value.body["code"] == "model_not_found"  # type: ignore[index]
+    assert all(resident(u) == set() for u in engines.values())
 
     # first use loads it; the second finds it resident on the same engine
     first = call(base, c, "ad-1")
