@@ -89,7 +89,8 @@ def audit(tmp: Path) -> dict[str, dict]:
     p = tmp / "audit.jsonl"
     out = {}
     if p.exists():
-        for line in p.read_text().splitlines():
+        # complete lines only: the recorder may be mid-write of the last one (a half line is not JSON yet)
+        for line in p.read_text().split("\n")[:-1]:
             if line.strip():
                 rec = json.loads(line)
                 out[rec["request_id"]] = rec
