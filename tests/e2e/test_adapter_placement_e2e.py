@@ -5,10 +5,12 @@ Two sim engines with runtime LoRA and `--max-loras 2`, both declared `lora: {dyn
 base model. Tenant alpha registers five adapters no engine was started with. The first call of each loads it
 (the audit record says `loaded: true` and the engine), a second call finds it resident; four adapters fill the
 four slots, the fifth unloads the least recently used one of the engine it goes to; an adapter unloaded behind the
-gateway's back (the engine's 404) is loaded again and the request retried. DELETE unloads the adapter's copy.
+gateway's back (the engine's 404), or lost by an engine restart, is loaded again and the request retried. DELETE unloads the adapter's copy.
 `lora.refresh_s` is long here so the gateway re-reads an engine only on first contact and after a 404.
 """
 from __future__ import annotations
+
+import time
 
 import httpx
 import openai
@@ -128,6 +130,20 @@ def test_adapters_are_loaded_where_used_unloaded_lru_and_reloaded_after_loss(sta
     # unloaded behind the gateway's back (as a restart loses it): the engine's 404 -> reload and retry
     r = httpx.post(engines[e5] + "/v1/unload_lora_adapter", json={"lora_name": "ad-5"}, timeout=5)
     assert r.status_code == 200
+    ev = call(base, c, "ad-5")
+    assert ev["loaded"] is True and ev["reloaded"] is True and ev["engine"] == e5
+    assert "ad-5" in resident(engines[e5])
+
+    # the engine restarts (a new process loses every runtime adapter): the same recovery
+    assert httpx.post(engines[e5] + "/sim/restart", timeout=5).status_code == 200
+    for _ in range(200):  # until the new process answers (it holds no adapter)
+        try:
+            if resident(engines[e5]) == set():
+                break
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.05)
+    assert resident(engines[e5]) == set()
     ev = call(base, c, "ad-5")
     assert ev["loaded"] is True and ev["reloaded"] is True and ev["engine"] == e5
     assert "ad-5" in resident(engines[e5])
