@@ -33,10 +33,13 @@ COLUMNS = ("request_id", "ts", "principal_id", "tenant", "team", "project", "key
            "saved_gpu_seconds", "wasted_gpu_seconds", "retries",
            # a response-cache hit (docs/cache.md#price): the tokens it answered without the GPU and the money
            # saved (its normal price minus what it was charged, in the budget currency, as `cost`)
-           "saved_tokens", "saved_cost")
+           "saved_tokens", "saved_cost",
+           # the tenant-owned LoRA adapter used and the weighted alias's arm ("<alias>:<arm>", a shadow copy's
+           # with " (shadow)") of the request (gateway/cost/dims.py; NULL: none)
+           "adapter", "arm")
 # Columns added after the first release: an existing table gets them on open (ALTER TABLE ... ADD COLUMN).
 _ADDED = ("client_request_id", "engine", "gpu_seconds_apportioned", "engine_cost", "cost_basis", "cost_category",
-          "saved_gpu_seconds", "wasted_gpu_seconds", "retries", "saved_tokens", "saved_cost")
+          "saved_gpu_seconds", "wasted_gpu_seconds", "retries", "saved_tokens", "saved_cost", "adapter", "arm")
 _TYPES_SQL = {"ts": "DOUBLE PRECISION", "prompt_tokens": "BIGINT", "completion_tokens": "BIGINT",
               "cached_tokens": "BIGINT", "total_tokens": "BIGINT", "cost": "DOUBLE PRECISION",
               "gpu_seconds": "DOUBLE PRECISION", "status": "INTEGER", "cut_by_budget": "BOOLEAN",

@@ -1,5 +1,5 @@
 """`gateway report`: unit economics from the spend ledger (budgets.sqlite_path, or budgets.ledger_dsn on
-Postgres: table budget_ledger, plus cost_unbilled for cache hits and early refusals), grouped by tenant, team, project, partner, model and/or backend over a time range, as CSV or JSON.
+Postgres: table budget_ledger, plus cost_unbilled for cache hits and early refusals), grouped by tenant, team, project, partner, model, backend, adapter and/or arm over a time range, as CSV or JSON.
 
 Per group: requests (and per cost category), tokens, the price charged, the engine time apportioned to the
 requests (GPU-seconds) and what it cost, the margin, cost and charge per million tokens, the GPU-seconds
@@ -7,6 +7,11 @@ saved (prefix cache, response cache) and wasted (aborted, cut, failed), and the 
 hits saved (`saved_tokens`, `saved_cost`: their normal price less what they were charged, in the currency of
 `charged`). Sums are the ledger's own sums: a
 `--group-by` over nothing (the default: one `all` row) equals `select sum(...)` over the same range.
+
+`adapter` is the tenant-owned LoRA adapter a request used, `arm` the weighted alias's arm it was routed to
+(`<alias>:<arm model>`, a shadow copy's `<alias>:<model> (shadow)`): ledger columns the cost meter fills from the
+request's evidence (gateway/cost/dims.py). A request that used none has no value there, like a missing team or
+partner: its group is the empty one (empty in CSV, null in JSON), so every group-by's rows add up to the total.
 """
 from __future__ import annotations
 
@@ -23,11 +28,11 @@ from typing import Any
 
 from gateway.cost.model import CATEGORIES
 
-GROUPS = ("tenant", "team", "project", "partner", "model", "backend")
+GROUPS = ("tenant", "team", "project", "partner", "model", "backend", "adapter", "arm")
 _READ = ("ts", "tenant", "team", "project", "partner", "model", "backend", "engine", "prompt_tokens",
          "completion_tokens", "cached_tokens", "total_tokens", "cost", "currency", "gpu_seconds_apportioned",
          "engine_cost", "cost_category", "saved_gpu_seconds", "wasted_gpu_seconds", "retries", "saved_tokens",
-         "saved_cost")
+         "saved_cost", "adapter", "arm")
 FIELDS = ("requests", *(f"requests_{c}" for c in CATEGORIES), "retries", "prompt_tokens", "cached_tokens",
           "completion_tokens", "total_tokens", "charged", "currency", "gpu_seconds", "engine_cost", "margin",
           "engine_cost_per_1m_tokens", "charged_per_1m_tokens", "saved_gpu_seconds", "wasted_gpu_seconds",
@@ -77,9 +82,12 @@ async def read_postgres(dsn: str, since: float | None, until: float | None,
     try:
         out: list[dict[str, Any]] = []
         for table in tables:
-            if not await c.fetchval("SELECT to_regclass($1) IS NOT NULL", table):
-                continue
-            rows = await c.fetch(f"SELECT {', '.join(_READ)} FROM {table} WHERE ($1::float8 IS NULL OR ts >= $1) "
+            have = {r[0] for r in await c.fetch("SELECT column_name FROM information_schema.columns "
+                                                "WHERE table_name = $1 AND table_schema = current_schema()", table)}
+            if not have:
+                continue  # not created yet
+            cols = [col if col in have else f"NULL AS {col}" for col in _READ]  # older tables: columns added on open
+            rows = await c.fetch(f"SELECT {', '.join(cols)} FROM {table} WHERE ($1::float8 IS NULL OR ts >= $1) "
                                  "AND ($2::float8 IS NULL OR ts < $2)", since, until)
             out.extend(dict(r) for r in rows)
         return out

@@ -1,5 +1,6 @@
 """`gateway report`: the report's sums equal the ledger's, per group and in total, for CSV and JSON, with
---since/--until and --group-by over tenant/team/project/partner/model/backend."""
+--since/--until and --group-by over tenant/team/project/partner/model/backend/adapter/arm (a request that used no
+adapter or went through no alias arm is in the empty group of that dimension, as a missing team is)."""
 from __future__ import annotations
 
 import asyncio
@@ -41,7 +42,10 @@ def ledger(tmp_path):
                      "retries": rng.choice([0, 0, 1]),
                      # response-cache hits: the tokens answered without the GPU, the money saved
                      "saved_tokens": prompt + comp if cat == "cache_hit" else 0,
-                     "saved_cost": rng.uniform(0, 0.01) if cat == "cache_hit" else 0.0})
+                     "saved_cost": rng.uniform(0, 0.01) if cat == "cache_hit" else 0.0,
+                     # the adapter used and the alias arm routed to (gateway/cost/dims.py), or none
+                     "adapter": rng.choice([None, None, "acme-lora", "globex-lora"]),
+                     "arm": rng.choice([None, "support:v1", "support:v2", "support:v3 (shadow)"])})
     # spend rows in the budget ledger, cache hits and early refusals in the meter's own table (as wired)
     unbilled = [r for r in rows if r["cost_category"] in ("cache_hit", "rejected")]
     spent = [r for r in rows if r["cost_category"] not in ("cache_hit", "rejected")]
@@ -153,7 +157,8 @@ def test_postgres_ledger_both_tables(tmp_path, capsys):
     base = 4_000_000_000.0 + random.Random(tag).randrange(10**6) * 100
     spent = [{"request_id": f"rep-{tag}-{i}", "ts": base + i, "tenant": "pg", "model": "m", "backend": "b",
               "total_tokens": 100, "cost": 0.5, "gpu_seconds_apportioned": 2.0, "engine_cost": 0.1,
-              "cost_category": "served", "currency": "EUR"} for i in range(5)]
+              "cost_category": "served", "currency": "EUR", "adapter": "pg-lora" if i < 2 else None,
+              "arm": "support:v2" if i % 2 else None} for i in range(5)]
     unbilled = [{"request_id": f"rep-{tag}-u{i}", "ts": base + 10 + i, "tenant": "pg", "model": "m",
                  "total_tokens": 0, "cost": 0.0, "cost_category": "rejected"} for i in range(3)]
 
@@ -182,5 +187,10 @@ def test_postgres_ledger_both_tables(tmp_path, capsys):
         assert g["requests"] == 8 and g["requests_served"] == 5 and g["requests_rejected"] == 3
         assert g["charged"] == pytest.approx(2.5) and g["gpu_seconds"] == pytest.approx(10.0)
         assert g["margin"] == pytest.approx(2.5 - 0.5)
+        for dim, want in (("adapter", {"pg-lora": (2, 4.0), None: (6, 6.0)}),
+                          ("arm", {"support:v2": (2, 4.0), None: (6, 6.0)})):
+            out = json.loads(run(capsys, "--config", str(cfg), "--format", "json", "--group-by", dim,
+                                 "--since", str(base), "--until", str(base + 100)))
+            assert {g[dim]: (g["requests"], pytest.approx(g["gpu_seconds"])) for g in out["groups"]} == want
     finally:
         asyncio.run(clean())
