@@ -96,6 +96,10 @@ class LoraPlacement(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     dynamic: bool = False  # load registered adapters on this engine at run time
     max_loras: int = 1  # adapters resident at once (the engine's --max-loras); the least recently used idle one is unloaded past it
     refresh_s: float = 2.0  # how often the engine's resident adapters are read back from its /v1/models (also after a 404 for one)
+    # predicted: the load time counts in the choice and the predicted TTFT (a hot adapter spreads when loading it
+    # elsewhere beats waiting); ignore_load: route as if every adapter were resident and load on a miss (the
+    # benchmark's ablation, bench/adapters.py)
+    choice: Literal["predicted", "ignore_load"] = "predicted"
 
 
 class BackendConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

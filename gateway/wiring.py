@@ -31,6 +31,8 @@ def wire(gw: Gateway) -> None:
     cache.charge = reserve.charge_answer  # a hit is charged at the cache price by the budget (docs/cache.md#price)
     _wire_telemetry(gw)
     route = _wire_routing(gw)
+    if hasattr(route, "setup"):  # an adapter's load where it is not resident counts in the predicted TTFT
+        route.setup = placement.setup_s
     _wire_evidence(gw)
     meter = _wire_cost(gw)
     gw.pipeline = Pipeline([

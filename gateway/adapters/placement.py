@@ -42,6 +42,10 @@ def is_dynamic(b: BackendConfig) -> bool:
     return b.lora is not None and b.lora.dynamic
 
 
+def load_aware(b: BackendConfig) -> bool:
+    return b.lora is None or b.lora.choice == "predicted"
+
+
 def dynamic_backends(config: Config, base_model: str) -> list[BackendConfig]:
     """The engines that may load an adapter of `base_model`: dynamic ones serving that base model."""
     return [b for b in config.backends if is_dynamic(b) and base_model in b.models]
@@ -94,24 +98,32 @@ def load_cost_s(s: Slots, prior_s: float) -> float:
     return s.load_s if s.load_s is not None else prior_s
 
 
+def cost_s(st: Step, ttft_s: float, load_s: float, load_aware: bool = True) -> float:
+    """What serving the request on an engine costs, in seconds to its first token: the engine's predicted TTFT,
+    plus the load when the adapter is not resident, plus one more load when an idle adapter must be unloaded for
+    it (whoever needs that one next loads it again). `load_aware=False` is the ablation that routes as if every
+    adapter were resident everywhere (load on miss; `lora.choice: ignore_load`)."""
+    if not load_aware or not st.load:
+        return ttft_s
+    return ttft_s + load_s + (load_s if st.evict is not None else 0.0)
+
+
 def choose(adapter: str, engines: Iterable[tuple[str, float | None]], slots: Mapping[str, Slots],
-           prior_s: float = DEFAULT_LOAD_S) -> list[tuple[str, Step]]:
+           prior_s: float = DEFAULT_LOAD_S, load_aware: bool = True) -> list[tuple[str, Step]]:
     """The engines to try for `adapter`, best first, each with its step. `engines` are (name, predicted TTFT in
-    seconds or None). Engines holding it come first (by predicted TTFT); then those with a free slot, then those
-    that must unload an idle adapter first, each by predicted TTFT + that engine's load time; engines whose slots
-    are all busy are left out."""
-    resident: list[tuple[float, int, str, Step]] = []
-    loading: list[tuple[bool, float, int, str, Step]] = []
+    seconds without any load, or None where the engine is not modelled: then 0). Order: the lowest `cost_s`, so
+    a resident engine is kept while its predicted wait is shorter than a load elsewhere, and a hot adapter spreads
+    to a second engine exactly when loading it there is predicted to beat waiting (ties: resident, then a free
+    slot, then config order). Engines whose slots are all busy with requests in flight are left out."""
+    ranked: list[tuple[float, bool, bool, int, str, Step]] = []
     for i, (name, ttft) in enumerate(engines):
-        st = step(adapter, slots[name])
+        s = slots[name]
+        st = step(adapter, s)
         if st is None:
             continue
-        t = ttft or 0.0
-        if st.load:
-            loading.append((st.evict is not None, t + load_cost_s(slots[name], prior_s), i, name, st))
-        else:
-            resident.append((t, i, name, st))
-    return [(n, st) for _, _, n, st in sorted(resident)] + [(n, st) for _, _, _, n, st in sorted(loading)]
+        c = cost_s(st, ttft or 0.0, load_cost_s(s, prior_s), load_aware)
+        ranked.append((c, st.load, st.evict is not None, i, name, st))
+    return [(n, st) for *_, n, st in sorted(ranked)]
 
 
 def learn_load(prev: float | None, measured_s: float) -> float:
@@ -243,8 +255,28 @@ class Placement:
             return None
 
     # ---- the dispatcher's half
+    def _prior(self) -> float:
+        return mean_load(self.slots.values())
+
+    def setup_s(self, ctx: RequestContext, cands: list[Candidate]) -> dict[str, float]:
+        """Per candidate engine, the load this request's adapter needs there first (0 where it is resident,
+        left out where the candidate is not a placement): the routing stage adds it to the predicted TTFT, so
+        admission and the evidence count it. From the belief only (no I/O)."""
+        out: dict[str, float] = {}
+        prior = self._prior()
+        for c in cands:
+            adapter = self.placed(ctx, c)
+            if adapter is None or not load_aware(c.backend):
+                continue
+            s = self._slots(c.backend)
+            st = step(adapter, s)
+            if st is not None and st.load:
+                out[c.backend.name] = load_cost_s(s, prior)
+        return out
+
     def order(self, ctx: RequestContext, cands: list[Candidate]) -> list[Candidate]:
-        """An adapter request's dynamic candidates in `choose` order (full engines dropped), after the others."""
+        """An adapter request's dynamic candidates in `choose` order (full engines dropped), after the others.
+        The predicted TTFT `choose` weighs is the engine's own (without the load the routing stage added)."""
         dyn = [c for c in cands if self.placed(ctx, c)]
         if not dyn:
             return cands
@@ -252,11 +284,30 @@ class Placement:
         by_name = {c.backend.name: c for c in dyn}
         for c in dyn:
             self._slots(c.backend)
-        prior = mean_load(self.slots.values())
-        picks = choose(adapter, [(c.backend.name, (c.predicted_ttft_ms or 0.0) / 1000.0) for c in dyn],
-                       self.slots, prior)
+        engines = []
+        for c in dyn:
+            t = c.predicted_ttft_ms
+            engines.append((c.backend.name, None if t is None else (t - c.info.get("adapter_load_ms", 0.0)) / 1000))
+        picks = choose(adapter, engines, self.slots, self._prior(), load_aware=all(load_aware(c.backend) for c in dyn))
         rest = [c for c in cands if c not in dyn]
+        ad = ctx.evidence.get("adapter")
+        if isinstance(ad, dict):
+            ad["choice"] = [n for n, _ in picks]
         return rest + [by_name[n] for n, _ in picks]
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """Where adapters are, as this process believes (the admin route and the dashboard show it)."""
+        now = self.clock()
+        prior = self._prior()
+        out = []
+        for name, s in sorted(self.slots.items()):
+            read = self._read_at.get(name)
+            out.append({"backend": name, "max_loras": s.max_loras,
+                        "load_s": round(load_cost_s(s, prior), 4), "load_learned": s.load_s is not None,
+                        "read_age_s": None if read is None else round(now - read, 3),
+                        "adapters": [{"name": a, "inflight": s.inflight.get(a, 0), "idle_s": round(now - t, 3)}
+                                     for a, t in sorted(s.resident.items(), key=lambda kv: -kv[1])]})
+        return out
 
     async def prepare(self, ctx: RequestContext, cand: Candidate) -> None:
         """Make the adapter resident on the candidate's engine (loading it, unloading the LRU idle one when the

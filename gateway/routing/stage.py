@@ -18,7 +18,7 @@ import asyncio
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import msgspec
 
@@ -145,6 +145,9 @@ class PredictiveRouteStage:
         self.approx = ApproxPrefixIndex()
         self.pending = PendingCache()  # own dispatched prefill whose BlockStored has not arrived (pending.py)
         self.inflight = InFlight()
+        # what an engine must do before it can start a request, per own candidate (seconds), counted in the
+        # prediction: a registered adapter's load where it is not resident (wiring sets Placement.setup_s)
+        self.setup: Callable[[RequestContext, list[Candidate]], Mapping[str, float]] | None = None
         self.avg_uncached: dict[str, float] = {}
         self.engines = EngineModel(config, lambda: self.telemetry, self.predictor, self.inflight, self.pending,
                                    self.avg_uncached)
@@ -298,7 +301,8 @@ class PredictiveRouteStage:
 
     def _score(self, cands: list[Candidate], n_tokens: int, cached: dict[str, int], blocks: list[int],
                affinity_engine: str | None, elapsed_s: float, target: float | None, tel: Any,
-               has_tel: Callable[[Candidate], bool]) -> tuple[list[Scored], dict[str, Features], dict[str, Drain]]:
+               has_tel: Callable[[Candidate], bool], setup_s: Mapping[str, float] | None = None
+               ) -> tuple[list[Scored], dict[str, Features], dict[str, Drain]]:
         """Predictions per candidate (prediction.predict_candidates) on the engines' views now, and each
         engine's drain those views were taken with (flow control reads them, not taken again)."""
         now = self.clock()
@@ -309,7 +313,7 @@ class PredictiveRouteStage:
             d = drains[name] = self.engines.drain(name, tel)
             views.append(self.engines.view(name, now, has_tel(c), d, tel))
         items, feats = predict_candidates(cands, n_tokens, cached, blocks, affinity_engine, elapsed_s, target,
-                                          views, self.predictor, self.approx)
+                                          views, self.predictor, self.approx, setup_s)
         return items, feats, drains
 
     def _order(self, cfg: Config, items: list[Scored], n_tokens: int, dropped: list[dict]) -> list[Candidate]:
@@ -389,8 +393,9 @@ class PredictiveRouteStage:
             elapsed = max(0.0, time.perf_counter() - ctx.received_at)
             tel = self.telemetry
             has_tel = self.engines.telemetry_test(tel)
+            setup = self.setup(ctx, own) if self.setup is not None else None  # e.g. an adapter's load
             items, feats, drains = self._score(own + partners, n_tokens, cached, blocks, prev_engine, elapsed,
-                                               target, tel, has_tel)
+                                               target, tel, has_tel, setup)
             ordered = self._order(cfg, items, n_tokens, plan.dropped)
             own_ord = [c for c in ordered if c.backend.name in own_names]
             part_ord = [c for c in ordered if c.backend.name not in own_names]
@@ -659,8 +664,9 @@ class PredictiveRouteStage:
             g = Features(ahead_tokens=min(f.ahead_tokens, gate_tokens), uncached_tokens=f.uncached_tokens,
                          running=f.running)
             mean, upper = self.predictor.predict(name, g)
-            c.predicted_ttft_ms = round((elapsed + wait_s + mean) * 1000, 3)
-            c.predicted_ttft_upper_ms = round((elapsed + wait_up + upper) * 1000, 3)
+            setup = c.info.get("adapter_load_ms", 0.0) / 1000.0
+            c.predicted_ttft_ms = round((elapsed + wait_s + setup + mean) * 1000, 3)
+            c.predicted_ttft_upper_ms = round((elapsed + wait_up + setup + upper) * 1000, 3)
             c.info["queue_wait_ms"] = round(wait_s * 1000, 3)
             c.info["queue_wait_upper_ms"] = round(wait_up * 1000, 3)
         own_ord.sort(key=lambda c: c.predicted_ttft_upper_ms or 0.0)

@@ -13,9 +13,33 @@ from gateway.routing.plan import Candidate
 from gateway.routing.prompt import lora_name
 
 
-def test_a_resident_engine_is_preferred_even_when_slower():
+def test_a_resident_engine_is_kept_while_its_wait_is_shorter_than_a_load_elsewhere():
+    """A cold adapter stays on one engine: its engine is slower, but not by a load."""
     slots = {"a": Slots(2, {"x": 1.0}), "b": Slots(2)}
-    assert choose("x", [("a", 0.9), ("b", 0.01)], slots) == [("a", Step(False)), ("b", Step(True))]
+    assert choose("x", [("a", 0.4), ("b", 0.01)], slots) == [("a", Step(False)), ("b", Step(True))]
+
+
+def test_a_hot_adapter_spreads_when_loading_elsewhere_beats_waiting():
+    """The resident engine's predicted wait (0.9 s) is longer than the other's TTFT plus the load (0.01 + 0.5 s)."""
+    slots = {"a": Slots(2, {"x": 1.0}), "b": Slots(2)}
+    assert choose("x", [("a", 0.9), ("b", 0.01)], slots) == [("b", Step(True)), ("a", Step(False))]
+    # learned: a slow loader does not win it
+    slots["b"].load_s = 2.0
+    assert choose("x", [("a", 0.9), ("b", 0.01)], slots)[0] == ("a", Step(False))
+
+
+def test_without_predictions_the_resident_engine_comes_first():
+    """Pass-through (not modelled) engines have no TTFT: residency decides, then a free slot, then an unload."""
+    slots = {"full": Slots(1, {"y": 1.0}), "free": Slots(1), "res": Slots(2, {"x": 1.0})}
+    got = choose("x", [("full", None), ("free", None), ("res", None)], slots)
+    assert got == [("res", Step(False)), ("free", Step(True)), ("full", Step(True, "y"))]
+
+
+def test_the_ablation_routes_as_if_every_adapter_were_resident():
+    """lora.choice: ignore_load (bench/adapters.py's load-on-miss): the lowest TTFT wins, residency only breaks ties."""
+    slots = {"a": Slots(2, {"x": 1.0}), "b": Slots(2, load_s=3.0)}
+    assert [n for n, _ in choose("x", [("a", 0.2), ("b", 0.1)], slots, load_aware=False)] == ["b", "a"]
+    assert [n for n, _ in choose("x", [("a", 0.1), ("b", 0.1)], slots, load_aware=False)] == ["a", "b"]
 
 
 def test_the_load_time_is_part_of_the_choice():
@@ -29,8 +53,12 @@ def test_the_load_time_is_part_of_the_choice():
 
 
 def test_a_free_slot_is_taken_before_anything_is_unloaded():
-    slots = {"full": Slots(1, {"y": 1.0}, load_s=0.1), "free": Slots(1, load_s=3.0)}
+    """An unload costs one more load (whoever needs the unloaded adapter loads it again): with equal engines the
+    free slot wins; an engine that loads 30x faster may still be worth an unload."""
+    slots = {"full": Slots(1, {"y": 1.0}, load_s=0.5), "free": Slots(1, load_s=0.5)}
     assert choose("x", [("full", 0.0), ("free", 0.0)], slots) == [("free", Step(True)), ("full", Step(True, "y"))]
+    slots = {"full": Slots(1, {"y": 1.0}, load_s=0.1), "free": Slots(1, load_s=3.0)}
+    assert choose("x", [("full", 0.0), ("free", 0.0)], slots) == [("full", Step(True, "y")), ("free", Step(True))]
 
 
 def test_lru_unload_never_takes_an_adapter_with_requests_in_flight():
