@@ -4,6 +4,8 @@ the apportioned time, not the gateway's wall time), and a finish hook that price
 not), files a ledger row for those the budget stage does not record, and feeds /metrics and the dashboard.
 
 Evidence: `ctx.evidence["unit_cost"]` (lifted to the audit record's `unit_cost`), next to the budget's `cost`.
+Per adapter and per rollout arm (gateway/cost/dims.py): ledger columns `adapter` and `arm`, `by_dim` totals,
+/metrics counters (`dims`, set by gateway/cost/wiring.py).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from typing import Any
 
 from gateway.cost.apportion import EngineClock
 from gateway.cost.config import CostConfig
+from gateway.cost.dims import adapter_of, arm_label, arm_of, ledger_dims
 from gateway.cost.model import (
     Outcome,
     backend_cost,
@@ -71,6 +74,10 @@ class CostMeter:
         self._facts: dict[str, dict[str, Any]] = {}  # request id -> ledger fields until its row is enqueued
         self._priced: dict[str, dict[str, Any]] = {}  # request id -> its priced facts, before_settle -> finish
         self._retry: dict[str, list[Any]] = {}  # request id -> [engine, GPU-seconds of its failed attempts]
+        self._dims: dict[str, dict[str, str | None]] = {}  # request id -> its adapter/arm columns, until filed
+        self.dims: Any = None  # gateway/cost/dims.DimCounters: per adapter and per arm on /metrics
+        # ("adapter", name) / ("arm", "<alias>:<arm>[ (shadow)]") -> requests, tokens, GPU-seconds, cost
+        self.by_dim: dict[tuple[str, str], dict[str, float]] = {}
         self._children: dict[tuple[str, str, str], tuple[Any, ...]] = {}  # (backend, model, category) -> series
         self.stage = CostStage(self)
         # fleet-wide GPU-seconds per token of served requests (a response-cache hit's saving is priced with it)
@@ -303,6 +310,8 @@ class CostMeter:
         saved (what the meter's own row for a free hit says)."""
         rid = row.get("request_id")
         f = self._facts.pop(rid, None) if isinstance(rid, str) else None
+        d = self._dims.pop(rid, None) if isinstance(rid, str) else None
+        row.update(d if d is not None else self._dims_of_current(rid))
         if f is not None:
             row.update(f)
         elif row.get("cost_category") == "cache_hit":
@@ -312,9 +321,21 @@ class CostMeter:
                         "saved_gpu_seconds": float(sum(saved.values(), 0.0)), "wasted_gpu_seconds": 0.0,
                         "retries": 0})
 
+    @staticmethod
+    def _dims_of_current(rid: Any) -> dict[str, str | None]:
+        """The adapter/arm columns of a row the budget stage files for a request whose meter stage never ran (a
+        priced response-cache hit answers before it): read from the request this task is finishing."""
+        from gateway.observability.logs import current_request
+
+        ctx = current_request.get()
+        if ctx is None or getattr(ctx, "request_id", None) != rid:
+            return {"adapter": None, "arm": None}
+        return ledger_dims(ctx)
+
     def before_settle(self, ctx: Any) -> None:
         """Runs after `close`, before the budget finish files the row: prices what is known and parks the
         ledger fields (the charge is added when the finish hook reprices)."""
+        self._dims[ctx.request_id] = ledger_dims(ctx)
         if "unit_cost" not in ctx.evidence:
             return
         facts = self.price(ctx, charged=False)
@@ -324,6 +345,7 @@ class CostMeter:
     async def finish(self, ctx: Any) -> None:
         """Finish hook (after the budget settled and filed its row, before the audit record is written)."""
         self._facts.pop(ctx.request_id, None)
+        self._dims.pop(ctx.request_id, None)
         facts = self._priced.pop(ctx.request_id, None)  # priced before the budget settled (before_settle)
         if not self.cfg.enabled:
             return
@@ -354,7 +376,7 @@ class CostMeter:
             "completion_tokens": u.completion_tokens if u else 0, "cached_tokens": u.cached_tokens if u else None,
             "total_tokens": u.total_tokens if u else 0, "cost": 0.0, "currency": self.cfg.currency,
             "gpu_seconds": None, "status": ctx.status, "cut_by_budget": ctx.cut_by_budget, "budget_store": None,
-            "client_request_id": ctx.client_request_id, **self.ledger_fields(facts),
+            "client_request_id": ctx.client_request_id, **self.ledger_fields(facts), **ledger_dims(ctx),
         }
         try:
             ledger.enqueue(row)
@@ -389,6 +411,7 @@ class CostMeter:
         t["saved_tokens"] += int(f.get("saved_tokens") or 0)  # response-cache hits (docs/cache.md#price)
         t["saved_cost"] += float(f.get("saved_cost") or 0.0)
         self.recent.append((time.time(), backend, model, cat, gpu_s, cost, charged, tokens, saved, wasted))
+        self._observe_dims(ctx, gpu_s, cost, tokens)
         m = self.metrics
         if m is None or not hasattr(m, "cost_gpu_seconds"):
             return
@@ -414,7 +437,27 @@ class CostMeter:
         for reason, v in wasted_by.items():
             c(m.cost_wasted, backend, model, reason).inc(v)
 
+    def _observe_dims(self, ctx: Any, gpu_s: float, cost: float, tokens: int) -> None:
+        """Per adapter and per arm: the running totals (/admin/cost `by_adapter`, `by_arm`) and /metrics."""
+        adapter, arm = adapter_of(ctx), arm_of(ctx)
+        for key in ((("adapter", adapter),) if adapter is not None else ()) + \
+                   ((("arm", arm_label(*arm)),) if arm is not None else ()):
+            t = self.by_dim.get(key)
+            if t is None:
+                t = self.by_dim[key] = {"requests": 0, "tokens": 0, "gpu_seconds": 0.0, "cost": 0.0}
+            t["requests"] += 1
+            t["tokens"] += tokens
+            t["gpu_seconds"] += gpu_s
+            t["cost"] += cost
+        if self.dims is not None and (adapter is not None or arm is not None):
+            self.dims.observe(adapter, arm, gpu_s)
+
     # ------------------------------------------------------------------ views
+    def dim_snapshot(self, dim: str) -> list[dict[str, Any]]:
+        """Totals per adapter (`dim` "adapter") or per arm ("arm"), ordered by name."""
+        return [{dim: name, **{k: round(v, 9) if isinstance(v, float) else v for k, v in t.items()}}
+                for (d, name), t in sorted(self.by_dim.items()) if d == dim]
+
     def engines_snapshot(self) -> dict[str, dict[str, float]]:
         """Per engine: busy time this gateway saw, GPU-seconds charged, prefill share, requests on it now."""
         now = self.clock()
@@ -455,4 +498,5 @@ class CostMeter:
         engines = {n: {**e, "utilisation": round(min(1.0, e["busy_s"] / up), 4)}
                    for n, e in self.engines_snapshot().items()}
         return {"currency": self.cfg.currency, "started_at": self.started_at, "engines": engines, "totals": rows,
-                "by_model": self.by_model(), "recent": [dict(zip(_RECENT, r)) for r in self.recent]}
+                "by_model": self.by_model(), "by_adapter": self.dim_snapshot("adapter"),
+                "by_arm": self.dim_snapshot("arm"), "recent": [dict(zip(_RECENT, r)) for r in self.recent]}

@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse, Response
 from gateway.admin_guard import PLATFORM_ADMIN, gateway_guard
 from gateway.budget.ledger import Ledger, PostgresSink, SqliteSink
 from gateway.config import ConfigError
+from gateway.cost.dims import DimCounters
 from gateway.cost.meter import CostMeter
 
 
@@ -97,6 +98,8 @@ def wire_cost(gw: Any) -> CostMeter | None:
                       predictor=lambda: getattr(getattr(gw, "router", None), "predictor", None),
                       ledger=lambda: unbilled, metrics=gw.metrics)
     gw.cost = meter
+    if getattr(gw.metrics, "registry", None) is not None:
+        meter.dims = DimCounters(gw.metrics.registry)  # GPU-seconds per adapter and per arm
     gw.dispatcher.attempts = meter  # engine time per attempt: a failed attempt's is retry waste
     if budgets is not None:
         budgets.ledger.enrichers.append(meter.enrich)

@@ -1,0 +1,75 @@
+"""Cost dimensions beyond backend and model: the tenant-owned LoRA adapter a request used and the weighted
+alias's arm it was routed to (docs/cost.md#per-adapter-and-per-arm).
+
+Both come from the request's evidence: `evidence.adapter.name` (gateway/adapters/stage.py: set only for a
+registered adapter the caller may use) and `evidence.rollout` {alias, arm} (gateway/rollouts/stage.py: the arm
+chosen; a shadow copy's carries `shadow: true`, gateway/rollouts/shadow.py; a primary's `shadow` is the list of
+models it was copied to, which leaves it a primary). The ledger columns `adapter` and `arm` and the /metrics
+counters below carry them; label values are bounded: adapters are registered names, aliases and arms come from
+the config (and /admin/aliases, which only reweights configured arms)."""
+from __future__ import annotations
+
+from typing import Any
+
+SHADOW_SUFFIX = " (shadow)"
+
+
+def adapter_of(ctx: Any) -> str | None:
+    ad = ctx.evidence.get("adapter")
+    name = ad.get("name") if isinstance(ad, dict) else None
+    return name if isinstance(name, str) and name else None
+
+
+def arm_of(ctx: Any) -> tuple[str, str, bool] | None:
+    """(alias, arm model, shadow copy) of a request routed through a weighted alias, else None (also when the
+    arm the caller may use was dropped and none was left: `arm` None)."""
+    ro = ctx.evidence.get("rollout")
+    if not isinstance(ro, dict):
+        return None
+    alias, arm = ro.get("alias"), ro.get("arm")
+    if not isinstance(alias, str) or not isinstance(arm, str) or not arm:
+        return None
+    return alias, arm, ro.get("shadow") is True
+
+
+def arm_label(alias: str, arm: str, shadow: bool) -> str:
+    """The report's `arm` value: `<alias>:<arm model>`, a shadow copy's with ` (shadow)` after it."""
+    return f"{alias}:{arm}{SHADOW_SUFFIX if shadow else ''}"
+
+
+def ledger_dims(ctx: Any) -> dict[str, str | None]:
+    """The ledger columns `adapter` and `arm` of a request (None: not an adapter / not through an arm)."""
+    a = arm_of(ctx)
+    return {"adapter": adapter_of(ctx), "arm": arm_label(*a) if a is not None else None}
+
+
+class DimCounters:
+    """GPU-seconds apportioned per adapter and per arm on /metrics, on the gateway's registry (the same counter
+    class as the meter's other series, so workers' values add up under PROMETHEUS_MULTIPROC_DIR)."""
+
+    def __init__(self, registry: Any) -> None:
+        from gateway.metrics import _Counter
+
+        self.adapter = _Counter("gateway_cost_adapter_gpu_seconds_total", "GPU-seconds apportioned to requests "
+                                "for a tenant-owned LoRA adapter (docs/adapters.md)", ["adapter"], registry=registry)
+        self.arm = _Counter("gateway_cost_arm_gpu_seconds_total", "GPU-seconds apportioned to requests routed "
+                            "through a weighted alias, by the arm chosen; shadow copies apart (docs/rollouts.md)",
+                            ["alias", "arm", "shadow"], registry=registry)
+        self._children: dict[tuple[str, ...], Any] = {}
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        key = (metric._name, *labels)
+        c = self._children.get(key)
+        if c is None:
+            if len(self._children) > 10_000:  # bounded: label values are bounded, this is a safety net
+                self._children.clear()
+            c = self._children[key] = metric.labels(*labels)
+        return c
+
+    def observe(self, adapter: str | None, arm: tuple[str, str, bool] | None, gpu_seconds: float) -> None:
+        """Count a finished request (its series exists from its first request, 0 GPU-seconds included)."""
+        if adapter is not None:
+            self._child(self.adapter, adapter).inc(gpu_seconds)
+        if arm is not None:
+            alias, model, shadow = arm
+            self._child(self.arm, alias, model, "true" if shadow else "false").inc(gpu_seconds)
