@@ -4,7 +4,9 @@ alias's arm it was routed to (docs/cost.md#per-adapter-and-per-arm).
 Both come from the request's evidence: `evidence.adapter.name` (gateway/adapters/stage.py: set only for a
 registered adapter the caller may use) and `evidence.rollout` {alias, arm} (gateway/rollouts/stage.py: the arm
 chosen; a shadow copy's carries `shadow: true`, gateway/rollouts/shadow.py; a primary's `shadow` is the list of
-models it was copied to, which leaves it a primary). The ledger columns `adapter` and `arm` and the /metrics
+models it was copied to, which leaves it a primary). The arm a request counts for is the one whose engine time it
+was charged: the arm that answered (`backend_model`, when it is one of the alias's chain: the chosen arm failed
+and a fallback arm answered), else the arm chosen (refused or failed before any arm answered). The ledger columns `adapter` and `arm` and the /metrics
 counters below carry them; label values are bounded: adapters are registered names, aliases and arms come from
 the config (and /admin/aliases, which only reweights configured arms)."""
 from __future__ import annotations
@@ -29,6 +31,9 @@ def arm_of(ctx: Any) -> tuple[str, str, bool] | None:
     alias, arm = ro.get("alias"), ro.get("arm")
     if not isinstance(alias, str) or not isinstance(arm, str) or not arm:
         return None
+    answered = ctx.backend_model
+    if answered and answered != arm and answered in ctx.model_chain:
+        arm = answered  # a fallback arm answered: its engine time, its row (as the model dimension)
     return alias, arm, ro.get("shadow") is True
 
 

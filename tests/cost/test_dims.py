@@ -1,8 +1,8 @@
 """GPU-seconds per adapter and per rollout arm (gateway/cost/dims.py, docs/cost.md#per-adapter-and-per-arm).
 
 Pins: the ledger values a request's evidence gives (`adapter` = the registered adapter's name; `arm` =
-`<alias>:<arm>`, a shadow copy's `<alias>:<arm> (shadow)`, a primary that was copied stays a primary, an arm
-dropped for the caller is none); the meter files them on the spend ledger's row (parked before the budget
+`<alias>:<arm>` of the arm that answered, else of the arm chosen, a shadow copy's `<alias>:<arm> (shadow)`, a
+primary that was copied stays a primary, an arm dropped for the caller is none); the meter files them on the spend ledger's row (parked before the budget
 settles, or read from the request being finished when its meter stage never ran, as for a priced cache hit) and
 on its own unbilled rows; its totals and /metrics counters per adapter and arm; and `summarize` groups by them
 with the requests that used neither in the empty group, every group-by adding up to the total."""
@@ -54,6 +54,9 @@ def test_ledger_values_from_the_evidence():
     assert ledger_dims(ctx_with("f", {**ADAPTER, "rollout": {"alias": "support", "arm": "acme-lora"}})) == \
         {"adapter": "acme-lora", "arm": "support:acme-lora"}  # an arm that is an adapter: both
     assert ledger_dims(ctx_with("g", {})) == {"adapter": None, "arm": None}
+    fell_back = ctx_with("h", ARM_V2)  # the chosen arm failed, the next arm of the chain answered
+    fell_back.model_chain, fell_back.backend_model = ("v2", "v1"), "v1"
+    assert ledger_dims(fell_back) == {"adapter": None, "arm": "support:v1"}
 
 
 def test_meter_files_counts_and_exports_per_adapter_and_arm(tmp_path):
