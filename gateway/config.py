@@ -94,7 +94,9 @@ class LoraPlacement(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     registered adapters of a base model it serves are loaded on it where routing sends them
     (gateway/adapters/placement.py, docs/adapters.md)."""
     dynamic: bool = False  # load registered adapters on this engine at run time
-    max_loras: int = 1  # adapters resident at once (the engine's --max-loras); the least recently used idle one is unloaded past it
+    # adapters resident at once (the engine's --max-loras); the least recently used idle one is unloaded past it;
+    # unset: the engine's own, from its vllm:lora_requests_info max_lora label, else 1 (vLLM's default)
+    max_loras: int | None = None
     refresh_s: float = 2.0  # how often the engine's resident adapters are read back from its /v1/models (also after a 404 for one)
     # predicted: the load time counts in the choice and the predicted TTFT (a hot adapter spreads when loading it
     # elsewhere beats waiting); ignore_load: route as if every adapter were resident and load on a miss (the
@@ -424,7 +426,7 @@ def parse_config(text: str, source: str = "<config>", base_dir: Path | None = No
             raise _fail(source, marks, f"{k}.url", f"must be an http(s) URL, got {b.url!r}")
         if not b.models:
             raise _fail(source, marks, f"{k}.models", "a backend must serve at least one model")
-        if b.lora is not None and not 1 <= b.lora.max_loras <= 1024:
+        if b.lora is not None and b.lora.max_loras is not None and not 1 <= b.lora.max_loras <= 1024:
             raise _fail(source, marks, f"{k}.lora.max_loras", f"must be between 1 and 1024, got {b.lora.max_loras}")
         if b.lora is not None and not b.lora.refresh_s > 0:
             raise _fail(source, marks, f"{k}.lora.refresh_s", "must be > 0 (seconds)")

@@ -99,6 +99,22 @@ def _wire_adapters(gw: Gateway) -> Any:
     return AdapterStage(svc)
 
 
+def _shared_holds(gw: Gateway) -> Any:
+    """The adapter holds shared with other processes, when there are others: replicas on one PostgreSQL
+    identity store, or the workers of `server.workers` on one SQLite file (gateway/adapters/holds.py)."""
+    import os
+
+    from gateway.adapters.holds import SharedHolds
+    from gateway.identity.store import SqlIdentityStore
+    from gateway.stores.identity_sqlite import SqliteIdentityStore
+
+    store = getattr(gw.identity, "store", None)
+    if not isinstance(store, SqlIdentityStore):
+        return None
+    workers = max(int(os.environ.get("GATEWAY_WORKERS") or 1), gw.config.raw.server.workers)
+    return SharedHolds(store) if workers > 1 or not isinstance(store, SqliteIdentityStore) else None
+
+
 def _wire_placement(gw: Gateway) -> Any:
     """Registered adapters loaded on dynamic engines (backends[].lora.dynamic) where routing sends them: the
     dispatcher asks it before each attempt; its stage's finish ends a request's hold (gateway/adapters/placement)."""
@@ -109,6 +125,8 @@ def _wire_placement(gw: Gateway) -> Any:
         return dialect_for(b.kind).auth_headers(gw.upstreams.auth(b.name))
 
     pl = Placement(lambda: gw.config, auth, gw.adapters.registry, registry=gw.metrics.registry)
+    pl.engine_load = lambda name: gw.telemetry.load(name) if gw.telemetry is not None else None
+    pl.shared = lambda: _shared_holds(gw)
     gw.services.append(pl)
     gw.dispatcher.placement = pl
     gw.adapters.placement = pl  # DELETE unloads its copies once their requests finish

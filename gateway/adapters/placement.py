@@ -24,15 +24,18 @@ import httpx
 import msgspec
 from prometheus_client import Counter
 
+from gateway.adapters.holds import SharedHolds
 from gateway.config import BackendConfig, Config
 from gateway.errors import GatewayError, retry_headers
 from gateway.pipeline import RequestContext
 from gateway.routing.plan import Candidate
+from gateway.telemetry.scraper import EngineLoad
 
 DEFAULT_LOAD_S = 0.5  # the prior for an engine's load time until a load was measured
 LOAD_EWMA = 0.3  # weight of the newest measured load
 log = logging.getLogger(__name__)
 LOAD_TIMEOUT_S = 60.0
+ENGINE_FRESH_S = 5.0  # an engine's scraped adapter state older than this is not acted on
 
 
 # ------------------------------------------------------------------------------------------------ pure part
@@ -65,9 +68,12 @@ class Slots:
     resident: dict[str, float] = field(default_factory=dict)  # adapter -> when last used (monotonic)
     inflight: dict[str, int] = field(default_factory=dict)  # adapter -> requests in flight on this engine
     load_s: float | None = None  # learned load time (EWMA); None until one was measured
+    # adapters with requests running or waiting in the engine as it reports them (vllm:lora_requests_info) or
+    # held by another replica (the shared holds): never unloaded, whoever sent those requests
+    others: frozenset[str] = frozenset()
 
     def busy(self, adapter: str) -> bool:
-        return self.inflight.get(adapter, 0) > 0
+        return self.inflight.get(adapter, 0) > 0 or adapter in self.others
 
 
 class Step(NamedTuple):
@@ -77,9 +83,11 @@ class Step(NamedTuple):
     evict: str | None = None
 
 
-def lru_idle(resident: Mapping[str, float], inflight: Mapping[str, int]) -> str | None:
-    """The least recently used resident adapter with no request in flight, or None when all are busy."""
-    idle = [(t, n) for n, t in resident.items() if inflight.get(n, 0) <= 0]
+def lru_idle(resident: Mapping[str, float], inflight: Mapping[str, int],
+             others: frozenset[str] = frozenset()) -> str | None:
+    """The least recently used resident adapter with no request in flight (ours, or `others`: the engine's or
+    another replica's), or None when all are busy."""
+    idle = [(t, n) for n, t in resident.items() if inflight.get(n, 0) <= 0 and n not in others]
     return min(idle)[1] if idle else None
 
 
@@ -90,7 +98,7 @@ def step(adapter: str, s: Slots) -> Step | None:
         return Step(False)
     if len(s.resident) < s.max_loras:
         return Step(True)
-    victim = lru_idle(s.resident, s.inflight)
+    victim = lru_idle(s.resident, s.inflight, s.others)
     return None if victim is None else Step(True, victim)
 
 
@@ -183,12 +191,26 @@ class Placement:
         self._read_at: dict[str, float] = {}
         self._deleted: set[str] = set()  # adapters to unload everywhere once their requests finish
         self._http: httpx.AsyncClient | None = None
+        # wiring sets these: the engine's scraped metrics (telemetry), and the holds shared with other
+        # replicas (gateway/adapters/holds.py; None in a lone process)
+        self.engine_load: Callable[[str], EngineLoad | None] | None = None
+        self.shared: Callable[[], SharedHolds | None] | None = None
+        self.holds: SharedHolds | None = None
+        self._bg: set[asyncio.Task[None]] = set()
 
     # ---- lifecycle (a gateway service)
     async def start(self) -> None:
         self._http = httpx.AsyncClient(timeout=LOAD_TIMEOUT_S)
+        self.holds = self.shared() if self.shared is not None else None
+        if self.holds is not None:
+            await self.holds.start()
 
     async def close(self) -> None:
+        for t in list(self._bg):
+            await asyncio.gather(t, return_exceptions=True)
+        if self.holds is not None:
+            await self.holds.close()
+            self.holds = None
         if self._http is not None:
             await self._http.aclose()
             self._http = None
@@ -198,9 +220,17 @@ class Placement:
             self._http = httpx.AsyncClient(timeout=LOAD_TIMEOUT_S)
         return self._http
 
+    def _engine(self, name: str) -> EngineLoad | None:
+        """The engine's last scrape, when fresh enough to act on."""
+        ld = self.engine_load(name) if self.engine_load is not None else None
+        return ld if ld is not None and ld.healthy and time.time() - ld.scraped_at <= ENGINE_FRESH_S else None
+
     def _slots(self, b: BackendConfig) -> Slots:
         s = self.slots.get(b.name)
         n = b.lora.max_loras if b.lora is not None else 1
+        if n is None:  # the engine's own --max-loras, as it exports it; else vLLM's default
+            ld = self._engine(b.name)
+            n = ld.max_lora if ld is not None and ld.max_lora else (s.max_loras if s is not None else 1)
         if s is None:
             s = self.slots[b.name] = Slots(max_loras=n)
         s.max_loras = n
@@ -234,11 +264,12 @@ class Placement:
         if s is None:
             return
         n = s.inflight.get(adapter, 0) - 1
+        await self._share(engine, adapter, max(0, n), wait=False)
         if n > 0:
             s.inflight[adapter] = n
             return
         s.inflight.pop(adapter, None)
-        if adapter in self._deleted:
+        if adapter in self._deleted or adapter not in await self._sources():  # deleted (here or on a replica)
             b = self._backend(engine)
             if b is not None:
                 try:
@@ -331,6 +362,10 @@ class Placement:
             if b.lora is None or self.clock() - self._read_at.get(b.name, -1e9) > b.lora.refresh_s:
                 await self._read(b, s)
             st = step(adapter, s)
+            if st is None or st.evict is not None:  # an unload: not of what the engine or a replica is using
+                await self._others(b, s)
+                st = step(adapter, s)
+                s.others = frozenset()
             if st is None:
                 raise GatewayError(503, f"Every adapter slot of backend {b.name} is in use.", code="adapter_slots_busy",
                                    headers=retry_headers(1.0), extra={"_retryable": True})
@@ -342,6 +377,7 @@ class Placement:
             s.resident[adapter] = self.clock()
             s.inflight[adapter] = s.inflight.get(adapter, 0) + 1
         self._held[ctx.request_id] = (b.name, adapter)
+        await self._share(b.name, adapter, s.inflight.get(adapter, 0), wait=True)
         ad["engine"] = b.name
         ad["loaded"] = loaded
 
@@ -363,20 +399,78 @@ class Placement:
     def not_loaded_answer(result: Any, adapter: str) -> bool:
         return not_loaded_answer(result.status, result.upstream_message, adapter)
 
+    # ---- shared with other processes
+    async def _share(self, engine: str, adapter: str, n: int, wait: bool) -> None:
+        """Publish this process's hold count when it crossed zero: awaited for a first hold (before the request
+        is sent), in the background for a last release."""
+        h = self.holds
+        if h is None or not h.note(engine, adapter, n):
+            return
+        if wait:
+            try:
+                await h.flush(engine, adapter)
+            except Exception as e:  # the store away: the engine's own report still guards its requests
+                log.warning("adapter holds: publishing %s on %s failed: %s", adapter, engine, e)
+            return
+        t = asyncio.create_task(self._flush_later(h, engine, adapter))
+        self._bg.add(t)
+        t.add_done_callback(self._bg.discard)
+
+    @staticmethod
+    async def _flush_later(h: SharedHolds, engine: str, adapter: str) -> None:
+        try:
+            await h.flush(engine, adapter)
+        except Exception as e:
+            log.warning("adapter holds: publishing %s on %s failed: %s", adapter, engine, e)
+
+    async def _others(self, b: BackendConfig, s: Slots) -> None:
+        """What others are using on the engine, before an unload: adapters with requests running or waiting as
+        the engine reports them (fresh vllm:lora_requests_info) and those another process holds (shared holds,
+        whose latest use also counts for the LRU choice). Unreadable holds: every resident adapter counts as
+        used (nothing is unloaded that another process may be using)."""
+        busy: set[str] = set()
+        ld = self._engine(b.name)
+        if ld is not None:
+            busy.update(ld.lora_running, ld.lora_waiting)
+        if self.holds is not None:
+            try:
+                others = await self.holds.others(b.name)
+            except Exception as e:
+                log.warning("adapter holds: reading %s failed: %s", b.name, e)
+                busy.update(s.resident)
+            else:
+                mono, wall = self.clock(), time.time()
+                for a, h in others.items():
+                    if h.inflight > 0:
+                        busy.add(a)
+                    if a in s.resident:
+                        s.resident[a] = max(s.resident[a], mono - max(0.0, wall - h.used_at))
+        s.others = frozenset(busy)
+
     # ---- DELETE
     async def forget(self, adapter: str) -> None:
         """The adapter was deleted: unload it wherever no request holds it now; elsewhere when the last ends."""
         self._deleted.add(adapter)
-        for name, s in list(self.slots.items()):
-            b = self._backend(name)
-            if b is None or adapter not in s.resident:
-                continue
+        if self.holds is not None:
             try:
-                async with self._lock(name):
-                    if adapter in s.resident and not s.busy(adapter):
+                await self.holds.forget_adapter(adapter)
+            except Exception as e:
+                log.warning("adapter holds: forgetting %s failed: %s", adapter, e)
+        for b in self._config().backends:  # every dynamic engine, read afresh: a replica may have placed it
+            if not is_dynamic(b):
+                continue
+            s = self._slots(b)
+            try:
+                async with self._lock(b.name):
+                    await self._read(b, s)
+                    if adapter not in s.resident:
+                        continue
+                    await self._others(b, s)
+                    if not s.busy(adapter):
                         await self._unload(b, s, adapter)
+                    s.others = frozenset()
             except GatewayError as e:  # the engine is away: a restart loses it anyway; the next read forgets it
-                log.warning("adapter %s: unload on %s failed: %s", adapter, name, e.message)
+                log.warning("adapter %s: unload on %s failed: %s", adapter, b.name, e.message)
 
     def registered(self, adapter: str) -> None:
         """A (re-)registered adapter is no longer pending deletion."""

@@ -38,6 +38,11 @@ class EngineLoad:
     preemptions: float = 0.0
     block_size: int | None = None
     num_gpu_blocks: int | None = None
+    # vLLM --enable-lora (vllm:lora_requests_info, its newest sample): adapters with requests running / waiting
+    # in the engine, from every gateway replica, and the engine's --max-loras; None: not exported
+    lora_running: tuple[str, ...] = ()
+    lora_waiting: tuple[str, ...] = ()
+    max_lora: int | None = None
     healthy: bool = False
     scraped_at: float = 0.0
     error: str | None = None
@@ -121,8 +126,13 @@ def parse_metrics(text: str, now: float | None = None, form: str = "vllm") -> En
     vals: _Sums = {}
     seen_usage: dict[str, list[float]] = {}
     block_size = num_blocks = None
+    lora: Any = None  # the newest vllm:lora_requests_info sample (its value is the time it was set)
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
+            if s.name == "vllm:lora_requests_info":
+                if lora is None or s.value > lora.value:
+                    lora = s
+                continue
             f = _SUMS.get(s.name)
             if f == "kv_usage":
                 seen_usage.setdefault(s.name, []).append(s.value)
@@ -141,7 +151,18 @@ def parse_metrics(text: str, now: float | None = None, form: str = "vllm") -> En
             vals["kv_usage"] = sum(u) / len(u)  # mean over DP engines
             break
     return EngineLoad(block_size=block_size, num_gpu_blocks=num_blocks, healthy=True,
-                      scraped_at=time.time() if now is None else now, **vals)
+                      scraped_at=time.time() if now is None else now, **_lora(lora), **vals)
+
+
+def _lora(sample: Any) -> dict[str, Any]:
+    """vllm:lora_requests_info's labels: running/waiting adapters (comma-separated names) and max_lora."""
+    if sample is None:
+        return {}
+    lab = sample.labels
+    ml = lab.get("max_lora", "")
+    return {"lora_running": tuple(n for n in lab.get("running_lora_adapters", "").split(",") if n),
+            "lora_waiting": tuple(n for n in lab.get("waiting_lora_adapters", "").split(",") if n),
+            "max_lora": int(ml) if ml.isdigit() else None}
 
 
 async def scrape(client: httpx.AsyncClient, url: str, timeout_s: float = 1.0, form: str = "vllm") -> EngineLoad:
