@@ -8,6 +8,9 @@
 * `GET /admin/adapters[?tenant=]`, `GET|PATCH|DELETE /admin/adapters/{name}`: a tenant admin sees and changes
   only its tenant's; another tenant's adapter is 404 like one that does not exist. PATCH changes `source`
   (re-checked against the grants), `rank`, `description`.
+* `GET /admin/adapters/placement`: the dynamic engines and the adapters this process has resident on each (in
+  flight, idle time, learned load time); a tenant admin sees every engine but only its own tenant's adapters.
+  (`placement` is therefore not an adapter name.)
 """
 from __future__ import annotations
 
@@ -54,6 +57,9 @@ def adapter_routes(svc: AdapterService, guard: AdminGuard) -> list[Route]:
             tid = p.tenant
         return {"object": "list", "data": [a.public() for a in await svc.list(tid)]}
 
+    async def placement(req: Request, p: Principal) -> Any:
+        return {"object": "adapter_placement", "data": await svc.placement_view(None if is_admin(p) else p.tenant)}
+
     async def _own(req: Request, p: Principal) -> Adapter:
         a = await svc.get(req.path_params["name"])
         if a is None or (not is_admin(p) and a.tenant != p.tenant):
@@ -82,6 +88,7 @@ def adapter_routes(svc: AdapterService, guard: AdminGuard) -> list[Route]:
         guard.route("/admin/tenants/{tenant}/adapter_sources", put_sources, ["PUT"], (PLATFORM_ADMIN,)),
         guard.route("/admin/adapters", listing, ["GET"], both),
         guard.route("/admin/adapters", create, ["POST"], both),
+        guard.route("/admin/adapters/placement", placement, ["GET"], both),  # before {name:path}
         guard.route("/admin/adapters/{name:path}", get, ["GET"], both),
         guard.route("/admin/adapters/{name:path}", patch, ["PATCH"], both),
         guard.route("/admin/adapters/{name:path}", delete, ["DELETE"], both),

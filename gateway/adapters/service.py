@@ -4,6 +4,7 @@ name -> Adapter snapshot for the request path, dropped on every adapter change e
 from __future__ import annotations
 
 import asyncio
+import builtins
 import time
 from typing import Any, Mapping
 
@@ -16,6 +17,10 @@ from gateway.identity.service import IdentityService, validate_id
 from gateway.identity.store import SqlIdentityStore, Tx, _lock_row
 
 PREFIXES_MAX = 64
+RESERVED = frozenset({"placement"})  # paths under /admin/adapters/ that are not an adapter
+# what a tenant admin sees of an engine in the placement view (nothing about other tenants' adapters)
+ENGINE_FIELDS = ("backend", "max_loras", "load_s", "load_learned", "read_age_s")
+ADAPTER_FIELDS = ("name", "inflight", "idle_s")
 
 
 def bad(message: str, param: str | None = None) -> GatewayError:
@@ -32,6 +37,8 @@ def validate_name(cfg: Config, name: Any) -> str:
     if not isinstance(name, str) or not NAME_RE.match(name):
         raise bad("name must be 1-128 chars of letters, digits, '.', '_', ':', '/', '-' starting with a letter "
                   "or digit.", "name")
+    if name in RESERVED:
+        raise bad(f"name {name!r} is reserved (GET /admin/adapters/{name} is the placement view).", "name")
     if name in cfg.aliases:
         raise bad(f"name {name!r} is an alias of the config.", "name")
     if name in cfg.models and not any(name in b.lora_adapters for b in cfg.backends if name in b.models):
@@ -197,6 +204,34 @@ class AdapterService:
                 raise source_refused(changes["source"])
 
         return await self._s().update(name, changes, check)
+
+    async def placement_view(self, tenant: str | None) -> builtins.list[dict[str, Any]]:
+        """Where adapters are resident, as this process's placement believes (`Placement.snapshot`), one entry per
+        dynamic engine of the config (an engine not used yet: no adapters, `read_age_s` None), each adapter with
+        its registration's `base_model` and `owner`. `tenant` None: every adapter (one no longer registered, e.g.
+        deleted and waiting for its requests to finish, with `owner` None); a tenant: only that tenant's adapters,
+        the others left out entirely, and only ENGINE_FIELDS and ADAPTER_FIELDS."""
+        snap: builtins.list[dict[str, Any]] = self.placement.snapshot() if self.placement is not None else []
+        reg = {a.name: a for a in await self.list(tenant)}  # the store, not the cache: an admin view is exact
+        seen = {e.get("backend") for e in snap}
+        for b in self.config.backends:  # dynamic engines no request has reached yet
+            if b.lora is not None and b.lora.dynamic and b.name not in seen:
+                snap.append({"backend": b.name, "max_loras": b.lora.max_loras, "load_s": None,
+                             "load_learned": False, "read_age_s": None, "adapters": []})
+        out = []
+        for e in sorted(snap, key=lambda x: str(x.get("backend"))):
+            view = dict(e) if tenant is None else {k: e.get(k) for k in ENGINE_FIELDS}
+            ads = []
+            for x in e.get("adapters") or []:
+                a = reg.get(x.get("name"))
+                if a is None and tenant is not None:
+                    continue
+                own = dict(x) if tenant is None else {k: x.get(k) for k in ADAPTER_FIELDS}
+                ads.append({**own, "base_model": a.base_model if a else None,
+                            "owner": {"tenant": a.tenant, "team": a.team, "project": a.project} if a else None})
+            view["adapters"] = ads
+            out.append(view)
+        return out
 
     async def delete(self, name: str) -> bool:
         gone = await self._s().delete(name)

@@ -42,6 +42,11 @@ class AdapterStore:
 
     async def migrate(self) -> None:
         await self.store.ensure_tables(SCHEMA)
+        # deleting a tenant: its adapters refuse it (409 resource_in_use, like its teams: DELETE each adapter
+        # first, which unloads it from the engines); its source grants go with it in the same transaction, so a
+        # tenant created again under that id starts without them
+        self.store.on_tenant_delete(refuse=("adapters", "lora_adapters"),
+                                    cascade=("adapter_source_grants", "adapter_sources:{tenant}"))
 
     # ---- source grants
     async def set_prefixes(self, tenant: str, prefixes: list[str]) -> list[str]:

@@ -202,6 +202,21 @@ class SqlIdentityStore:
     async def _is_unique_violation(self, e: BaseException) -> bool:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    # What deleting a tenant also does in its transaction, added by subsystems keeping tables in this store
+    # (gateway/adapters/store.py): `(label, table)` pairs whose rows of the tenant refuse the delete (InUse, like
+    # its teams), and `(table, event)` pairs whose rows of the tenant are deleted with it (the event published,
+    # `{tenant}` in it replaced by the tenant's id).
+    _tenant_refusers: tuple[tuple[str, str], ...] = ()
+    _tenant_cascade: tuple[tuple[str, str], ...] = ()
+
+    def on_tenant_delete(self, *, refuse: tuple[str, str] | None = None, cascade: tuple[str, str] | None = None) -> None:
+        """Register a table with a `tenant` column for tenant deletion (idempotent): `refuse=(label, table)`,
+        `cascade=(table, event)`."""
+        if refuse is not None and refuse not in self._tenant_refusers:
+            self._tenant_refusers = (*self._tenant_refusers, refuse)
+        if cascade is not None and cascade not in self._tenant_cascade:
+            self._tenant_cascade = (*self._tenant_cascade, cascade)
+
     async def _migrate_lock(self, tx: Tx) -> None:
         """Serialise concurrent migrators (Postgres: advisory lock; SQLite: the write transaction)."""
 
@@ -269,8 +284,10 @@ class SqlIdentityStore:
         return rows[0] if rows else None
 
     async def _delete(self, table: str, where: str, args: Sequence[Any],
-                      dependents: Sequence[tuple[str, str, Sequence[Any]]], event: str) -> bool:
-        """Delete one row unless something still depends on it (InUse, nothing changed). False if absent."""
+                      dependents: Sequence[tuple[str, str, Sequence[Any]]], event: str,
+                      cascade: Sequence[tuple[str, Sequence[Any], str]] = ()) -> bool:
+        """Delete one row unless something still depends on it (InUse, nothing changed). False if absent.
+        `cascade`: (DELETE statement, args, event) run first in the same transaction, each event published."""
         try:
             async with self._tx() as tx:
                 if not await _lock_row(tx, table, where, *args):
@@ -282,6 +299,9 @@ class SqlIdentityStore:
                         found[label] = n
                 if found:
                     raise InUse(found)
+                for sql, cargs, cevent in cascade:
+                    await tx.execute(sql, *cargs)
+                    await _notify(tx, cevent)
                 await tx.execute(f"DELETE FROM {table} WHERE {where}", *args)
                 await _notify(tx, event)
         except Exception as e:
@@ -317,7 +337,11 @@ class SqlIdentityStore:
             ("partners", "SELECT COUNT(*) AS n FROM partners WHERE tenant = ?", (tenant_id,)),
             ("unrevoked keys", "SELECT COUNT(*) AS n FROM api_keys WHERE tenant = ? AND revoked_at IS NULL",
              (tenant_id,)),
-        ], f"tenant:{tenant_id}")
+            *((label, f"SELECT COUNT(*) AS n FROM {t} WHERE tenant = ?", (tenant_id,))
+              for label, t in self._tenant_refusers),
+        ], f"tenant:{tenant_id}",
+            [(f"DELETE FROM {t} WHERE tenant = ?", (tenant_id,), ev.replace("{tenant}", tenant_id))
+             for t, ev in self._tenant_cascade])
 
     # ---- teams
     async def create_team(self, t: Team) -> Team:

@@ -7,7 +7,8 @@ GET /admin/ui/data  platform-admin JSON the page polls: engines (queue, KV usage
                     learned prefill rate, predicted TTFT, circuit), budgets by tenant, recent decisions with
                     their evidence, the predicted-vs-actual TTFT series, and unit economics (gateway/cost:
                     cost and charge per 1M tokens per model and engine, utilisation, margin, savings, waste),
-                    and each weighted alias's arms side by side with the rollback alarms (gateway/rollouts).
+                    and each weighted alias's arms side by side with the rollback alarms (gateway/rollouts),
+                    and the adapters resident on each dynamic engine (gateway/adapters placement).
                     Every source degrades to empty.
 """
 from __future__ import annotations
@@ -150,7 +151,17 @@ async def dashboard_data(gw: Any, recent_ids: Callable[[], list[str]], limit: in
             "admission": routing.get("admission", {}) if isinstance(routing, dict) else {},
             "flow": routing.get("flow", {}) if isinstance(routing, dict) else {},
             "budgets": _budgets(records), "decisions": list(reversed(decisions)), "ttft_series": series,
-            "rollouts": _rollouts(gw)}
+            "rollouts": _rollouts(gw), "adapters": await _adapters(gw)}
+
+
+async def _adapters(gw: Any) -> list[dict[str, Any]]:
+    """Per dynamic engine, the adapters this process has resident (in flight, idle time, owner) and the learned
+    load time: GET /admin/adapters/placement as the platform admin sees it (gateway/adapters)."""
+    svc = getattr(gw, "adapters", None)
+    if svc is None or getattr(svc, "store", None) is None:
+        return []
+    view: list[dict[str, Any]] = await svc.placement_view(None)
+    return view
 
 
 def _rollouts(gw: Any) -> dict[str, Any]:

@@ -161,3 +161,50 @@ async def test_a_registration_on_one_replica_reaches_the_others_cache_at_once(tm
         assert list(await other.registry()) == ["alpha-a"]
     finally:
         await other_ident.close()
+
+
+async def test_deleting_a_tenant_is_refused_while_it_owns_adapters_and_takes_its_grants_with_it(
+        adapters: AdapterService, client: httpx.AsyncClient) -> None:
+    """A tenant's adapters refuse its deletion like its teams do (409 resource_in_use naming them; DELETE each
+    adapter first, which unloads it); its source grants are deleted with it in the same transaction, so a
+    tenant created again under that id starts without them."""
+    assert (await client.post("/admin/tenants", json={"id": "gamma"}, headers=ADMIN)).status_code == 201
+    r = await client.put("/admin/tenants/gamma/adapter_sources", json={"prefixes": ["/w/gamma/"]}, headers=ADMIN)
+    assert r.status_code == 200
+    r = await client.post("/admin/adapters", json=adapter("gamma-a", "/w/gamma/a", tenant="gamma"), headers=ADMIN)
+    assert r.status_code == 201, r.text
+    r = await client.delete("/admin/tenants/gamma", headers=ADMIN)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "resource_in_use", r.text
+    assert "1 adapter" in r.json()["error"]["message"]
+    assert (await client.get("/admin/tenants/gamma", headers=ADMIN)).status_code == 200  # nothing changed
+    assert await adapters.prefixes("gamma") == ["/w/gamma/"]
+    assert [a.name for a in await adapters.list("gamma")] == ["gamma-a"]
+
+    assert (await client.delete("/admin/adapters/gamma-a", headers=ADMIN)).status_code == 200
+    r = await client.delete("/admin/tenants/gamma", headers=ADMIN)
+    assert r.status_code == 200 and r.json() == {"id": "gamma", "object": "tenant", "deleted": True}, r.text
+    assert await adapters.prefixes("gamma") == []
+    # the same id again: no grant inherited, so nothing can be registered under the old prefix
+    assert (await client.post("/admin/tenants", json={"id": "gamma"}, headers=ADMIN)).status_code == 201
+    assert (await client.get("/admin/tenants/gamma/adapter_sources", headers=ADMIN)).json()["prefixes"] == []
+    r = await client.post("/admin/adapters", json=adapter("gamma-b", "/w/gamma/b", tenant="gamma"), headers=ADMIN)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "adapter_source_forbidden"
+
+
+async def test_a_registration_racing_the_tenant_deletion_never_outlives_the_tenant(
+        adapters: AdapterService, client: httpx.AsyncClient) -> None:
+    """Registering an adapter and deleting its tenant at the same time serialise on the tenant row: either the
+    adapter is registered and the deletion refused (409), or the tenant is gone and the registration refused
+    (404). Never a tenant deleted with an adapter left behind."""
+    for i in range(8):
+        t = f"race{i}"
+        assert (await client.post("/admin/tenants", json={"id": t}, headers=ADMIN)).status_code == 201
+        assert (await client.put(f"/admin/tenants/{t}/adapter_sources", json={"prefixes": [f"/w/{t}/"]},
+                                 headers=ADMIN)).status_code == 200
+        reg, dele = await asyncio.gather(
+            client.post("/admin/adapters", json=adapter(f"{t}-a", f"/w/{t}/a", tenant=t), headers=ADMIN),
+            client.delete(f"/admin/tenants/{t}", headers=ADMIN))
+        assert sorted((reg.status_code, dele.status_code)) in ([201, 409], [200, 404]), (reg.text, dele.text)
+        tenant_left = (await client.get(f"/admin/tenants/{t}", headers=ADMIN)).status_code == 200
+        assert tenant_left == (reg.status_code == 201)
+        assert [a.name for a in await adapters.list(t)] == ([f"{t}-a"] if tenant_left else [])
