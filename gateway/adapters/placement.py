@@ -71,6 +71,7 @@ class Slots:
     # adapters with requests running or waiting in the engine as it reports them (vllm:lora_requests_info) or
     # held by another replica (the shared holds): never unloaded, whoever sent those requests
     others: frozenset[str] = frozenset()
+    released: dict[str, float] = field(default_factory=dict)  # adapter -> when our last hold ended (wall clock)
 
     def busy(self, adapter: str) -> bool:
         return self.inflight.get(adapter, 0) > 0 or adapter in self.others
@@ -264,6 +265,7 @@ class Placement:
         if s is None:
             return
         n = s.inflight.get(adapter, 0) - 1
+        s.released[adapter] = time.time()
         await self._share(engine, adapter, max(0, n), wait=False)
         if n > 0:
             s.inflight[adapter] = n
@@ -321,6 +323,9 @@ class Placement:
             engines.append((c.backend.name, None if t is None else (t - c.info.get("adapter_load_ms", 0.0)) / 1000))
         picks = choose(adapter, engines, self.slots, self._prior(), load_aware=all(load_aware(c.backend) for c in dyn))
         rest = [c for c in cands if c not in dyn]
+        if not picks and not rest:  # every engine's slots hold adapters with requests in flight
+            raise GatewayError(503, f"Every adapter slot of the engines serving '{adapter}' has requests in "
+                               "flight; retry shortly.", code="adapter_slots_busy", headers=retry_headers(1.0))
         ad = ctx.evidence.get("adapter")
         if isinstance(ad, dict):
             ad["choice"] = [n for n, _ in picks]
@@ -426,12 +431,15 @@ class Placement:
     async def _others(self, b: BackendConfig, s: Slots) -> None:
         """What others are using on the engine, before an unload: adapters with requests running or waiting as
         the engine reports them (fresh vllm:lora_requests_info) and those another process holds (shared holds,
-        whose latest use also counts for the LRU choice). Unreadable holds: every resident adapter counts as
+        whose latest use also counts for the LRU choice). The engine's report, up to a scrape interval old,
+        is not counted for an adapter whose last request of ours ended after it was taken (it may have been
+        ours). Unreadable holds: every resident adapter counts as
         used (nothing is unloaded that another process may be using)."""
         busy: set[str] = set()
         ld = self._engine(b.name)
-        if ld is not None:
-            busy.update(ld.lora_running, ld.lora_waiting)
+        if ld is not None:  # not what may have been our own request, ended since the engine was scraped
+            busy.update(a for a in (*ld.lora_running, *ld.lora_waiting)
+                        if s.released.get(a, 0.0) < ld.scraped_at)
         if self.holds is not None:
             try:
                 others = await self.holds.others(b.name)

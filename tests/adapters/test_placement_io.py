@@ -61,7 +61,10 @@ backends:
 
             # the only slot is held by requests in flight: "b" cannot be placed (the dispatcher tries the next)
             cb = ctx_for("rb", "b")
-            assert pl.order(cb, [cand(cb, "b")]) == []
+            with pytest.raises(GatewayError) as e:  # no engine can take it now: refused, retryable later
+                pl.order(cb, [cand(cb, "b")])
+            assert e.value.status == 503 and e.value.code == "adapter_slots_busy" and "retry-after" in {
+                k.lower() for k in e.value.headers}
             with pytest.raises(GatewayError) as e:
                 await pl.prepare(cb, cand(cb, "b"))
             assert e.value.status == 503 and e.value.extra["_retryable"] is True
