@@ -36,6 +36,7 @@ TABLE: dict[tuple[str, str], frozenset[str]] = {
     ("POST", "/admin/aliases/{alias}/reset"): PLATFORM,
     ("GET", "/admin/adapters"): BOTH,  # tenant-owned LoRA adapters (gateway/adapters): a tenant admin sees its own
     ("POST", "/admin/adapters"): BOTH,
+    ("GET", "/admin/adapters/placement"): BOTH,  # every engine; a tenant admin sees only its own adapters on them
     ("GET", "/admin/adapters/{name:path}"): BOTH,
     ("PATCH", "/admin/adapters/{name:path}"): BOTH,
     ("DELETE", "/admin/adapters/{name:path}"): BOTH,
@@ -75,7 +76,7 @@ TABLE: dict[tuple[str, str], frozenset[str]] = {
 }
 # Routes a tenant admin of another tenant reaches with 200 because they list only its own records.
 LISTS = {("GET", "/admin/tenants"), ("GET", "/admin/keys"), ("GET", "/admin/partners"), ("GET", "/admin/projects"),
-         ("GET", "/admin/batches"), ("GET", "/admin/adapters")}
+         ("GET", "/admin/batches"), ("GET", "/admin/adapters"), ("GET", "/admin/adapters/placement")}
 # Bodies for the routes that take one (harmless: names, labels within the tenant, a project in ta).
 BODIES: dict[tuple[str, str], dict[str, Any]] = {
     ("POST", "/admin/tenants/{tenant}/teams"): {"id": "newteam"},
