@@ -29,7 +29,7 @@ from gateway.config import BackendConfig, Config
 from gateway.errors import GatewayError, retry_headers
 from gateway.pipeline import RequestContext
 from gateway.routing.plan import Candidate
-from gateway.telemetry.scraper import EngineLoad
+from gateway.telemetry.scraper import EngineLoad, parse_metrics
 
 DEFAULT_LOAD_S = 0.5  # the prior for an engine's load time until a load was measured
 LOAD_EWMA = 0.3  # weight of the newest measured load
@@ -198,6 +198,7 @@ class Placement:
         self.shared: Callable[[], SharedHolds | None] | None = None
         self.holds: SharedHolds | None = None
         self._bg: set[asyncio.Task[None]] = set()
+        self._engine_max: dict[str, int] = {}  # engine -> the max_lora it exports (vllm:lora_requests_info)
 
     # ---- lifecycle (a gateway service)
     async def start(self) -> None:
@@ -229,9 +230,9 @@ class Placement:
     def _slots(self, b: BackendConfig) -> Slots:
         s = self.slots.get(b.name)
         n = b.lora.max_loras if b.lora is not None else 1
-        if n is None:  # the engine's own --max-loras, as it exports it; else vLLM's default
+        if n is None:  # the engine's own --max-loras, as it exports it (read with its adapters); else vLLM's 1
             ld = self._engine(b.name)
-            n = ld.max_lora if ld is not None and ld.max_lora else (s.max_loras if s is not None else 1)
+            n = self._engine_max.get(b.name) or (ld.max_lora if ld is not None else None) or 1
         if s is None:
             s = self.slots[b.name] = Slots(max_loras=n)
         s.max_loras = n
@@ -431,12 +432,12 @@ class Placement:
     async def _others(self, b: BackendConfig, s: Slots) -> None:
         """What others are using on the engine, before an unload: adapters with requests running or waiting as
         the engine reports them (fresh vllm:lora_requests_info) and those another process holds (shared holds,
-        whose latest use also counts for the LRU choice). The engine's report, up to a scrape interval old,
-        is not counted for an adapter whose last request of ours ended after it was taken (it may have been
-        ours). Unreadable holds: every resident adapter counts as
+        whose latest use also counts for the LRU choice). The engine's report is read now (else the
+        telemetry's last scrape), and not counted for an adapter whose last request of ours ended after it was
+        taken (it may have been ours). Unreadable holds: every resident adapter counts as
         used (nothing is unloaded that another process may be using)."""
         busy: set[str] = set()
-        ld = self._engine(b.name)
+        ld = await self._scrape(b)
         if ld is not None:  # not what may have been our own request, ended since the engine was scraped
             busy.update(a for a in (*ld.lora_running, *ld.lora_waiting)
                         if s.released.get(a, 0.0) < ld.scraped_at)
@@ -485,6 +486,21 @@ class Placement:
         self._deleted.discard(adapter)
 
     # ---- engine I/O
+    async def _scrape(self, b: BackendConfig) -> EngineLoad | None:
+        """The engine's adapter report read now (an unload is rare; its decision wants the freshest), else the
+        telemetry's last scrape when fresh; None when neither is to be had."""
+        url = b.metrics or (b.server_root.rstrip("/") + "/metrics")
+        try:
+            r = await self._client().get(url, headers=self._auth(b), timeout=2.0)
+            if r.status_code == 200:
+                ld = parse_metrics(r.text)
+                if ld.max_lora:
+                    self._engine_max[b.name] = ld.max_lora
+                return ld
+        except (httpx.HTTPError, ValueError):
+            pass
+        return self._engine(b.name)
+
     async def _read(self, b: BackendConfig, s: Slots) -> None:
         """The engine's resident adapters from its /v1/models (what it lost is forgotten; what it gained is kept
         with the oldest use time)."""
@@ -497,6 +513,9 @@ class Placement:
             return  # unreadable now: keep the belief, read again next time
         s.resident = {n: s.resident.get(n, 0.0) for n in ids}
         self._read_at[b.name] = self.clock()
+        if b.lora is not None and b.lora.max_loras is None:  # its slots as the engine says
+            await self._scrape(b)
+            s.max_loras = self._slots(b).max_loras
 
     async def _post(self, b: BackendConfig, path: str, body: dict[str, Any]) -> httpx.Response:
         try:

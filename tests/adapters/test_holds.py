@@ -6,9 +6,9 @@ unloads the adapter the first has a request in flight on, nor one the engine rep
 own --max-loras (vllm:lora_requests_info) is used when the config leaves max_loras unset."""
 from __future__ import annotations
 
-import time
 from typing import Any
 
+import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -21,7 +21,6 @@ from gateway.adapters.service import AdapterService
 from gateway.config import parse_config
 from gateway.errors import GatewayError
 from gateway.routing.plan import Candidate
-from gateway.telemetry.scraper import EngineLoad
 from tests.adapters.test_placement_io import ctx_for, resident
 
 
@@ -75,12 +74,10 @@ backends:
         async def sources() -> dict[str, Any]:
             return reg
 
-        engine: dict[str, EngineLoad] = {}
         places = []
         for holder in ("p1", "p2"):
             pl = Placement(lambda: cfg, lambda b: {}, sources, registry=CollectorRegistry())
             pl.shared = lambda h=holder: SharedHolds(adapters.identity.store, h)
-            pl.engine_load = engine.get
             await pl.start()
             places.append(pl)
         p1, p2 = places
@@ -105,19 +102,52 @@ backends:
             assert await resident(url) == {"y"}
             await p2.finish(c2)
 
-            # the engine reports y running (sent by a gateway we share no store with): not unloaded for x
-            engine["e1"] = EngineLoad(healthy=True, scraped_at=time.time(), lora_running=("y",),
-                                      max_lora=1)
-            c3 = ctx_for("r3", "x")
-            with pytest.raises(GatewayError):
-                await p2.prepare(c3, cand(c3, "x"))
-            assert await resident(url) == {"y"}
-            # its --max-loras as the engine exports it: 2 slots, so x is loaded beside y
-            engine["e1"] = EngineLoad(healthy=True, scraped_at=time.time(), lora_running=("y",),
-                                      max_lora=2)
-            await p2.prepare(c3, cand(c3, "x"))
-            assert await resident(url) == {"x", "y"} and p2.slots["e1"].max_loras == 2
+            # y runs on the engine, sent by a gateway we share no store with: its report guards it
+            body = {"model": "y", "prompt": "hi", "max_tokens": 400, "stream": True, "ignore_eos": True}
+            async with httpx.AsyncClient(timeout=30) as hc:
+                async with hc.stream("POST", url + "/completions", json=body) as r:
+                    assert r.status_code == 200
+                    async for _ in r.aiter_lines():  # the first chunk: it is running
+                        break
+                    c3 = ctx_for("r3", "x")
+                    with pytest.raises(GatewayError) as e:
+                        await p2.prepare(c3, cand(c3, "x"))
+                    assert e.value.code == "adapter_slots_busy"
+                    assert await resident(url) == {"y"}
+            await p2.prepare(c3, cand(c3, "x"))  # its stream closed: y is idle, unloaded for x
+            assert await resident(url) == {"x"}
             await p2.finish(c3)
         finally:
             for pl in places:
                 await pl.close()
+
+
+async def test_an_engine_without_max_loras_in_the_config_is_given_its_own(adapters: AdapterService):
+    """`lora: {dynamic: true}` without max_loras: the engine's --max-loras as vllm:lora_requests_info exports it."""
+    async with start_fleet(1, profiles=["tiny"], lora=LoraConfig(max_loras=3, load_s=0.0)) as fleet:
+        url = fleet[0].url
+        cfg = parse_config(f"""
+backends:
+  - {{name: e1, url: "{url}", kind: sim, models: [base], model_map: {{base: sim-model}}, lora: {{dynamic: true}}}}
+""")
+        reg: dict[str, Any] = {n: Adapter(name=n, base_model="base", source=f"/w/{n}", tenant="t") for n in "abcd"}
+
+        async def sources() -> dict[str, Any]:
+            return reg
+
+        pl = Placement(lambda: cfg, lambda b: {}, sources, registry=CollectorRegistry())
+        await pl.start()
+        try:
+            async with httpx.AsyncClient() as hc:  # a step, so the engine exports its LoRA report
+                await hc.post(url + "/completions", json={"model": "sim-model", "prompt": "hi", "max_tokens": 1})
+            ctxs = []
+            for n in "abc":
+                c = ctx_for(f"r{n}", n)
+                (b,) = adapter_backends(cfg, c, n)
+                await pl.prepare(c, Candidate(backend=b, model=n))
+                ctxs.append(c)
+            assert pl.slots["e1"].max_loras == 3 and await resident(url) == {"a", "b", "c"}
+            for c in ctxs:
+                await pl.finish(c)
+        finally:
+            await pl.close()
