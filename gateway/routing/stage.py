@@ -18,7 +18,7 @@ import asyncio
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NoReturn
 
 import msgspec
 
@@ -27,7 +27,7 @@ from gateway.errors import GatewayError, retry_headers
 from gateway.pipeline import RequestContext
 from gateway.proxy.dialects import TELEMETRY_KINDS
 from gateway.proxy.health import Health
-from gateway.routing.admission import BatchQueue, QueueFull, decide, slo_ms
+from gateway.routing.admission import Admission, BatchQueue, QueueFull, decide, slo_ms
 from gateway.routing.affinity import Affinity, affinity_key, session_id
 from gateway.routing.approx import ApproxPrefixIndex
 from gateway.routing.candidates import (candidates, client_order, has_own_engine, no_candidates, require_model,
@@ -44,7 +44,7 @@ from gateway.routing.inflight import Flight, InFlight
 from gateway.routing.limits import InflightLimits
 from gateway.routing.mode import MODELLED_KINDS, Mode, ModeBook, Observed, load_order
 from gateway.routing.pending import PendingCache, last_chunk_from
-from gateway.routing.plan import Candidate
+from gateway.routing.plan import Candidate, RoutePlan
 from gateway.routing.plugin import EngineView, Scored, Strategy
 from gateway.routing.prediction import predict_candidates
 from gateway.routing.predictor import Features, Predictor, PredictorParams
@@ -89,6 +89,43 @@ class _FlowState:
     # dispatched past flow control: it waited past its target's slack (served, never refused after its wait), or
     # it has no target and its flow's queue is full (a plain proxy would serve it)
     late: bool = False
+
+
+@dataclass(slots=True)
+class _Attempt:
+    """One request's route as it is decided, phase by phase (PredictiveRouteStage._run)."""
+
+    ctx: RequestContext
+    fs: _FlowState
+    cfg: Config
+    rc: Any  # RoutingConfig
+    plan: RoutePlan
+    own: list[Candidate]
+    partners: list[Candidate]
+    modelled: set[str]
+    all_modelled: bool
+    salt: str | None
+    priority: str
+    hdr: str | None
+    target: float | None  # the TTFT target; after the decision, the goal admission held it to
+    flow_on: bool
+    aff_key: str | None
+    t_start: float
+    # set by the tokens phase
+    n_tokens: int = 0
+    cached: dict[str, int] = field(default_factory=dict)
+    source: str = ""
+    blocks: list[int] = field(default_factory=list)
+    unstored: Any = None
+    tokenize_s: float = 0.0
+    # set by each pass of the decision
+    prev_engine: str | None = None
+    elapsed: float = 0.0
+    tel: Any = None
+    has_tel: Callable[[Candidate], bool] = lambda c: False
+    feats: dict[str, Features] = field(default_factory=dict)
+
+
 _no_candidates = no_candidates
 _residency_rules = residency_rules
 _unattainable = unattainable
@@ -340,21 +377,30 @@ class PredictiveRouteStage:
                 self.flow.done(fs.waiter)
 
     async def _run(self, ctx: RequestContext, fs: "_FlowState") -> None:
+        """The phases of one request's route: candidates, refusal before tokenizing, tokens, the decision
+        (score, order, flow, admit: looped while it waits), then the refusal or the commit."""
+        a = self._begin(ctx, fs)
+        self._refuse_before_tokens(a)
+        await self._tokens(a)
+        adm, own_ord, part_ord, must_wait = await self._decide(a)
+        if adm.action == "reject":
+            self._reject(a, adm, own_ord, must_wait)
+        self._commit(a, adm, await self._final(a, adm, own_ord, part_ord))
+
+    def _begin(self, ctx: RequestContext, fs: "_FlowState") -> "_Attempt":
+        """Candidates (residency first, always), modes, the engine cache salt and priority, the target, and
+        whether flow control applies."""
         t_start = time.perf_counter()
         require_model(ctx)
         cfg = self._config()
         rc = cfg.raw.routing
-        aff_key = affinity_key(ctx, rc)
-        plan = candidates(cfg, ctx, self._health)  # residency first, always
+        plan = candidates(cfg, ctx, self._health)
         ctx.evidence["dropped"] = plan.dropped
         if not plan.candidates:
             raise no_candidates(ctx, plan)
         d = ctx.decision
         own, partners = split_partners(cfg, ctx, plan)
-        tel = self.telemetry
-        modelled = self._modes_of(own + partners, tel)  # the upstreams the gateway has a model of (mode.py)
-        all_modelled = all(c.backend.name in modelled for c in own)
-
+        modelled = self._modes_of(own + partners, self.telemetry)  # the upstreams the gateway has a model of
         salt = engine_cache_salt(ctx, rc.cache_salt_secret_env)
         if salt is not None:
             ctx.body_overrides["cache_salt"] = salt  # and the index is looked up with the salt the engine sees
@@ -362,134 +408,185 @@ class PredictiveRouteStage:
             prio = rc.priority_values.get(d.priority)
             if prio is not None:
                 ctx.body_overrides["priority"] = int(prio)
-
         priority = d.priority if d is not None else "standard"
         hdr = ctx.headers.get("x-ttft-slo-ms") if ctx.headers is not None else None
         target = slo_ms(hdr, d.ttft_slo_ms if d is not None else None, rc.default_ttft_slo_ms)
-        fc = rc.flow_control
-        flow_on = fc.enabled and priority in FLOW_CLASSES and bool(modelled & {c.backend.name for c in own})
+        flow_on = (rc.flow_control.enabled and priority in FLOW_CLASSES
+                   and bool(modelled & {c.backend.name for c in own}))
         if flow_on:
             fs.flow, fs.weight, fs.cls = flow_id(ctx.principal, d), flow_weight(d), priority
-        # a prompt that may be long gets the long target, unless the client's x-ttft-slo-ms sets it (_long_target):
-        # only then does the target checked before tokenizing hold for it too
-        if rc.admission and target is not None and not partners and not all_modelled:
-            self._refuse_spent(ctx, own, target, t_start, salt)  # no model: only a certainty refuses
-        elif rc.admission and target is not None and not partners:
-            may_long = flow_on and self._maybe_long(ctx, own)
-            if not may_long or slo_ms(hdr, None, None) is not None:
-                if priority != "batch":
-                    self._refuse_early(ctx, own, target, t_start, salt)  # before tokenizing: raises when surely late
-                if flow_on:
-                    self._refuse_queued(ctx, fs, own, target, t_start, salt, may_long)  # its flow's queue alone
+        return _Attempt(ctx=ctx, fs=fs, cfg=cfg, rc=rc, plan=plan, own=own, partners=partners, modelled=modelled,
+                        all_modelled=all(c.backend.name in modelled for c in own), salt=salt, priority=priority,
+                        hdr=hdr, target=target, flow_on=flow_on, aff_key=affinity_key(ctx, rc), t_start=t_start)
+
+    def _refuse_before_tokens(self, a: "_Attempt") -> None:
+        """Raise when the request is surely late before its tokens are known. A prompt that may be long gets the
+        long target, unless the client's x-ttft-slo-ms sets it (_long_target): only then does the target checked
+        before tokenizing hold for it too."""
+        rc, ctx, own, target = a.rc, a.ctx, a.own, a.target
+        if not rc.admission or target is None or a.partners:
+            return
+        if not a.all_modelled:
+            self._refuse_spent(ctx, own, target, a.t_start, a.salt)  # no model: only a certainty refuses
+            return
+        may_long = a.flow_on and self._maybe_long(ctx, own)
+        if not may_long or slo_ms(a.hdr, None, None) is not None:
+            if a.priority != "batch":
+                self._refuse_early(ctx, own, target, a.t_start, a.salt)  # before tokenizing: raises when surely late
+            if a.flow_on:
+                self._refuse_queued(ctx, a.fs, own, target, a.t_start, a.salt, may_long)  # its flow's queue alone
+
+    async def _tokens(self, a: "_Attempt") -> None:
         tel = self.telemetry  # resolved once per stretch without an await (and again after each)
         has_tel = self.engines.telemetry_test(tel)
         t_tok = time.perf_counter()
-        n_tokens, cached, source, blocks, unstored = await self._prompt(ctx, own + partners, salt, tel, has_tel)
-        tokenize_s = time.perf_counter() - t_tok
+        a.n_tokens, a.cached, a.source, a.blocks, a.unstored = await self._prompt(
+            a.ctx, a.own + a.partners, a.salt, tel, has_tel)
+        a.tokenize_s = time.perf_counter() - t_tok
+
+    async def _decide(self, a: "_Attempt") -> tuple[Admission, list[Candidate], list[Candidate], bool]:
+        """Score, order, flow control and admission, again after each wait (in the fair queue or the batch
+        queue): (the admission, own candidates in order, partner candidates in order, must it wait first)."""
+        ctx, fs, rc, fc = a.ctx, a.fs, a.rc, a.rc.flow_control
         deadline = time.monotonic() + rc.batch_queue_timeout_s
-        own_names = {c.backend.name for c in own}
+        own_names = {c.backend.name for c in a.own}
         while True:
-            prev_engine = self.affinity.get(aff_key) if aff_key else None  # re-read: a queued request waits
-            elapsed = max(0.0, time.perf_counter() - ctx.received_at)
-            tel = self.telemetry
-            has_tel = self.engines.telemetry_test(tel)
-            setup = self.setup(ctx, own) if self.setup is not None else None  # e.g. an adapter's load
-            items, feats, drains = self._score(own + partners, n_tokens, cached, blocks, prev_engine, elapsed,
-                                               target, tel, has_tel, setup)
-            ordered = self._order(cfg, items, n_tokens, plan.dropped)
+            a.prev_engine = self.affinity.get(a.aff_key) if a.aff_key else None  # re-read: a queued request waits
+            a.elapsed = max(0.0, time.perf_counter() - ctx.received_at)
+            a.tel = self.telemetry
+            a.has_tel = self.engines.telemetry_test(a.tel)
+            setup = self.setup(ctx, a.own) if self.setup is not None else None  # e.g. an adapter's load
+            items, a.feats, drains = self._score(a.own + a.partners, a.n_tokens, a.cached, a.blocks, a.prev_engine,
+                                                 a.elapsed, a.target, a.tel, a.has_tel, setup)
+            ordered = self._order(a.cfg, items, a.n_tokens, a.plan.dropped)
             own_ord = [c for c in ordered if c.backend.name in own_names]
             part_ord = [c for c in ordered if c.backend.name not in own_names]
             if not own_ord and not part_ord:
-                raise no_candidates(ctx, plan)
-            if not all_modelled and rc.strategy in MODEL_STRATEGIES:  # a model's order, without the model:
-                load_order(own_ord, modelled, items)  # load-aware instead (a chosen model-free strategy stays)
-            goal = target
+                raise no_candidates(ctx, a.plan)
+            if not a.all_modelled and rc.strategy in MODEL_STRATEGIES:  # a model's order, without the model:
+                load_order(own_ord, a.modelled, items)  # load-aware instead (a chosen model-free strategy stays)
+            goal = a.target
             must_wait = False
-            if flow_on and own_ord and not fs.late:
-                must_wait, own_ord, goal = self._flow_mixed(ctx, fs, fc, own_ord, modelled, feats, n_tokens,
-                                                            target, hdr, elapsed, items, drains)
-            if rc.admission and goal is not None and own_ord and all_modelled and not fs.late:
-                adm = decide(goal, [c.predicted_ttft_upper_ms for c in own_ord],  # type: ignore[misc]
-                             [c.predicted_ttft_ms for c in own_ord], priority=priority,  # type: ignore[misc]
-                             can_spill=bool(part_ord), batch_headroom=rc.batch_headroom,
-                             batch_target_ms=rc.batch_ttft_target_ms)
-            else:  # no target, or an upstream without a model (pass-through), or late: nothing to judge
-                adm = decide(None, [], [], priority=priority, can_spill=False)
-            if adm.action == "reject" and fs.waiter is not None:  # admitted with its wait in its prediction:
-                self.stats["served_late"] += 1  # never refused after it (the promise is made on arrival)
-                adm = decide(None, [], [], priority=priority, can_spill=False)
+            if a.flow_on and own_ord and not fs.late:
+                must_wait, own_ord, goal = self._flow_mixed(ctx, fs, fc, own_ord, a.modelled, a.feats, a.n_tokens,
+                                                            a.target, a.hdr, a.elapsed, items, drains)
+            adm = self._admit(a, goal, own_ord, part_ord)
             if must_wait and adm.action == "admit":
-                await self._flow_wait(ctx, fs, fc, own_ord, goal, target, source, t_start, salt)
+                await self._flow_wait(ctx, fs, fc, own_ord, goal, a.target, a.source, a.t_start, a.salt)
                 continue  # released: re-score with the engines' views as they are now
             if adm.action != "queue":
-                break
+                a.target = goal
+                return adm, own_ord, part_ord, must_wait
             self.stats["queued"] += 1
-            left = deadline - time.monotonic()
-            try:
-                woke = left > 0 and await self.batch.wait(min(left, 1.0))
-            except QueueFull:
-                woke = None
-            if woke is None or (not woke and time.monotonic() >= deadline):
-                self.stats["shed"] += 1
-                self._evidence(ctx, ordered, target, adm.action, source, t_start, salt, tel, has_tel)
-                raise GatewayError(429, "The fleet is above its batch headroom and the batch queue is "
-                                   + ("full." if woke is None else "past its wait limit."), code="request_shed",
-                                   headers={**retry_headers(max(1.0, adm.retry_after_s)),
-                                            "x-predicted-ttft-ms": f"{adm.best_ms:.0f}"})
-        target = goal
-        if target is not None and len(own_ord) > 1 and not fs.go and all_modelled:  # engines predicted to meet the target first
+            await self._batch_wait(a, adm, ordered, deadline)
+
+    def _admit(self, a: "_Attempt", goal: float | None, own_ord: list[Candidate],
+               part_ord: list[Candidate]) -> Admission:
+        """Admission on the predictions, where there is a target and a model; a request admitted with its wait
+        in its prediction is never refused after it (the promise is made on arrival)."""
+        rc, fs = a.rc, a.fs
+        if rc.admission and goal is not None and own_ord and a.all_modelled and not fs.late:
+            adm = decide(goal, [c.predicted_ttft_upper_ms for c in own_ord],  # type: ignore[misc]
+                         [c.predicted_ttft_ms for c in own_ord], priority=a.priority,  # type: ignore[misc]
+                         can_spill=bool(part_ord), batch_headroom=rc.batch_headroom,
+                         batch_target_ms=rc.batch_ttft_target_ms)
+        else:  # no target, or an upstream without a model (pass-through), or late: nothing to judge
+            adm = decide(None, [], [], priority=a.priority, can_spill=False)
+        if adm.action == "reject" and fs.waiter is not None:
+            self.stats["served_late"] += 1
+            adm = decide(None, [], [], priority=a.priority, can_spill=False)
+        return adm
+
+    async def _batch_wait(self, a: "_Attempt", adm: Admission, ordered: list[Candidate], deadline: float) -> None:
+        """A batch request above the fleet's headroom waits for room; shed (429) when the queue is full or
+        past its wait limit."""
+        left = deadline - time.monotonic()
+        try:
+            woke = left > 0 and await self.batch.wait(min(left, 1.0))
+        except QueueFull:
+            woke = None
+        if woke is None or (not woke and time.monotonic() >= deadline):
+            self.stats["shed"] += 1
+            self._evidence(a.ctx, ordered, a.target, adm.action, a.source, a.t_start, a.salt, a.tel, a.has_tel)
+            raise GatewayError(429, "The fleet is above its batch headroom and the batch queue is "
+                               + ("full." if woke is None else "past its wait limit."), code="request_shed",
+                               headers={**retry_headers(max(1.0, adm.retry_after_s)),
+                                        "x-predicted-ttft-ms": f"{adm.best_ms:.0f}"})
+
+    def _reject(self, a: "_Attempt", adm: Admission, own_ord: list[Candidate], must_wait: bool) -> NoReturn:
+        """No allowed engine is predicted to meet the target: 429 with the best prediction (and the wait in
+        the gateway's fair queue it includes)."""
+        target, fs = a.target, a.fs
+        assert target is not None  # decide() rejects only against a target
+        if len(own_ord) > 1 and not fs.go and a.all_modelled:  # engines predicted to meet the target first
             own_ord.sort(key=lambda c: (c.predicted_ttft_upper_ms or 0) > target)
-        if adm.action == "reject":
-            assert target is not None  # decide() rejects only against a target
-            self.stats["rejected"] += 1
-            self._evidence(ctx, own_ord, target, "reject", source, t_start, salt, tel, has_tel)
-            if must_wait:
-                self._flow_evidence(ctx, fs, "refused")
-                self.flow.refuse(fs.flow, "predicted_wait")
-                err = unattainable(own_ord[0], target, adm.retry_after_s)
-                err.message += (f" That includes {fs.predicted_wait_s * 1000:.0f} ms waiting in the gateway's fair "
-                                f"queue behind {fs.ahead_tokens:.0f} prompt tokens.")
-                raise err
-            self._flow_evidence(ctx, fs, "refused")
-            raise unattainable(own_ord[0], target, adm.retry_after_s)
+        self.stats["rejected"] += 1
+        self._evidence(a.ctx, own_ord, target, "reject", a.source, a.t_start, a.salt, a.tel, a.has_tel)
+        self._flow_evidence(a.ctx, fs, "refused")
+        if must_wait:
+            self.flow.refuse(fs.flow, "predicted_wait")
+            err = unattainable(own_ord[0], target, adm.retry_after_s)
+            err.message += (f" That includes {fs.predicted_wait_s * 1000:.0f} ms waiting in the gateway's fair "
+                            f"queue behind {fs.ahead_tokens:.0f} prompt tokens.")
+            raise err
+        raise unattainable(own_ord[0], target, adm.retry_after_s)
+
+    async def _final(self, a: "_Attempt", adm: Admission, own_ord: list[Candidate],
+                     part_ord: list[Candidate]) -> list[Candidate]:
+        """The candidates in the order the dispatcher tries them: engines predicted to meet the target first,
+        partners first on a spill, the client's own provider order over the router's, an operator's in-flight
+        limit (the one hold kept)."""
+        target = a.target
+        if target is not None and len(own_ord) > 1 and not a.fs.go and a.all_modelled:
+            own_ord.sort(key=lambda c: (c.predicted_ttft_upper_ms or 0) > target)
         if adm.action == "spill":
             self.stats["spilled"] += 1
             final = part_ord + own_ord
         else:
             self.stats["admitted"] += 1
             final = own_ord + part_ord
+        d = a.ctx.decision
         if d is not None and d.providers_order:  # the client's own order wins over the router's (evidence says so)
             final = client_order(final, d.providers_order)
         if any(c.backend.max_inflight is not None for c in final):  # an operator's limit: the one hold we keep
-            final = await self._inflight_slot(ctx, final, target, fc.max_wait_s, source, t_start, salt)
-        plan.candidates = final
-        ctx.route = plan
+            final = await self._inflight_slot(a.ctx, final, target, a.rc.flow_control.max_wait_s, a.source,
+                                              a.t_start, a.salt)
+        return final
+
+    def _commit(self, a: "_Attempt", adm: Admission, final: list[Candidate]) -> None:
+        """The route is decided: the plan, the evidence (decided_us split into queue wait, tokenize and compute),
+        the prediction header where there is a model, the dispatch's accounting, flow and affinity."""
+        ctx, fs, modelled = a.ctx, a.fs, a.modelled
+        a.plan.candidates = final
+        ctx.route = a.plan
         pick = final[0]
-        self._evidence(ctx, final, target, adm.action, source, t_start, salt, tel, has_tel)
+        name = pick.backend.name
+        self._evidence(ctx, final, a.target, adm.action, a.source, a.t_start, a.salt, a.tel, a.has_tel)
         route = ctx.evidence["route"]  # decided_us, split: waiting in the gateway, awaiting tokens, the rest
         route["queue_wait_us"] = round(fs.waited_s * 1e6, 1)
-        route["tokenize_us"] = round(tokenize_s * 1e6, 1)
+        route["tokenize_us"] = round(a.tokenize_s * 1e6, 1)
         route["compute_us"] = round(max(0.0, route["decided_us"] - route["queue_wait_us"] - route["tokenize_us"]), 1)
-        route["mode"] = "modelled" if pick.backend.name in modelled else "pass_through"
-        if pick.backend.name not in modelled:
+        route["mode"] = "modelled" if name in modelled else "pass_through"
+        if name not in modelled:
             self.stats["pass_through"] += 1
         self._flow_evidence(ctx, fs, "spilled" if adm.action == "spill" else "dispatched")
-        if aff_key:
-            ctx.evidence["route"]["affinity_engine"] = prev_engine  # the session's previous engine, if any
-        if pick.backend.name in modelled:  # a prediction is a promise only where there is a model
+        if a.aff_key:
+            route["affinity_engine"] = a.prev_engine  # the session's previous engine, if any
+        if name in modelled:  # a prediction is a promise only where there is a model
             ctx.extra_headers["x-predicted-ttft-ms"] = f"{pick.predicted_ttft_ms:.0f}"
-        ctx.extra_headers["x-gateway-backend"] = pick.backend.name
-        fl = self._dispatched(ctx, pick, final, n_tokens, elapsed, feats, blocks, unstored, tel, has_tel(pick))
-        if fs.flow and pick.backend.name in modelled and pick.backend.name in own_names:
-            self.flow.started(fs.flow, fs.weight, float(n_tokens - (pick.cached_tokens or 0)), fs.waiter,
+        ctx.extra_headers["x-gateway-backend"] = name
+        fl = self._dispatched(ctx, pick, final, a.n_tokens, a.elapsed, a.feats, a.blocks, a.unstored, a.tel,
+                              a.has_tel(pick))
+        if fs.flow and name in modelled and name in {c.backend.name for c in a.own}:
+            self.flow.started(fs.flow, fs.weight, float(a.n_tokens - (pick.cached_tokens or 0)), fs.waiter,
                               fs.waited_s, fs.qcls)
             fl.flow = fs.flow
         elif fs.waiter is not None:
             self.flow.done(fs.waiter)
-        if aff_key:
-            if self.peers is not None and prev_engine != pick.backend.name:
-                self.peers.remembered(aff_key, pick.backend.name)
-            self.affinity.remember(aff_key, pick.backend.name)
+        if a.aff_key:
+            if self.peers is not None and a.prev_engine != name:
+                self.peers.remembered(a.aff_key, name)
+            self.affinity.remember(a.aff_key, name)
 
     # ---------------------------------------------------------------- flow control (gate.py, flow.py)
     def _maybe_long(self, ctx: RequestContext, own: list[Candidate]) -> bool:
