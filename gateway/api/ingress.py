@@ -82,8 +82,6 @@ class InferenceEndpoint:
         self.wire = ep.wire
 
     async def __call__(self, scope, receive, send) -> None:
-        gw = self.gw
-        wire = self.wire
         headers = RequestHeaders.from_scope(scope)
         # The client's x-request-id is echoed, never trusted as a key: budgets (reservation, settle marker),
         # the spend ledger, routing's in-flight table and the audit record are keyed by an id the gateway
@@ -92,14 +90,37 @@ class InferenceEndpoint:
         cid = client_request_id(headers)
         rid = cid or new_request_id()
         if scope["method"] != "POST":
-            other = ON_SERVED_PATHS.get(scope["path"])  # OpenAI's GET /v1/chat/completions lists stored ones
-            if other is not None and scope["method"] in other.methods:
-                await send_error(send, await unserved_answer(gw, other, scope, headers, rid), rid,
-                                 {"server-timing": server_timing(None, t0)}, wire)
-                return
-            await send_error(send, GatewayError(405, "Method not allowed; use POST.", code="method_not_allowed"), rid,
-                             {"allow": "POST", "server-timing": server_timing(None, t0)}, wire)
+            await self._not_post(scope, send, headers, rid, t0)
             return
+        got = await self._read(scope, receive, send, headers, rid, t0)
+        if got is None:
+            return
+        raw, body, parsed = got
+        client = scope.get("client")
+        ctx = RequestContext(request_id=rid if cid is None else new_request_id(), endpoint=self.endpoint,
+                             headers=headers, body=body, client_addr=client[0] if client else "", ep=self.ep)
+        if cid is not None:  # echoed as x-request-id; the gateway's own id rides along for the audit lookup
+            ctx.client_request_id = cid
+            ctx.extra_headers["x-request-id"] = cid
+            ctx.extra_headers["x-gateway-request-id"] = ctx.request_id
+        prepare(ctx, parsed, raw, self.gw.config)
+        await self._serve(ctx, scope, receive, send)
+
+    async def _not_post(self, scope, send, headers: RequestHeaders, rid: str, t0: float) -> None:
+        other = ON_SERVED_PATHS.get(scope["path"])  # OpenAI's GET /v1/chat/completions lists stored ones
+        if other is not None and scope["method"] in other.methods:
+            await send_error(send, await unserved_answer(self.gw, other, scope, headers, rid), rid,
+                             {"server-timing": server_timing(None, t0)}, self.wire)
+            return
+        await send_error(send, GatewayError(405, "Method not allowed; use POST.", code="method_not_allowed"), rid,
+                         {"allow": "POST", "server-timing": server_timing(None, t0)}, self.wire)
+
+    async def _read(self, scope, receive, send, headers: RequestHeaders, rid: str,
+                    t0: float) -> tuple[bytes, Any, Any] | None:
+        """(raw body, decoded body, parsed request), or None once the refusal was sent: the media type, the
+        declared and the actual size, the upload's time limit, then the body (authenticated first when the
+        body is refused, so an unauthenticated caller learns nothing about validation: 401, not 400)."""
+        gw, wire = self.gw, self.wire
         limit = gw.config.server.max_body_bytes
         try:
             ctype = headers.get("content-type", "")
@@ -123,15 +144,12 @@ class InferenceEndpoint:
                 gw.metrics.rejections.labels("parse", "request_timeout").inc()
                 await send_error(send, err, rid, {"connection": "close", "server-timing": server_timing(None, t0)},
                                  wire)
-                return
+                return None
             try:
                 body = decode_json(raw)
                 parsed = self.ep.parse(body)
             except GatewayError as bad_body:
-                # Authenticate before answering about the body: an unauthenticated caller learns nothing about
-                # validation (it gets 401, not 400). Only on this refusal path: a good body is authenticated by
-                # the pipeline as usual. The cheap checks above (415, 413, 408) still come first.
-                await self._authenticate(headers, rid, scope)
+                await self._authenticate(headers, rid, scope)  # only on this refusal path (the pipeline does it)
                 raise bad_body
         except GatewayError as e:
             stage = "authenticate" if e.status in (401, 403) or e.code == "auth_rate_limited" else "parse"
@@ -142,22 +160,18 @@ class InferenceEndpoint:
             if e.status == 413:
                 extra["connection"] = "close"
             await send_error(send, e, rid, extra, wire)
-            return
+            return None
         except asyncio.CancelledError:
-            return
-        client = scope.get("client")
-        ctx = RequestContext(request_id=rid if cid is None else new_request_id(), endpoint=self.endpoint,
-                             headers=headers, body=body, client_addr=client[0] if client else "", ep=self.ep)
-        if cid is not None:  # echoed as x-request-id; the gateway's own id rides along for the audit lookup
-            ctx.client_request_id = cid
-            ctx.extra_headers["x-request-id"] = cid
-            ctx.extra_headers["x-gateway-request-id"] = ctx.request_id
-        prepare(ctx, parsed, raw, gw.config)
-        life = Lifecycle(gw.pipeline, ctx, shielded=False)
-        # A vanished client cancels upstream work at once: this task is cancelled, which unwinds the handler
-        # (closing the upstream connection) right away, except while the request settles (Lifecycle.cancel
-        # defers it to the end of finish). Under the gateway's own server protocol the connection tells us (no
-        # extra task); under any other ASGI server a watcher task waits on receive() instead.
+            return None
+        return raw, body, parsed
+
+    async def _serve(self, ctx: RequestContext, scope, receive, send) -> None:
+        """Run the request's lifecycle and answer, cancelled at once when the client vanishes: this task is
+        cancelled, which unwinds the handler (closing the upstream connection) right away, except while the
+        request settles (Lifecycle.cancel defers it to the end of finish). Under the gateway's own server
+        protocol the connection tells us (no extra task); under any other ASGI server a watcher task waits on
+        receive() instead."""
+        life = Lifecycle(self.gw.pipeline, ctx, shielded=False)
         me = asyncio.current_task()
         gone = False
 
@@ -202,82 +216,19 @@ class InferenceEndpoint:
 
     async def _handle(self, ctx: RequestContext, send, life: Lifecycle) -> None:
         gw = self.gw
-        wire = self.wire
         try:
             try:
                 result = await life.run()
             except GatewayError as e:
                 gw.metrics.rejections.labels(gw.pipeline.refusing_stage(ctx), e.code or "error").inc()
                 await send_error(send, e, ctx.request_id, {**ctx.extra_headers, "server-timing": self._timing(ctx)},
-                                 wire)
+                                 self.wire)
                 return
             hdrs = {"x-request-id": ctx.request_id, **ctx.extra_headers}
             if isinstance(result, JsonResult):
-                ctx.status = result.status
-                if result.status == 200:
-                    try:
-                        obj = orjson.loads(result.body)
-                    except orjson.JSONDecodeError:
-                        ctx.status, ctx.error = 502, "upstream_bad_json"
-                        err = GatewayError(502, "Upstream answered with invalid JSON.", code="upstream_error")
-                        await life.finish()
-                        await send_error(send, err, ctx.request_id,
-                                         {**ctx.extra_headers, "server-timing": self._timing(ctx)}, wire)
-                        return
-                    ctx.usage = wire.usage(obj)
-                    wire.facts(ctx, obj)
-                    if ctx.cache is not None:
-                        ctx.cache.capture.json(obj)
-                    ctx.ttft_s = None
-                await life.finish()
-                hdrs["server-timing"] = self._timing(ctx)
-                await send_bytes(send, result.status, result.body, hdrs)
-                return
-            # stream
-            ctx.status = 200
-
-            async def on_end() -> None:
-                if not life.finished:
-                    task = asyncio.current_task()
-                    if task is not None and task.cancelling() and not ctx.cut_by_shutdown:
-                        # the client left mid-stream (its connection dropped and cancelled us): record 499 and
-                        # what was delivered, not the 200 the response started with
-                        ctx.status = 499 if ctx.status in (0, 200) else ctx.status
-                        ctx.error = ctx.error or "client_disconnected"
-                    await life.finish(shield=True)  # the drain deadline cancels stream tasks directly
-
-            hdrs["server-timing"] = self._timing(ctx)
-            raw = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
-                   (b"x-accel-buffering", b"no")]
-            raw += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in hdrs.items()]
-            await send({"type": "http.response.start", "status": 200, "headers": raw})
-            replay = getattr(result, "replay", None)  # a cache hit (gateway/cache/replay.py)
-            capture = ctx.cache.capture if ctx.cache is not None and replay is None else None
-            if replay is not None:
-                gen = replay(ctx, on_end)
-            else:  # relayed in push mode (straight to the connection) unless the cache captures what is sent
-                gen = stream_body(ctx, result, on_end, direct_body(send) if capture is None else None)
-            me = asyncio.current_task()
-            assert me is not None  # the server runs each request in a task of its own
-            gw.streams[me] = ctx
-            try:
-                try:
-                    async for chunk in gen:
-                        if capture is not None:
-                            capture.chunk(chunk)
-                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                except asyncio.CancelledError:
-                    if not ctx.cut_by_shutdown:
-                        raise
-                    me.uncancel()  # our own cut at the drain deadline
-                    await on_end()  # settle what was delivered before the client sees the end
-                    err = GatewayError(503, "The gateway is shutting down and cut this stream at its drain deadline; "
-                                       "retry the request.", code="server_shutting_down")
-                    await send({"type": "http.response.body", "body": wire.error_event(err), "more_body": True})
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-            finally:
-                gw.streams.pop(me, None)
-                await gen.aclose()
+                await self._answer_json(ctx, send, life, result, hdrs)
+            else:
+                await self._answer_stream(ctx, send, life, result, hdrs)
         except asyncio.CancelledError:
             ctx.status = ctx.status if ctx.status and ctx.status != 200 else 499
             ctx.error = ctx.error or "client_disconnected"
@@ -287,6 +238,81 @@ class InferenceEndpoint:
             raise
         finally:
             await life.finish(shield=ctx.stream)
+
+    async def _answer_json(self, ctx: RequestContext, send, life: Lifecycle, result: JsonResult,
+                           hdrs: dict[str, str]) -> None:
+        """A whole answer: its usage and facts read (invalid JSON from the upstream is a 502), the request
+        finished (settled, recorded) before the bytes go out."""
+        wire = self.wire
+        ctx.status = result.status
+        if result.status == 200:
+            try:
+                obj = orjson.loads(result.body)
+            except orjson.JSONDecodeError:
+                ctx.status, ctx.error = 502, "upstream_bad_json"
+                err = GatewayError(502, "Upstream answered with invalid JSON.", code="upstream_error")
+                await life.finish()
+                await send_error(send, err, ctx.request_id,
+                                 {**ctx.extra_headers, "server-timing": self._timing(ctx)}, wire)
+                return
+            ctx.usage = wire.usage(obj)
+            wire.facts(ctx, obj)
+            if ctx.cache is not None:
+                ctx.cache.capture.json(obj)
+            ctx.ttft_s = None
+        await life.finish()
+        hdrs["server-timing"] = self._timing(ctx)
+        await send_bytes(send, result.status, result.body, hdrs)
+
+    async def _answer_stream(self, ctx: RequestContext, send, life: Lifecycle, result: Any,
+                             hdrs: dict[str, str]) -> None:
+        """A stream: relayed in push mode (straight to the connection) unless the cache captures what is sent
+        or replays a hit; finished once it ends (499 with what was delivered when the client left), cut with a
+        last error event at the drain deadline."""
+        ctx.status = 200
+
+        async def on_end() -> None:
+            if not life.finished:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling() and not ctx.cut_by_shutdown:
+                    # the client left mid-stream (its connection dropped and cancelled us): record 499 and
+                    # what was delivered, not the 200 the response started with
+                    ctx.status = 499 if ctx.status in (0, 200) else ctx.status
+                    ctx.error = ctx.error or "client_disconnected"
+                await life.finish(shield=True)  # the drain deadline cancels stream tasks directly
+
+        hdrs["server-timing"] = self._timing(ctx)
+        raw = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
+               (b"x-accel-buffering", b"no")]
+        raw += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in hdrs.items()]
+        await send({"type": "http.response.start", "status": 200, "headers": raw})
+        replay = getattr(result, "replay", None)  # a cache hit (gateway/cache/replay.py)
+        capture = ctx.cache.capture if ctx.cache is not None and replay is None else None
+        if replay is not None:
+            gen = replay(ctx, on_end)
+        else:
+            gen = stream_body(ctx, result, on_end, direct_body(send) if capture is None else None)
+        me = asyncio.current_task()
+        assert me is not None  # the server runs each request in a task of its own
+        self.gw.streams[me] = ctx
+        try:
+            try:
+                async for chunk in gen:
+                    if capture is not None:
+                        capture.chunk(chunk)
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except asyncio.CancelledError:
+                if not ctx.cut_by_shutdown:
+                    raise
+                me.uncancel()  # our own cut at the drain deadline
+                await on_end()  # settle what was delivered before the client sees the end
+                err = GatewayError(503, "The gateway is shutting down and cut this stream at its drain deadline; "
+                                   "retry the request.", code="server_shutting_down")
+                await send({"type": "http.response.body", "body": self.wire.error_event(err), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            self.gw.streams.pop(me, None)
+            await gen.aclose()
 
 
 class GatewayApp(Starlette):
