@@ -322,36 +322,7 @@ class Dispatcher:
                 splitter = sse.EventSplitter()
                 tr = ex.stream()
                 it = resp.aiter_raw()
-                first: list[bytes] = []
-                rest = b""
-                while True:  # read until the first generated token (or the end) arrives
-                    try:
-                        chunk = await it.__anext__()
-                    except StopAsyncIteration:
-                        if tr is not None:
-                            first.extend(tr.end())
-                        break
-                    region = splitter.feed_region(chunk)
-                    if tr is not None:
-                        events = [out for e in sse.split_events(region) for out in tr.feed(e)]
-                        first.extend(events)
-                        if any(wire.is_first_token(e) for e in events):
-                            break
-                        continue
-                    # events up to the first token are looked at one by one; what follows it in the same read
-                    # stays one region for stream_body (relayed whole when it needs no look of its own)
-                    pos, found = 0, False
-                    while (j := region.find(b"\n\n", pos)) >= 0:
-                        ev = region[pos:j]
-                        pos = j + 2
-                        if ev.strip():
-                            first.append(ev)
-                            if wire.is_first_token(ev):
-                                found = True
-                                break
-                    if found:
-                        rest = region[pos:]
-                        break
+                first, rest = await _to_first_token(it, splitter, tr, wire)
                 if not first:
                     raise UpstreamBroken("upstream closed the stream before any event")
                 self.health.success(b.name)
@@ -429,6 +400,36 @@ def observe_first_events(ctx: RequestContext, start: StreamStart) -> None:
         ctx.ttft_s = time.perf_counter() - ctx.received_at
 
 
+async def _to_first_token(it: Any, splitter: sse.EventSplitter, tr: Any, wire: Any) -> tuple[list[bytes], bytes]:
+    """Read a stream until its first generated token (or its end): (the events so far, the rest of the last
+    read). Events up to the first token are looked at one by one; what follows it in the same read stays one
+    region for stream_body (relayed whole when it needs no look of its own). A translated stream (`tr`) is
+    translated event by event."""
+    first: list[bytes] = []
+    while True:
+        try:
+            chunk = await it.__anext__()
+        except StopAsyncIteration:
+            if tr is not None:
+                first.extend(tr.end())
+            return first, b""
+        region = splitter.feed_region(chunk)
+        if tr is not None:
+            events = [out for e in sse.split_events(region) for out in tr.feed(e)]
+            first.extend(events)
+            if any(wire.is_first_token(e) for e in events):
+                return first, b""
+            continue
+        pos = 0
+        while (j := region.find(b"\n\n", pos)) >= 0:
+            ev = region[pos:j]
+            pos = j + 2
+            if ev.strip():
+                first.append(ev)
+                if wire.is_first_token(ev):
+                    return first, region[pos:]
+
+
 async def stream_body(ctx: RequestContext, start: StreamStart, on_end: Callable[[], Awaitable[None]],
                       direct: DirectBody | None = None) -> AsyncGenerator[bytes, None]:
     """Forward a started stream event by event (translated into the client's API when the backend speaks
@@ -441,7 +442,6 @@ async def stream_body(ctx: RequestContext, start: StreamStart, on_end: Callable[
     (a paced stream's per-event cost); what this generator still yields (the first read, error events) goes
     through the caller's send, in order."""
     b = start.candidate.backend
-    wire = ctx.ep.wire
     tr = start.translator
     st = StreamState()
     deadline = start.started_at + b.timeouts.total_s
@@ -476,14 +476,8 @@ async def stream_body(ctx: RequestContext, start: StreamStart, on_end: Callable[
                         return
                     continue  # done, or the client's connection paused writing
                 chunk = None
-            elif read_within is not None:
-                chunk = await read_within(idle_s, loop_deadline)
             else:
-                try:
-                    async with asyncio.timeout(min(idle_s, remaining)):
-                        chunk = await it.__anext__()
-                except StopAsyncIteration:
-                    chunk = None
+                chunk = await _next_read(it, read_within, idle_s, remaining, loop_deadline)
             if chunk is None:
                 if tr is not None:
                     out = _process_all(ctx, st, tr.end(), scrub)
@@ -502,34 +496,56 @@ async def stream_body(ctx: RequestContext, start: StreamStart, on_end: Callable[
             if ctx.cut_by_budget:
                 return
         if not st.done:
-            ctx.error = "upstream_stream_broken"
-            ctx.status = 502
-            _mid_stream_failure(start, "stream closed before its end")
-            yield wire.error_event(GatewayError(502, "Upstream closed the stream before it finished.",
-                                                code="upstream_error"))
+            yield _broken(ctx, start, 502, "upstream_stream_broken", "stream closed before its end",
+                          "Upstream closed the stream before it finished.", "upstream_error")
     except TimeoutError:
-        ctx.error = "upstream_timeout"
-        ctx.status = 504
-        _mid_stream_failure(start, "stream idle or total timeout")
-        yield wire.error_event(GatewayError(504, "Upstream stopped sending (idle or total timeout).",
-                                            code="upstream_timeout"))
+        yield _broken(ctx, start, 504, "upstream_timeout", "stream idle or total timeout",
+                      "Upstream stopped sending (idle or total timeout).", "upstream_timeout")
     except (UpstreamBroken, OSError):
-        ctx.error = "upstream_stream_broken"
-        ctx.status = 502
-        _mid_stream_failure(start, "connection broke mid-stream")
-        yield wire.error_event(GatewayError(502, "Upstream connection broke mid-stream.", code="upstream_error"))
+        yield _broken(ctx, start, 502, "upstream_stream_broken", "connection broke mid-stream",
+                      "Upstream connection broke mid-stream.", "upstream_error")
     finally:
-        if ctx.usage is None:
-            ctx.usage = Usage(prompt_tokens=ctx.prompt_tokens_est, completion_tokens=st.delivered_tokens)
-        aclose = getattr(it, "aclose", None)
-        if aclose is not None:
-            await aclose()
-        task = asyncio.current_task()
-        if task is not None and task.cancelling():  # the client left mid-stream: the upstream request ends now
-            await abort(start.response)
-        else:
-            await start.response.aclose()
-        await on_end()
+        await _end_stream(ctx, st, start, it, on_end)
+
+
+async def _next_read(it: Any, read_within: Any, idle_s: float, remaining: float, loop_deadline: float) -> bytes | None:
+    """The upstream's next read, None at its end; TimeoutError past the idle or total limit (the native client
+    times reads with one timer per stream, `read_within`; the others per read)."""
+    if read_within is not None:
+        chunk: bytes | None = await read_within(idle_s, loop_deadline)
+        return chunk
+    try:
+        async with asyncio.timeout(min(idle_s, remaining)):
+            return await it.__anext__()  # type: ignore[no-any-return]
+    except StopAsyncIteration:
+        return None
+
+
+def _broken(ctx: RequestContext, start: StreamStart, status: int, error: str, reason: str, message: str,
+            code: str) -> bytes:
+    """The stream failed after it began: recorded on the request and the engine's health, and the client
+    wire's error event to end it with."""
+    ctx.error = error
+    ctx.status = status
+    _mid_stream_failure(start, reason)
+    return ctx.ep.wire.error_event(GatewayError(status, message, code=code))
+
+
+async def _end_stream(ctx: RequestContext, st: "StreamState", start: StreamStart, it: Any,
+                      on_end: Callable[[], Awaitable[None]]) -> None:
+    """Usage from what was delivered when the upstream gave none; the upstream closed (aborted when the client
+    left mid-stream, so the engine stops generating for nobody); then the request finishes."""
+    if ctx.usage is None:
+        ctx.usage = Usage(prompt_tokens=ctx.prompt_tokens_est, completion_tokens=st.delivered_tokens)
+    aclose = getattr(it, "aclose", None)
+    if aclose is not None:
+        await aclose()
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():  # the client left mid-stream: the upstream request ends now
+        await abort(start.response)
+    else:
+        await start.response.aclose()
+    await on_end()
 
 
 async def abandon(result: Any) -> None:
