@@ -73,6 +73,9 @@ class RequestContext:
     attempts: list[dict[str, Any]] = field(default_factory=list)
     usage: Usage | None = None
     ttft_s: float | None = None
+    # time the dispatcher spent making the chosen engine ready after the route was decided (a LoRA adapter's
+    # load, gateway/adapters/placement.py): part of the TTFT, not of the engine's own work the learner fits
+    setup_s: float = 0.0
     total_s: float | None = None
     status: int = 0
     error: str | None = None

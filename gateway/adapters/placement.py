@@ -72,6 +72,7 @@ class Slots:
     # held by another replica (the shared holds): never unloaded, whoever sent those requests
     others: frozenset[str] = frozenset()
     released: dict[str, float] = field(default_factory=dict)  # adapter -> when our last hold ended (wall clock)
+    loading: dict[str, "asyncio.Task[None]"] = field(default_factory=dict)  # loads under way (slot taken)
 
     def busy(self, adapter: str) -> bool:
         return self.inflight.get(adapter, 0) > 0 or adapter in self.others
@@ -99,7 +100,7 @@ def step(adapter: str, s: Slots) -> Step | None:
         return Step(False)
     if len(s.resident) < s.max_loras:
         return Step(True)
-    victim = lru_idle(s.resident, s.inflight, s.others)
+    victim = lru_idle(s.resident, s.inflight, s.others | frozenset(s.loading))
     return None if victim is None else Step(True, victim)
 
 
@@ -165,6 +166,12 @@ def not_loaded_answer(status: int, upstream_message: str | None, adapter: str) -
 
 
 # ------------------------------------------------------------------------------------------------ I/O part
+
+
+def _retrieved(task: "asyncio.Task[None]") -> None:
+    """A load's failure is raised to the requests that wait for it; one nobody waited for is not an error."""
+    if not task.cancelled():
+        task.exception()
 
 
 class PlacementMetrics:
@@ -363,29 +370,78 @@ class Placement:
                                code="model_not_found", param="model")
         b = cand.backend
         s = self._slots(b)
-        loaded = False
-        async with self._lock(b.name):
-            if b.lora is None or self.clock() - self._read_at.get(b.name, -1e9) > b.lora.refresh_s:
-                await self._read(b, s)
-            st = step(adapter, s)
-            if st is None or st.evict is not None:  # an unload: not of what the engine or a replica is using
-                await self._others(b, s)
-                st = step(adapter, s)
-                s.others = frozenset()
-            if st is None:
-                raise GatewayError(503, f"Every adapter slot of backend {b.name} is in use.", code="adapter_slots_busy",
-                                   headers=retry_headers(1.0), extra={"_retryable": True})
-            if st.evict is not None:
-                await self._unload(b, s, st.evict)
-            if st.load:
-                await self._load(b, s, adapter, a.source)
-                loaded = True
-            s.resident[adapter] = self.clock()
-            s.inflight[adapter] = s.inflight.get(adapter, 0) + 1
+        t0 = time.perf_counter()
+        try:
+            loaded = await self._hold(b, s, adapter, a.source)
+        finally:  # the wait and the load are part of this request's TTFT, not the engine's work
+            ctx.setup_s += time.perf_counter() - t0
         self._held[ctx.request_id] = (b.name, adapter)
         await self._share(b.name, adapter, s.inflight.get(adapter, 0), wait=True)
         ad["engine"] = b.name
         ad["loaded"] = loaded
+
+    async def _hold(self, b: BackendConfig, s: Slots, adapter: str, source: str) -> bool:
+        """Hold `adapter` on the engine (its count of requests in flight up), loading it first where it is not
+        resident; True when this call started the load. The engine's lock covers the decision and an unload,
+        never a load: a request for a resident adapter takes no lock (unless the engine is due a re-read), one
+        for an adapter being loaded waits for that load, and a load runs as its own task, so a client leaving
+        does not leave the engine half-placed. 503 (retryable) when every slot has requests in flight."""
+        while True:
+            due = b.lora is None or self.clock() - self._read_at.get(b.name, -1e9) > b.lora.refresh_s
+            if not due:
+                task = s.loading.get(adapter)
+                if task is not None:
+                    await asyncio.shield(task)  # its error (a failed load) is this request's too
+                    continue
+                if adapter in s.resident:
+                    s.resident[adapter] = self.clock()
+                    s.inflight[adapter] = s.inflight.get(adapter, 0) + 1
+                    return False
+            async with self._lock(b.name):
+                if b.lora is None or self.clock() - self._read_at.get(b.name, -1e9) > b.lora.refresh_s:
+                    await self._read(b, s)
+                if adapter in s.loading:
+                    continue  # loading already: wait for it outside the lock
+                st = step(adapter, s)
+                if st is None or st.evict is not None:  # an unload: not of what the engine or a replica is using
+                    await self._others(b, s)
+                    st = step(adapter, s)
+                    s.others = frozenset()
+                if st is None:
+                    raise GatewayError(503, f"Every adapter slot of backend {b.name} is in use.",
+                                       code="adapter_slots_busy", headers=retry_headers(1.0),
+                                       extra={"_retryable": True})
+                if st.evict is not None:
+                    await self._unload(b, s, st.evict)
+                if not st.load:
+                    s.resident[adapter] = self.clock()
+                    s.inflight[adapter] = s.inflight.get(adapter, 0) + 1
+                    return False
+                s.resident[adapter] = self.clock()  # the slot is taken from now (never an LRU victim: loading)
+                s.inflight[adapter] = s.inflight.get(adapter, 0) + 1  # and this request holds it from now
+                task = asyncio.ensure_future(self._load_task(b, s, adapter, source))
+                task.add_done_callback(_retrieved)
+                s.loading[adapter] = task
+            try:
+                await asyncio.shield(task)
+            except BaseException:  # the load failed, or this request was cancelled: its hold ends
+                n = s.inflight.get(adapter, 0) - 1
+                if n > 0:
+                    s.inflight[adapter] = n
+                else:
+                    s.inflight.pop(adapter, None)
+                raise
+            s.resident[adapter] = self.clock()
+            return True
+
+    async def _load_task(self, b: BackendConfig, s: Slots, adapter: str, source: str) -> None:
+        try:
+            await self._load(b, s, adapter, source)
+        except BaseException:
+            s.resident.pop(adapter, None)
+            raise
+        finally:
+            s.loading.pop(adapter, None)
 
     async def not_loaded(self, ctx: RequestContext, cand: Candidate) -> None:
         """The engine answered 404 for the adapter: it lost it (a restart, an unload behind our back). Drop the
@@ -511,7 +567,7 @@ class Placement:
             ids = None
         if ids is None:
             return  # unreadable now: keep the belief, read again next time
-        s.resident = {n: s.resident.get(n, 0.0) for n in ids}
+        s.resident = {n: s.resident.get(n, 0.0) for n in ids | set(s.loading)}  # a load under way keeps its slot
         self._read_at[b.name] = self.clock()
         if b.lora is not None and b.lora.max_loras is None:  # its slots as the engine says
             await self._scrape(b)

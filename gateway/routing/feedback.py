@@ -41,7 +41,9 @@ def feed_back(ctx: RequestContext, fl: Flight, *, predictor: Predictor, approx: 
     failed_before = any("error" in x for x in ctx.attempts)
     f = fl.features.get(served)
     if ctx.ttft_s is not None and f is not None and not failed_before:
-        rel = predictor.observe(served, f, engine_part(ctx.ttft_s, fl.elapsed_s), fl.uppers.get(served) or None)
+        # the engine's part: after the prediction, less the engine's set-up (an adapter's load, predicted apart)
+        part = engine_part(ctx.ttft_s, fl.elapsed_s + ctx.setup_s)
+        rel = predictor.observe(served, f, part, fl.uppers.get(served) or None)
         ev["ttft_prediction_error"] = round(rel, 4)
     done = ctx.usage.completion_tokens if ctx.usage is not None else 0
     if ctx.stream and ctx.ttft_s is not None and done and done > 1:  # mean inter-token time: the step

@@ -99,3 +99,47 @@ backends:
             assert count("load") == 3.0 and count("unload") == 2.0
         finally:
             await pl.close()
+
+
+async def test_a_resident_adapter_never_waits_behind_another_adapters_load():
+    """The engine's lock is not held across a load: while `b` loads (0.5 s), a request for the resident `a` is
+    placed at once, and a second request for `b` waits for the one load (none twice); both `b` requests count
+    the wait as set-up time (their TTFT's, not the engine's)."""
+    async with start_fleet(1, profiles=["tiny"], lora=LoraConfig(max_loras=2, load_s=0.5)) as fleet:
+        url = fleet[0].url
+        cfg = parse_config(f"""
+backends:
+  - {{name: e1, url: "{url}", kind: sim, models: [base], model_map: {{base: sim-model}},
+     lora: {{dynamic: true, max_loras: 2}}}}
+""")
+        reg: dict[str, Any] = {n: Adapter(name=n, base_model="base", source=f"/w/{n}", tenant="t") for n in "ab"}
+
+        async def sources() -> dict[str, Any]:
+            return reg
+
+        pl = Placement(lambda: cfg, lambda b: {}, sources, registry=CollectorRegistry())
+        await pl.start()
+        try:
+            def cand(ctx: RequestContext, name: str) -> Candidate:
+                (b,) = adapter_backends(cfg, ctx, name)
+                return Candidate(backend=b, model=name)
+
+            ca = ctx_for("a0", "a")
+            await pl.prepare(ca, cand(ca, "a"))  # a: resident from here
+            await pl.finish(ca)
+            b1, b2, a1 = ctx_for("b1", "b"), ctx_for("b2", "b"), ctx_for("a1", "a")
+            t1 = asyncio.create_task(pl.prepare(b1, cand(b1, "b")))
+            while "b" not in pl.slots["e1"].loading:
+                await asyncio.sleep(0.001)
+            t2 = asyncio.create_task(pl.prepare(b2, cand(b2, "b")))
+            await pl.prepare(a1, cand(a1, "a"))  # not behind b's load
+            assert "b" in pl.slots["e1"].loading and not t1.done() and not t2.done()
+            assert a1.evidence["adapter"]["loaded"] is False
+            await asyncio.gather(t1, t2)
+            assert [b1.evidence["adapter"]["loaded"], b2.evidence["adapter"]["loaded"]] == [True, False]
+            assert pl.slots["e1"].inflight == {"a": 1, "b": 2} and await resident(url) == {"a", "b"}
+            assert b1.setup_s >= 0.4 and b2.setup_s > 0 and a1.setup_s < b1.setup_s
+            for c in (a1, b1, b2):
+                await pl.finish(c)
+        finally:
+            await pl.close()
