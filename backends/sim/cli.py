@@ -33,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="vLLM's --enable-lora with runtime loading (/v1/load_lora_adapter, /v1/unload_lora_adapter)")
     p.add_argument("--max-loras", type=int, default=1, help="distinct adapters one batch runs (vLLM's default 1)")
     p.add_argument("--lora-load-ms", type=float, default=500.0, help="modelled time to load one adapter")
+    p.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters whose weights stay in memory (vLLM's default: --max-loras); a step running one "
+                        "outside them reads it first (--lora-load-ms)")
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--block-size", type=int, default=None)
@@ -72,7 +75,8 @@ def _fleet_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
                        enable_prefix_caching=not args.no_prefix_caching, faults=faults, topic=args.topic,
                        batch_form=args.kv_batch_form, log_level=args.log_level, overrides=overrides,
                        present_as=args.present_as,
-                       lora=LoraConfig(max_loras=args.max_loras, load_s=args.lora_load_ms / 1000.0)
+                       lora=LoraConfig(max_loras=args.max_loras, load_s=args.lora_load_ms / 1000.0,
+                                       max_cpu_loras=args.max_cpu_loras)
                        if args.enable_lora else None)
 
 

@@ -91,11 +91,16 @@ class SimEngine:
         s = Scheduler(self.profile, self._output_token, self.enable_prefix_caching, self.priority_policy)
         s.slow_factor = self.faults.slow_factor
         s.max_loras = getattr(self, "max_loras", None)
+        s.lora_cache_size, s.lora_load_s = getattr(self, "_lora_cache", (None, 0.0))
         return s
 
-    def set_max_loras(self, n: int | None) -> None:
+    def set_max_loras(self, n: int | None, cache_size: int | None = None, load_s: float = 0.0) -> None:
+        """--enable-lora: `n` distinct adapters per batch; `cache_size` adapters' weights held in memory
+        (--max-cpu-loras), an adapter outside it read in `load_s` by the step that first runs it."""
         self.max_loras = n
         self.sched.max_loras = n
+        self._lora_cache = (cache_size, load_s)
+        self.sched.lora_cache_size, self.sched.lora_load_s = cache_size, load_s
 
     def _output_token(self, req: SimRequest) -> int:
         ids = self._out_ids

@@ -7,10 +7,12 @@ a load needs both fields (400), may not use a base model's name (400), may not l
 unless `load_inplace` (400); it answers 200 with a plain-text success line. An unload needs the name (400) and
 404s for a name not loaded. Loaded adapters are listed by /v1/models (root: the path, parent: the base model).
 A request naming an adapter that is not loaded gets vLLM's 404 "The model `x` does not exist. Valid aliases: <base>.". vLLM itself
-holds any number of loaded adapters (`max_cpu_loras` bounds its CPU cache); `max_loras` bounds how many distinct
-adapters one batch runs, so requests for a further adapter wait (the scheduler, `waiting_lora_adapters` in
-`vllm:lora_requests_info`). A load takes `load_s` (reading and preparing the weights); a restart loses every
-adapter loaded at run time (the static ones come back).
+holds any number of loaded adapters; `max_cpu_loras` (default `max_loras`) of them keep their weights in memory
+(an LRU cache: a load puts the adapter in it, and a step that runs an adapter outside it reads it again first,
+taking `load_s` longer: static placement of more adapters than the cache pays loads inside the engine);
+`max_loras` bounds how many distinct adapters one batch runs, so requests for a further adapter wait (the
+scheduler, `waiting_lora_adapters` in `vllm:lora_requests_info`). A load takes `load_s` (reading and preparing
+the weights); a restart loses every adapter loaded at run time (the static ones come back).
 """
 from __future__ import annotations
 
@@ -25,6 +27,11 @@ class LoraConfig:
 
     max_loras: int = 1  # vLLM's default
     load_s: float = 0.5  # modelled time to read and prepare one adapter's weights
+    max_cpu_loras: int | None = None  # adapters whose weights stay in memory (vLLM's default: max_loras)
+
+    @property
+    def cache_size(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
     runtime_updating: bool = True  # VLLM_ALLOW_RUNTIME_LORA_UPDATING
 
 

@@ -8,6 +8,8 @@ tests can drive it step by step.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import bisect
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -139,6 +141,12 @@ class Scheduler:
         self._output_token = output_token
         self.slow_factor = 1.0
         self.max_loras: int | None = None  # distinct LoRA adapters one batch may run (vLLM --max-loras)
+        # vLLM's cache of adapter weights read into memory (--max-cpu-loras, default --max-loras): an adapter a
+        # step runs that is not in it is read from its path first, and that step takes `lora_load_s` longer
+        # (the model runner activates the batch's adapters before it runs); None: not modelled
+        self.lora_cache_size: int | None = None
+        self.lora_load_s = 0.0
+        self.lora_cache: OrderedDict[str, None] = OrderedDict()
 
     # ------------------------------------------------------------------ queue operations
     def add(self, req: SimRequest) -> None:
@@ -195,6 +203,24 @@ class Scheduler:
         run = list(dict.fromkeys(r.lora_name for r in self.running if r.lora_name))
         wait = list(dict.fromkeys(r.lora_name for r in self.waiting if r.lora_name))
         return run, wait
+
+    def lora_warm(self, name: str) -> bool:
+        """`name`'s weights are in the cache now (most recently used; the least recently used beyond its size is
+        dropped); True when they had to be read."""
+        cold = name not in self.lora_cache
+        self.lora_cache[name] = None
+        self.lora_cache.move_to_end(name)
+        if self.lora_cache_size is not None:
+            while len(self.lora_cache) > self.lora_cache_size:
+                self.lora_cache.popitem(last=False)
+        return cold
+
+    def _lora_reads(self, entries: list[tuple["SimRequest", int, bool]]) -> int:
+        """How many of the step's adapters had to be read into the cache first."""
+        if self.lora_cache_size is None:
+            return 0
+        names = dict.fromkeys(r.lora_name for r, _, _ in entries if r.lora_name)
+        return sum(self.lora_warm(n) for n in names)
 
     def _lora_blocked(self, req: SimRequest) -> bool:
         """vLLM's scheduler skips a waiting request whose adapter would be one more than --max-loras in the batch."""
@@ -280,6 +306,7 @@ class Scheduler:
         decode = sum(1 for _, _, d in entries if d)
         ctx = sum(r.num_computed for r, _, d in entries if d)
         duration = self.profile.step_time(prefill, decode, ctx) * self.slow_factor
+        duration += self._lora_reads(entries) * self.lora_load_s
         return StepPlan(entries, prefill, decode, ctx, duration, now)
 
     def commit(self, plan: StepPlan, t_end: float) -> StepOutput:

@@ -63,7 +63,8 @@ class EngineServer:
         self.host = host
         self.port = port
         self.lora = LoraState(engine.model, list(lora_modules or []), lora)  # backends/sim/lora.py
-        engine.set_max_loras(lora.max_loras if lora is not None else None)
+        engine.set_max_loras(lora.max_loras if lora is not None else None, lora.cache_size if lora is not None else None,
+                             lora.load_s if lora is not None else 0.0)
         self.enable_prompt_tokens_details = enable_prompt_tokens_details
         self.log_level = log_level
         self.location = location
@@ -459,18 +460,22 @@ class EngineServer:
         if not self.lora.runtime:
             raise ApiError(404, "Not Found")
         try:
-            msg = await self.lora.load(await read_body(request))
+            body = await read_body(request)
+            msg = await self.lora.load(body)
         except LoraError as e:
             return json_response(e.body(), e.status)
+        self.engine.sched.lora_warm(body["lora_name"])  # read into memory by the load
         return Response(msg, 200)  # vLLM answers the bare success line
 
     async def unload_lora(self, request: Request) -> Response:
         if not self.lora.runtime:
             raise ApiError(404, "Not Found")
         try:
-            msg = self.lora.unload(await read_body(request))
+            body = await read_body(request)
+            msg = self.lora.unload(body)
         except LoraError as e:
             return json_response(e.body(), e.status)
+        self.engine.sched.lora_cache.pop(body["lora_name"], None)
         return Response(msg, 200)  # vLLM answers the bare success line
 
     async def tokenize(self, request: Request) -> Response:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from backends.sim.fleet import start_fleet
@@ -117,3 +118,33 @@ def test_scheduler_runs_at_most_max_loras_adapters_per_batch_and_skips_past_a_bl
         s.commit(plan, t)
     plan = s.schedule(t)
     assert plan is not None and b in [e[0] for e in plan.entries]  # a left the batch: b gets the slot
+
+
+def test_a_step_running_an_adapter_outside_the_weight_cache_reads_it_first():
+    """vLLM keeps --max-cpu-loras adapters' weights in memory (LRU; default --max-loras): a step that runs an
+    adapter outside them takes the load time longer, once; an adapter the load API put there costs nothing more.
+    So static placement of more adapters than the cache pays loads inside the engine."""
+    s = new_sched()
+    s.max_loras, s.lora_cache_size, s.lora_load_s = 1, 1, 0.5
+    s.lora_warm("a")  # loaded through the API: in memory
+
+    prompts = iter(range(100, 10_000, 10))
+
+    def step_for(lora: str) -> float:
+        first = next(prompts)
+        s.add(req(list(range(first, first + 5)), lora=lora))  # no prefix shared with an earlier request
+        plan = s.schedule(0.0)
+        assert plan is not None
+        s.commit(plan, plan.duration)
+        while s.has_work():  # finish it (max_tokens 1)
+            p = s.schedule(0.0)
+            assert p is not None
+            s.commit(p, p.duration)
+        return plan.duration
+
+    warm = step_for("a")
+    cold = step_for("b")  # not in memory: read first, and "a" leaves the cache (size 1)
+    assert cold - warm == pytest.approx(0.5)
+    assert step_for("b") == pytest.approx(warm)
+    assert step_for("a") == pytest.approx(cold)  # read again
+    assert list(s.lora_cache) == ["a"]
