@@ -11,7 +11,8 @@ The same seeded arrival trace runs against each variant, each on a fresh fleet a
   (a) static       no dynamic placement: every engine is started with all twenty names in `--lora-modules` (one
                    fleet process, as for (b) and (c)), and the config serves adapter k on engine k mod 4 only
                    (`models`, `lora_adapters`), so engine i runs adapters i, i+4, ... An engine holds any number
-                   of adapters but one batch runs at most 4 distinct ones (vLLM's --max-loras): the 5th waits.
+                   of adapters but one batch runs at most 4 distinct ones (vLLM's --max-loras): the 5th waits, and
+                   one outside the weight cache (--max-cpu-loras, default 4) is read in the engine first.
   (b) load-on-miss registered adapters (POST /admin/adapters, a tenant's adapter_sources grant), engines declared
                    `lora: {dynamic: true, max_loras: 4, choice: ignore_load}`: routed as if every adapter were
                    resident everywhere, loaded on a miss (the LRU idle one unloaded past 4).
