@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+_Json = dict[str, Any]  # a JSON object of the document
+
 _ERROR = {
     "type": "object",
     "required": ["error"],
@@ -94,11 +96,11 @@ _RESPONSES_ITEM = {
 _TEXTS = {"oneOf": [{"type": "string"}, {"type": "array", "minItems": 1, "maxItems": 8, "items": {"type": "string"}}]}
 
 
-def _json_body(schema: dict[str, Any]) -> dict[str, Any]:
+def _json_body(schema: _Json) -> _Json:
     return {"required": True, "content": {"application/json": {"schema": schema}}}
 
 
-def _errors(*statuses: int, schema: str = "Error") -> dict[str, Any]:
+def _errors(*statuses: int, schema: str = "Error") -> _Json:
     text = {400: "Invalid request (names the param)", 401: "Missing or invalid API key",
             403: "Denied by policy", 404: "Unknown model", 405: "Method not allowed",
             413: "Body larger than server.max_body_bytes", 415: "Content-Type is not application/json",
@@ -111,8 +113,8 @@ def _errors(*statuses: int, schema: str = "Error") -> dict[str, Any]:
 _POST_ERRORS = (400, 401, 403, 404, 413, 415, 429, 502, 503, 504)
 
 
-def _completion_op(op_id: str, summary: str, schema_ref: str, streams: bool) -> dict[str, Any]:
-    ok: dict[str, Any] = {"application/json": {"schema": {"type": "object"}}}
+def _completion_op(op_id: str, summary: str, schema_ref: str, streams: bool) -> _Json:
+    ok: _Json = {"application/json": {"schema": {"type": "object"}}}
     if streams:
         ok["text/event-stream"] = {"schema": {"type": "string"}}
     return {"post": {
@@ -123,119 +125,156 @@ def _completion_op(op_id: str, summary: str, schema_ref: str, streams: bool) -> 
     }}
 
 
-def openapi_spec(server_url: str | None = None) -> dict[str, Any]:
+def _messages_op() -> _Json:
+    """POST /v1/messages: Anthropic-shaped, with its own auth header and error body."""
+    return {"post": {
+        "operationId": "createMessage", "summary": "Anthropic Messages (x-api-key or Bearer; Anthropic-shaped errors)",
+        "security": [{"bearer": []}, {"x-api-key": []}],
+        "requestBody": _json_body({"$ref": "#/components/schemas/MessagesRequest"}),
+        "responses": {"200": {"description": "A message (typed SSE events when stream is true)",
+                              "content": {"application/json": {"schema": {"type": "object"}},
+                                          "text/event-stream": {"schema": {"type": "string"}}}},
+                      **_errors(*_POST_ERRORS, schema="AnthropicError")},
+    }}
+
+
+def _models_op() -> _Json:
+    """GET /v1/models."""
+    return {"get": {
+        "operationId": "listModels", "summary": "Models with where they run and what they retain",
+        "responses": {"200": {"description": "model list", "content": {"application/json": {"schema": {
+            "type": "object", "required": ["object", "data"],
+            "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": {
+                "type": "object", "required": ["id", "object"],
+                "properties": {"id": {"type": "string"}, "object": {"const": "model"},
+                               "context_window": {"type": ["integer", "null"]},
+                               "context_length": {"type": ["integer", "null"]}}}}}}}}},
+                      **_errors(401)},
+    }}
+
+
+def _probe_paths() -> _Json:
+    """/healthz and /readyz: unauthenticated."""
+    return {
+        "/healthz": {"get": {"operationId": "healthz", "summary": "Liveness", "security": [],
+                             "responses": {"200": {"description": "alive", "content": {"application/json": {
+                                 "schema": {"type": "object", "required": ["status"]}}}}}}},
+        "/readyz": {"get": {"operationId": "readyz", "summary": "Readiness (server.readiness): the process can serve; per-model health in the body",
+                            "security": [],
+                            "responses": {"200": {"description": "ready", "content": {"application/json": {
+                                "schema": {"type": "object", "required": ["status"]}}}},
+                                "503": {"description": "not ready", "content": {"application/json": {
+                                    "schema": {"type": "object", "required": ["status"]}}}}}}},
+    }
+
+
+def _paths() -> _Json:
+    """The `paths` object, in the order the document lists them."""
+    return {
+        "/v1/chat/completions": _completion_op("createChatCompletion", "Chat completion (OpenAI-compatible)",
+                                               "#/components/schemas/ChatRequest", True),
+        "/v1/completions": _completion_op("createCompletion", "Text completion (OpenAI-compatible)",
+                                          "#/components/schemas/CompletionRequest", True),
+        "/v1/embeddings": _completion_op("createEmbedding", "Embeddings (OpenAI-compatible)",
+                                         "#/components/schemas/EmbeddingRequest", False),
+        "/v1/messages": _messages_op(),
+        "/v1/responses": _completion_op("createResponse", "Responses API, stateless (OpenAI-compatible; "
+                                        "store: true and previous_response_id are refused with 400)",
+                                        "#/components/schemas/ResponsesRequest", True),
+        "/v1/rerank": _completion_op("rerank", "Rerank documents against a query (vLLM's API; backends with "
+                                     "the rerank capability)", "#/components/schemas/RerankRequest", False),
+        "/v1/score": _completion_op("score", "Score text pairs (vLLM's API; backends with the score capability)",
+                                    "#/components/schemas/ScoreRequest", False),
+        "/tokenize": _completion_op("tokenize", "Tokenize a prompt or a chat (vLLM's API)",
+                                    "#/components/schemas/TokenizeRequest", False),
+        "/v1/models": _models_op(),
+        **_probe_paths(),
+    }
+
+
+def _generation_schemas() -> _Json:
+    """Request bodies of the generating endpoints: messages, chat, completions, responses."""
+    return {
+        "MessagesRequest": {"type": "object", "required": ["model", "max_tokens", "messages"], "properties": {
+            "model": _MODEL, "max_tokens": {"type": "integer", "minimum": 1, "maximum": 64},
+            "messages": {"type": "array", "minItems": 1, "maxItems": 8, "items": _ANTHROPIC_MESSAGE},
+            "system": {"oneOf": [{"type": "string"}, {"type": "array", "items": _TEXT_BLOCK}]},
+            "stream": {"type": "boolean"},
+            "temperature": {"type": "number", "minimum": 0, "maximum": 1},
+            "top_p": {"type": "number", "minimum": 0, "maximum": 1},
+            "top_k": {"type": "integer", "minimum": 0},
+            "stop_sequences": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+            "metadata": {"type": "object", "properties": {"user_id": {"type": "string"}}}}},
+        "ChatRequest": {"type": "object", "required": ["model", "messages"], "properties": {
+            "model": _MODEL, "messages": {"type": "array", "minItems": 1, "maxItems": 8, "items": _MESSAGE},
+            "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1, "maximum": 64},
+            **_SAMPLING}},
+        "CompletionRequest": {"type": "object", "required": ["model", "prompt"], "properties": {
+            "model": _MODEL,
+            "prompt": {"oneOf": [{"type": "string"},
+                                 {"type": "array", "minItems": 1, "items": {"type": "string"}},
+                                 {"type": "array", "minItems": 1, "items": {"type": "integer"}}]},
+            **_SAMPLING}},
+        "ResponsesRequest": {"type": "object", "required": ["model", "input"], "properties": {
+            "model": _MODEL,
+            "input": {"oneOf": [{"type": "string", "minLength": 1},
+                                {"type": "array", "minItems": 1, "maxItems": 8, "items": _RESPONSES_ITEM}]},
+            "instructions": {"type": ["string", "null"]},
+            "max_output_tokens": {"type": ["integer", "null"], "minimum": 1, "maximum": 64},
+            "stream": {"type": ["boolean", "null"]},
+            "temperature": _SAMPLING["temperature"], "top_p": _SAMPLING["top_p"],
+            "store": {"enum": [False, None], "description": "stateless: an absent store means false; true "
+                                                            "is refused with 400"},
+            "tools": {"type": "array", "items": {"type": "object", "required": ["type"],
+                                                 "properties": {"type": {"type": "string"}}}},
+            "metadata": {"type": "object"}, "user": {"type": "string"}}},
+    }
+
+
+def _pooling_schemas() -> _Json:
+    """Request bodies of the non-generating endpoints: rerank, score, tokenize, embeddings."""
+    return {
+        "RerankRequest": {"type": "object", "required": ["model", "query", "documents"], "properties": {
+            "model": _MODEL, "query": {"type": "string"},
+            "documents": {"type": "array", "minItems": 1, "maxItems": 8, "items": {"type": "string"}},
+            "top_n": {"type": "integer", "minimum": 0}, "return_documents": {"type": "boolean"}}},
+        "ScoreRequest": {"type": "object", "required": ["model", "text_1", "text_2"], "properties": {
+            "model": _MODEL, "text_1": _TEXTS, "text_2": _TEXTS}},
+        "TokenizeRequest": {"type": "object", "required": ["model", "prompt"], "properties": {
+            "model": _MODEL, "prompt": {"type": "string", "description": "or `messages` instead (a chat)"},
+            "add_special_tokens": {"type": "boolean"}, "return_token_strs": {"type": "boolean"}}},
+        "EmbeddingRequest": {"type": "object", "required": ["model", "input"], "properties": {
+            "model": _MODEL,
+            "input": {"oneOf": [{"type": "string"},
+                                {"type": "array", "minItems": 1, "items": {"type": "string"}},
+                                {"type": "array", "minItems": 1, "items": {"type": "integer"}}]},
+            "encoding_format": {"type": "string", "enum": ["float", "base64"]},
+            "user": {"type": "string"}}},
+    }
+
+
+def _components() -> _Json:
+    """The `components` object: security schemes and schemas."""
+    return {
+        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",
+                                       "description": "an API key (gw_<id>_<secret>, static key) or a JWT"},
+                            "x-api-key": {"type": "apiKey", "in": "header", "name": "x-api-key",
+                                          "description": "the same API key, as Anthropic's SDKs send it"}},
+        "schemas": {"Error": _ERROR, "AnthropicError": _ANTHROPIC_ERROR, **_generation_schemas(),
+                    **_pooling_schemas()},
+    }
+
+
+def openapi_spec(server_url: str | None = None) -> _Json:
     """The spec as a dict (JSON-able). `server_url` goes into `servers` when given."""
-    spec: dict[str, Any] = {
+    spec: _Json = {
         "openapi": "3.1.0",
         "info": {"title": "Policy-engine LLM gateway", "version": "1",
                  "description": "OpenAI-compatible data plane. Every refusal is {error: {message, type, param, code}}; "
                                 "on /v1/messages Anthropic's {type: error, error: {type, message}}."},
         "security": [{"bearer": []}],
-        "paths": {
-            "/v1/chat/completions": _completion_op("createChatCompletion", "Chat completion (OpenAI-compatible)",
-                                                   "#/components/schemas/ChatRequest", True),
-            "/v1/completions": _completion_op("createCompletion", "Text completion (OpenAI-compatible)",
-                                              "#/components/schemas/CompletionRequest", True),
-            "/v1/embeddings": _completion_op("createEmbedding", "Embeddings (OpenAI-compatible)",
-                                             "#/components/schemas/EmbeddingRequest", False),
-            "/v1/messages": {"post": {
-                "operationId": "createMessage", "summary": "Anthropic Messages (x-api-key or Bearer; Anthropic-shaped errors)",
-                "security": [{"bearer": []}, {"x-api-key": []}],
-                "requestBody": _json_body({"$ref": "#/components/schemas/MessagesRequest"}),
-                "responses": {"200": {"description": "A message (typed SSE events when stream is true)",
-                                      "content": {"application/json": {"schema": {"type": "object"}},
-                                                  "text/event-stream": {"schema": {"type": "string"}}}},
-                              **_errors(*_POST_ERRORS, schema="AnthropicError")},
-            }},
-            "/v1/responses": _completion_op("createResponse", "Responses API, stateless (OpenAI-compatible; "
-                                            "store: true and previous_response_id are refused with 400)",
-                                            "#/components/schemas/ResponsesRequest", True),
-            "/v1/rerank": _completion_op("rerank", "Rerank documents against a query (vLLM's API; backends with "
-                                         "the rerank capability)", "#/components/schemas/RerankRequest", False),
-            "/v1/score": _completion_op("score", "Score text pairs (vLLM's API; backends with the score capability)",
-                                        "#/components/schemas/ScoreRequest", False),
-            "/tokenize": _completion_op("tokenize", "Tokenize a prompt or a chat (vLLM's API)",
-                                        "#/components/schemas/TokenizeRequest", False),
-            "/v1/models": {"get": {
-                "operationId": "listModels", "summary": "Models with where they run and what they retain",
-                "responses": {"200": {"description": "model list", "content": {"application/json": {"schema": {
-                    "type": "object", "required": ["object", "data"],
-                    "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": {
-                        "type": "object", "required": ["id", "object"],
-                        "properties": {"id": {"type": "string"}, "object": {"const": "model"},
-                                       "context_window": {"type": ["integer", "null"]},
-                                       "context_length": {"type": ["integer", "null"]}}}}}}}}},
-                              **_errors(401)},
-            }},
-            "/healthz": {"get": {"operationId": "healthz", "summary": "Liveness", "security": [],
-                                 "responses": {"200": {"description": "alive", "content": {"application/json": {
-                                     "schema": {"type": "object", "required": ["status"]}}}}}}},
-            "/readyz": {"get": {"operationId": "readyz", "summary": "Readiness (server.readiness): the process can serve; per-model health in the body",
-                                "security": [],
-                                "responses": {"200": {"description": "ready", "content": {"application/json": {
-                                    "schema": {"type": "object", "required": ["status"]}}}},
-                                    "503": {"description": "not ready", "content": {"application/json": {
-                                        "schema": {"type": "object", "required": ["status"]}}}}}}},
-        },
-        "components": {
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",
-                                           "description": "an API key (gw_<id>_<secret>, static key) or a JWT"},
-                                "x-api-key": {"type": "apiKey", "in": "header", "name": "x-api-key",
-                                              "description": "the same API key, as Anthropic's SDKs send it"}},
-            "schemas": {
-                "Error": _ERROR,
-                "AnthropicError": _ANTHROPIC_ERROR,
-                "MessagesRequest": {"type": "object", "required": ["model", "max_tokens", "messages"], "properties": {
-                    "model": _MODEL, "max_tokens": {"type": "integer", "minimum": 1, "maximum": 64},
-                    "messages": {"type": "array", "minItems": 1, "maxItems": 8, "items": _ANTHROPIC_MESSAGE},
-                    "system": {"oneOf": [{"type": "string"}, {"type": "array", "items": _TEXT_BLOCK}]},
-                    "stream": {"type": "boolean"},
-                    "temperature": {"type": "number", "minimum": 0, "maximum": 1},
-                    "top_p": {"type": "number", "minimum": 0, "maximum": 1},
-                    "top_k": {"type": "integer", "minimum": 0},
-                    "stop_sequences": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
-                    "metadata": {"type": "object", "properties": {"user_id": {"type": "string"}}}}},
-                "ChatRequest": {"type": "object", "required": ["model", "messages"], "properties": {
-                    "model": _MODEL, "messages": {"type": "array", "minItems": 1, "maxItems": 8, "items": _MESSAGE},
-                    "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1, "maximum": 64},
-                    **_SAMPLING}},
-                "CompletionRequest": {"type": "object", "required": ["model", "prompt"], "properties": {
-                    "model": _MODEL,
-                    "prompt": {"oneOf": [{"type": "string"},
-                                         {"type": "array", "minItems": 1, "items": {"type": "string"}},
-                                         {"type": "array", "minItems": 1, "items": {"type": "integer"}}]},
-                    **_SAMPLING}},
-                "ResponsesRequest": {"type": "object", "required": ["model", "input"], "properties": {
-                    "model": _MODEL,
-                    "input": {"oneOf": [{"type": "string", "minLength": 1},
-                                        {"type": "array", "minItems": 1, "maxItems": 8, "items": _RESPONSES_ITEM}]},
-                    "instructions": {"type": ["string", "null"]},
-                    "max_output_tokens": {"type": ["integer", "null"], "minimum": 1, "maximum": 64},
-                    "stream": {"type": ["boolean", "null"]},
-                    "temperature": _SAMPLING["temperature"], "top_p": _SAMPLING["top_p"],
-                    "store": {"enum": [False, None], "description": "stateless: an absent store means false; true "
-                                                                    "is refused with 400"},
-                    "tools": {"type": "array", "items": {"type": "object", "required": ["type"],
-                                                         "properties": {"type": {"type": "string"}}}},
-                    "metadata": {"type": "object"}, "user": {"type": "string"}}},
-                "RerankRequest": {"type": "object", "required": ["model", "query", "documents"], "properties": {
-                    "model": _MODEL, "query": {"type": "string"},
-                    "documents": {"type": "array", "minItems": 1, "maxItems": 8, "items": {"type": "string"}},
-                    "top_n": {"type": "integer", "minimum": 0}, "return_documents": {"type": "boolean"}}},
-                "ScoreRequest": {"type": "object", "required": ["model", "text_1", "text_2"], "properties": {
-                    "model": _MODEL, "text_1": _TEXTS, "text_2": _TEXTS}},
-                "TokenizeRequest": {"type": "object", "required": ["model", "prompt"], "properties": {
-                    "model": _MODEL, "prompt": {"type": "string", "description": "or `messages` instead (a chat)"},
-                    "add_special_tokens": {"type": "boolean"}, "return_token_strs": {"type": "boolean"}}},
-                "EmbeddingRequest": {"type": "object", "required": ["model", "input"], "properties": {
-                    "model": _MODEL,
-                    "input": {"oneOf": [{"type": "string"},
-                                        {"type": "array", "minItems": 1, "items": {"type": "string"}},
-                                        {"type": "array", "minItems": 1, "items": {"type": "integer"}}]},
-                    "encoding_format": {"type": "string", "enum": ["float", "base64"]},
-                    "user": {"type": "string"}}},
-            },
-        },
+        "paths": _paths(),
+        "components": _components(),
     }
     if server_url:
         spec["servers"] = [{"url": server_url}]
