@@ -279,6 +279,46 @@ class Gateway:
 # ------------------------------------------------------------------------------------------- routes
 
 
+def readiness(gw: Gateway) -> dict[str, Any]:
+    """Readiness for the load balancer (server.readiness); not ready when `reasons` is not empty. `process`
+    (default): this process can serve, so one dead partner or loading engine does not take every pod out of the
+    Service; per-model health is reported in the body either way and fails readiness only under any_model /
+    all_models."""
+    cfg = gw.config
+    mode = cfg.server.readiness
+    models = {m: sorted(n for n in names if gw.health.available(n)) for m, names in cfg.models.items()}
+    missing = sorted(m for m, healthy in models.items() if not healthy)
+    budget_ok = gw.budgets is None or bool(gw.budgets.available)
+    reasons = []
+    if gw.draining:
+        reasons.append("draining")
+    if not budget_ok and cfg.raw.budgets.on_store_error == "closed":
+        reasons.append("budget_store_unavailable")  # every budgeted request would get a 503 here
+    if mode == "all_models" and missing:
+        reasons.append("model_without_healthy_backend")
+    if mode == "any_model" and models and len(missing) == len(models):
+        reasons.append("no_model_has_a_healthy_backend")
+    return {"status": "not ready" if reasons else "ready", "readiness": mode, "reasons": reasons,
+            "config_generation": cfg.generation, "models_without_healthy_backend": missing,
+            "models": {m: {"healthy_backends": healthy, "backends": len(cfg.models[m])}
+                       for m, healthy in sorted(models.items())},
+            "stores": {"budgets": "ok" if budget_ok else f"unavailable (on_store_error: "
+                                                         f"{cfg.raw.budgets.on_store_error})"}}
+
+
+async def _not_found(request: Request, exc: Exception) -> Response:
+    status = getattr(exc, "status_code", 404)
+    err = GatewayError(status, f"No route for {request.method} {request.url.path}.",
+                       code="not_found" if status == 404 else "method_not_allowed")
+    return JSONResponse(err.body(), status_code=status, headers={"x-request-id": request_id(request.headers)})
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s", request.url.path)
+    err = GatewayError(500, "Internal gateway error.", code="internal_error")
+    return JSONResponse(err.body(), status_code=500, headers={"x-request-id": request_id(request.headers)})
+
+
 def build_app(gw: Gateway) -> GatewayApp:
     worker = os.environ.get("GATEWAY_WORKER_ID")  # one of `gateway serve --workers N` (gateway/workers.py)
     health_body = {"status": "ok"} if worker is None else {"status": "ok", "worker": int(worker), "pid": os.getpid()}
@@ -292,30 +332,8 @@ def build_app(gw: Gateway) -> GatewayApp:
         return JSONResponse(openapi_spec())
 
     async def readyz(request: Request) -> Response:
-        """Readiness for the load balancer (server.readiness). `process` (default): this process can serve,
-        so one dead partner or loading engine does not take every pod out of the Service; per-model health
-        is reported in the body either way and fails readiness only under any_model / all_models."""
-        cfg = gw.config
-        mode = cfg.server.readiness
-        models = {m: sorted(n for n in names if gw.health.available(n)) for m, names in cfg.models.items()}
-        missing = sorted(m for m, healthy in models.items() if not healthy)
-        budget_ok = gw.budgets is None or bool(gw.budgets.available)
-        reasons = []
-        if gw.draining:
-            reasons.append("draining")
-        if not budget_ok and cfg.raw.budgets.on_store_error == "closed":
-            reasons.append("budget_store_unavailable")  # every budgeted request would get a 503 here
-        if mode == "all_models" and missing:
-            reasons.append("model_without_healthy_backend")
-        if mode == "any_model" and models and len(missing) == len(models):
-            reasons.append("no_model_has_a_healthy_backend")
-        body = {"status": "not ready" if reasons else "ready", "readiness": mode, "reasons": reasons,
-                "config_generation": cfg.generation, "models_without_healthy_backend": missing,
-                "models": {m: {"healthy_backends": healthy, "backends": len(cfg.models[m])}
-                           for m, healthy in sorted(models.items())},
-                "stores": {"budgets": "ok" if budget_ok else f"unavailable (on_store_error: "
-                                                             f"{cfg.raw.budgets.on_store_error})"}}
-        if reasons:
+        body = readiness(gw)
+        if body["reasons"]:
             return JSONResponse(body, status_code=503, headers=retry_headers(1.0))
         return JSONResponse(body)
 
@@ -351,17 +369,6 @@ def build_app(gw: Gateway) -> GatewayApp:
                                code="invalid_config") from None
         return JSONResponse({"status": "reloaded", "generation": new.generation})
 
-    async def not_found(request: Request, exc: Exception) -> Response:
-        status = getattr(exc, "status_code", 404)
-        err = GatewayError(status, f"No route for {request.method} {request.url.path}.",
-                           code="not_found" if status == 404 else "method_not_allowed")
-        return JSONResponse(err.body(), status_code=status, headers={"x-request-id": request_id(request.headers)})
-
-    async def server_error(request: Request, exc: Exception) -> Response:
-        log.exception("unhandled error on %s", request.url.path)
-        err = GatewayError(500, "Internal gateway error.", code="internal_error")
-        return JSONResponse(err.body(), status_code=500, headers={"x-request-id": request_id(request.headers)})
-
     from gateway.api.unserved import routes as unserved_routes
 
     data_plane = {ep.path: InferenceEndpoint(gw, ep) for ep in ENDPOINTS}
@@ -386,7 +393,8 @@ def build_app(gw: Gateway) -> GatewayApp:
             await gw.close()
 
     app = GatewayApp(data_plane, routes=routes, lifespan=lifespan,
-                     exception_handlers={404: not_found, 405: not_found, 500: server_error, Exception: server_error})
+                     exception_handlers={404: _not_found, 405: _not_found, 500: _server_error,
+                                         Exception: _server_error})
     app.state.gateway = gw
     return app
 
