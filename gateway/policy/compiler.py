@@ -446,186 +446,10 @@ def _check_rule_models(match: _Doc, allowed_models: tuple[str, ...], deny_models
             errors.append(src.err(f"{path}.deny.models", "denies every model the same rule allows"))
 
 
-def _principal_conds(match: dict[str, Any]) -> tuple[list[Condition], int]:
-    """Conditions on who is asking (principal attributes, labels, scopes) and the specificity level they reach."""
-    conds: list[Condition] = []
-    level = 0
-    for name, (attr, lvl) in _PRINCIPAL_ATTRS.items():
-        if name in match:
-            conds.append(_principal_cond(name, attr, _StrMatch(match[name])))
-            level = max(level, lvl)
-    for k, v in (match.get("labels") or {}).items():
-        conds.append(_label_cond(k, _StrMatch(v)))
-        level = max(level, 1)
-    if "scopes" in match:
-        conds.append(_scopes_cond(_StrMatch(match["scopes"])))
-        level = max(level, 1)
-    return conds, level
-
-
-def _request_conds(match: dict[str, Any], path: str, src: _Src, errors: list[str]) -> list[Condition] | None:
-    """Conditions on the request (model, headers, max_tokens, stream, time); None after an unusable time zone."""
-    conds: list[Condition] = []
-    if "model" in match:
-        conds.append(_model_cond(_StrMatch(match["model"])))
-    for k, v in (match.get("headers") or {}).items():
-        conds.append(_header_cond(k, v))
-    if "max_tokens" in match:
-        test, desc, (lo, hi, li, hi_i) = _range_test(match["max_tokens"])
-        if lo > hi or (lo == hi and not (li and hi_i)):
-            errors.append(src.err(f"{path}.match.max_tokens", "range is empty: this rule can never match"))
-        conds.append(Condition("max_tokens", desc, test))
-    if "stream" in match:
-        want = bool(match["stream"])
-        conds.append(Condition("stream", f"stream is {want}", _stream_test(want)))
-    if "time" in match:
-        t = match["time"]
-        if "tz" in t:
-            try:
-                ZoneInfo(t["tz"])
-            except (ZoneInfoNotFoundError, ValueError):
-                errors.append(src.err(f"{path}.match.time.tz", f"unknown time zone {t['tz']!r}"))
-                return None
-        conds.append(_time_cond(t))
-    return conds
-
-
-def _match_conds(match: dict[str, Any], path: str, src: _Src,
-                 errors: list[str]) -> tuple[list[Condition], int] | None:
-    """All conditions of a rule's `match` and its specificity level; None (error recorded) if it is unusable."""
-    try:
-        conds, level = _principal_conds(match)
-        request = _request_conds(match, path, src, errors)
-    except re.error as e:
-        errors.append(src.err(f"{path}.match", f"bad pattern: {e}"))
-        return None
-    if request is None:
-        return None
-    return conds + request, level
-
-
-def _jurisdiction(spec: Any, path: str, src: _Src, errors: list[str]) -> tuple[frozenset[str], str]:
-    """`require.jurisdiction`: the allowed country codes and the label naming them."""
-    codes: set[str] = set()
-    labels: list[str] = []
-    for item in _as_list(spec):
-        item = str(item).upper()
-        if item in JURISDICTIONS:
-            codes |= JURISDICTIONS[item]
-            labels.append(item)
-        elif item == "EL":  # the EU's abbreviation for Greece
-            codes.add("GR")
-            labels.append("GR")
-        elif _COUNTRY.match(item) and country_error(item) is None:
-            codes.add(item)
-            labels.append(item)
-        elif _COUNTRY.match(item):
-            errors.append(src.err(f"{path}.require.jurisdiction", str(country_error(item))))
-        else:
-            errors.append(src.err(f"{path}.require.jurisdiction",
-                                  f"{item!r} is neither a jurisdiction ({', '.join(JURISDICTIONS)}) "
-                                  "nor an ISO 3166 alpha-2 country code"))
-    return frozenset(codes), ",".join(labels)
-
-
-# `set` key -> Rule.sets key (the *_target_ms spellings are aliases)
-_SET_KEYS = (("priority", "priority"), ("ttft_slo_ms", "ttft_slo_ms"), ("ttft_target_ms", "ttft_slo_ms"),
-             ("long_ttft_slo_ms", "long_ttft_slo_ms"), ("long_ttft_target_ms", "long_ttft_slo_ms"),
-             ("max_tokens", "max_tokens_cap"), ("max_context", "max_context"),
-             ("spill_to_partner", "spill_to_partner"))
-
-
-def _compile_sets(sets_raw: dict[str, Any], rule_scope: str, path: str, src: _Src,
-                  errors: list[str]) -> dict[str, Any]:
-    """The rule's `set` values (other than models and cache_isolation) under their Rule.sets names."""
-    sets: dict[str, Any] = {}
-    for k, dk in _SET_KEYS:
-        if k in sets_raw:
-            v = sets_raw[k]
-            if k == "priority" and v == "sheddable":
-                v = "batch"
-            sets[dk] = float(v) if dk == "long_ttft_slo_ms" else v
-    if "share" in sets_raw:  # the weight in the fair queue of the flow this rule's scope names (flowkey.flow_id)
-        sets["share"] = float(sets_raw["share"])
-        sets["share_scope"] = rule_scope  # set together, so the rule that wins `share` also names its flow
-    if "cache" in sets_raw:  # the response cache of matching requests (gateway/cache, docs/cache.md)
-        from gateway.cache.spec import compile_spec
-
-        spec, why = compile_spec(sets_raw["cache"])
-        if why is not None:
-            errors.append(src.err(f"{path}.set.cache", why))
-        else:
-            sets["cache"] = spec
-    return sets
-
-
-def _allowed_models(sets_raw: dict[str, Any]) -> tuple[str, ...]:
-    """`set.models` and `set.allowed_models` together, taken out of `sets_raw`."""
-    allowed_models = tuple(str(m) for m in _as_list(sets_raw.pop("models", []) or []))
-    if "allowed_models" in sets_raw:
-        allowed_models += tuple(str(m) for m in _as_list(sets_raw.pop("allowed_models")))
-    return allowed_models
-
-
-def _allow_deny(raw: dict[str, Any], path: str, src: _Src, errors: list[str]) -> tuple[bool, bool, tuple[str, ...]]:
-    """(allow, deny, deny_models) of a rule; allowing and denying at once is an error."""
-    deny_raw = raw.get("deny")
-    deny = deny_raw is True
-    deny_models: tuple[str, ...] = ()
-    if isinstance(deny_raw, dict):
-        deny_models = tuple(str(m) for m in _as_list(deny_raw.get("models", [])))
-        deny = deny or bool(deny_raw.get("all", False))
-    allow = raw.get("allow") is True
-    if allow and (deny or deny_models):
-        errors.append(src.err(f"{path}.allow", "a rule cannot both allow and deny"))
-    return allow, deny, deny_models
-
-
-def _budget(b: dict[str, Any], rid: str, default_scope: str) -> BudgetSpec:
-    """One `budgets[]` entry; ValueError for a money value that does not parse."""
-    money, currency = None, b.get("currency")
-    if "limit" in b:
-        money, cur = _parse_money(b["limit"])
-        currency = currency or cur
-    if "money" in b:
-        money, cur = _parse_money(b["money"])
-        currency = currency or cur
-    return BudgetSpec(window=b["window"], scope=b.get("scope", default_scope), tokens=b.get("tokens"),
-                      money=money, currency=currency or "EUR", requests=b.get("requests"),
-                      concurrency=b.get("concurrency"), rule_id=rid,
-                      gpu_seconds=None if b.get("gpu_seconds") is None else float(b["gpu_seconds"]))
-
-
-def _budgets(raw: dict[str, Any], rid: str, default_scope: str, path: str, src: _Src,
-             errors: list[str]) -> list[BudgetSpec]:
-    budgets: list[BudgetSpec] = []
-    for j, b in enumerate(raw.get("budgets") or []):
-        try:
-            budgets.append(_budget(b, rid, default_scope))
-        except ValueError as e:
-            errors.append(src.err(f"{path}.budgets[{j}]", str(e)))
-    return budgets
-
-
-def _check_rule(match: dict[str, Any], allowed_models: tuple[str, ...], deny_models: tuple[str, ...], path: str,
-                src: _Src, errors: list[str]) -> None:
-    """Static contradictions inside one rule."""
-    if allowed_models and "model" in match:
-        mm = _StrMatch(match["model"])
-        am = glob_regex(allowed_models)
-        if mm.exact_only and not any(am.match(m) for m in mm.exact):
-            errors.append(src.err(f"{path}.set.models", f"matches only model {mm} but allows only {list(allowed_models)}:"
-                                  " every matching request would be denied; use deny instead"))
-    if allowed_models and deny_models:
-        dm = glob_regex(deny_models)
-        if all(not _GLOB_CHARS.search(a) and dm.match(a) for a in allowed_models):
-            errors.append(src.err(f"{path}.deny.models", "denies every model the same rule allows"))
-
-
-def _compile_rule(raw: dict[str, Any], order: int, path: str, src: _Src, errors: list[str]) -> Rule | None:
+def _compile_rule(raw: _Doc, order: int, path: str, src: _Src, errors: list[str]) -> Rule | None:
     rid = raw["id"]
     match = _normalize_match(raw.get("match") or {})
-    compiled = _match_conds(match, path, src, errors)
+    compiled = _match_conditions(match, path, src, errors)
     if compiled is None:
         return None
     conds, level = compiled
@@ -641,10 +465,15 @@ def _compile_rule(raw: dict[str, Any], order: int, path: str, src: _Src, errors:
     allowed_models = _allowed_models(sets_raw)
     cache_isolation = bool(sets_raw.pop("cache_isolation", False))
     rule_scope = _rule_scope(match)
-    sets = _compile_sets(sets_raw, rule_scope, path, src, errors)
-    allow, deny, deny_models = _allow_deny(raw, path, src, errors)
-    budgets = _budgets(raw, rid, rule_scope, path, src, errors)
-    _check_rule(match, allowed_models, deny_models, path, src, errors)
+    sets = _rule_sets(sets_raw, rule_scope, path, src, errors)
+
+    deny, deny_models = _deny(raw.get("deny"))
+    allow = raw.get("allow") is True
+    if allow and (deny or deny_models):
+        errors.append(src.err(f"{path}.allow", "a rule cannot both allow and deny"))
+
+    budgets = _budgets(raw.get("budgets") or [], rid, rule_scope, path, src, errors)
+    _check_rule_models(match, allowed_models, deny_models, path, src, errors)
 
     specificity = (level, len(conds))
     match_key = json.dumps(match, sort_keys=True, default=str)
