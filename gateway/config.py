@@ -385,6 +385,189 @@ def _expand_discovered(raw: GatewayConfigRaw, models: dict[str, list[str]], sour
     return msgspec.structs.replace(raw, backends=backends), served
 
 
+_Problem = tuple[str, str]  # (key, what is wrong with it), for _fail
+
+
+def _validation_problem(msg: str) -> _Problem:
+    """msgspec's ValidationError text as (key, problem); an unknown field is named in the key."""
+    key = _msgspec_path(msg)
+    problem = re.sub(r"\s*-\s*at `.*?`$", "", msg)
+    if problem.startswith("Object contains unknown field"):
+        fld = re.search(r"`(.*?)`", problem)
+        if fld:
+            key = f"{key}.{fld.group(1)}" if key else fld.group(1)
+        problem = "unknown key"
+    return key, problem
+
+
+def _backend_kind_problem(k: str, b: BackendConfig) -> _Problem | None:
+    from gateway.proxy.dialects import DIALECTS, KINDS
+
+    if b.kind not in DIALECTS:
+        return f"{k}.kind", f"must be one of {', '.join(KINDS)}, got {b.kind!r}"
+    if b.kv_cache_report_mode == "full" and not DIALECTS[b.kind].kv_report_full:
+        return f"{k}.kv_cache_report_mode", (f"'full' is vLLM's (kinds "
+                                             f"{', '.join(k2 for k2 in KINDS if DIALECTS[k2].kv_report_full)}), "
+                                             f"not kind {b.kind}'s")
+    return None
+
+
+def _location_problem(k: str, location: Location | None) -> _Problem | None:
+    if location is not None:
+        for attr in ("country", "storage_country"):
+            v = getattr(location, attr)
+            if v is not None and not _COUNTRY.fullmatch(v):
+                return f"{k}.location.{attr}", f"must be an ISO 3166 alpha-2 code like DE, got {v!r}"
+            why = country_error(v) if v is not None else None
+            if why is not None:
+                return f"{k}.location.{attr}", why
+    return None
+
+
+def _backend_fields_problem(k: str, b: BackendConfig) -> _Problem | None:
+    """url, models, lora, location and retention of one backend."""
+    if not re.match(r"^https?://[^/\s]+", b.url):
+        return f"{k}.url", f"must be an http(s) URL, got {b.url!r}"
+    if not b.models:
+        return f"{k}.models", "a backend must serve at least one model"
+    if b.lora is not None and b.lora.max_loras is not None and not 1 <= b.lora.max_loras <= 1024:
+        return f"{k}.lora.max_loras", f"must be between 1 and 1024, got {b.lora.max_loras}"
+    if b.lora is not None and not b.lora.refresh_s > 0:
+        return f"{k}.lora.refresh_s", "must be > 0 (seconds)"
+    bad_location = _location_problem(k, b.location)
+    if bad_location is not None:
+        return bad_location
+    if b.retention != "zero" and b.retention != "none" and not re.fullmatch(r"\d+d", b.retention):
+        return f"{k}.retention", f"must be 'zero', 'none' or '<N>d', got {b.retention!r}"
+    return None
+
+
+def _backend_secret_problem(k: str, b: BackendConfig, environ: Mapping[str, str],
+                            base_dir: Path | None) -> _Problem | None:
+    if b.api_key_env and b.api_key_env not in environ:
+        return f"{k}.api_key_env", f"environment variable {b.api_key_env} is not set"
+    if b.api_key_file and not (base_dir or Path.cwd()).joinpath(b.api_key_file).exists():
+        return f"{k}.api_key_file", f"file {b.api_key_file} does not exist"
+    return None
+
+
+def _backend_transport_problem(k: str, b: BackendConfig) -> _Problem | None:
+    """timeouts, proxy and discovery of one backend."""
+    for tname in ("connect_s", "first_token_s", "idle_s", "total_s"):
+        if getattr(b.timeouts, tname) <= 0:
+            return f"{k}.timeouts.{tname}", "must be > 0"
+    if b.proxy is not None:
+        if not re.match(r"^https?://[^/\s]+", b.proxy):
+            return f"{k}.proxy", f"must be an http:// or https:// URL, got {b.proxy!r}"
+        if b.trust_env:
+            return f"{k}.proxy", ("set either proxy or trust_env, not both (an "
+                                  "explicit proxy ignores HTTPS_PROXY/NO_PROXY)")
+    if b.discovery is not None:
+        if not b.discovery.dns.strip():
+            return f"{k}.discovery.dns", "must be a DNS name"
+        if b.discovery.refresh_s <= 0:
+            return f"{k}.discovery.refresh_s", "must be > 0 (seconds)"
+        if b.discovery.port is not None and not 0 < b.discovery.port < 65536:
+            return f"{k}.discovery.port", "must be between 1 and 65535"
+    return None
+
+
+def _backends_problem(backends: list[BackendConfig], environ: Mapping[str, str],
+                      base_dir: Path | None) -> _Problem | None:
+    """The first problem of the first bad backend, checked in file order."""
+    names: set[str] = set()
+    for i, b in enumerate(backends):
+        k = f"backends[{i}]"
+        bad = _backend_kind_problem(k, b)
+        if bad is None and b.name in names:
+            bad = f"{k}.name", f"duplicate backend name {b.name!r}"
+        bad = (bad or _backend_fields_problem(k, b) or _backend_secret_problem(k, b, environ, base_dir)
+               or _backend_transport_problem(k, b))
+        if bad is not None:
+            return bad
+        names.add(b.name)
+    return None
+
+
+def _served_models(backends: list[BackendConfig]) -> dict[str, list[str]]:
+    """model -> names of the backends serving it, in file order."""
+    models: dict[str, list[str]] = {}
+    for b in backends:
+        for m in b.models:
+            models.setdefault(m, []).append(b.name)
+    return models
+
+
+def _aliases_problem(aliases: list[AliasConfig], models: dict[str, list[str]]) -> _Problem | None:
+    for i, a in enumerate(aliases):
+        if a.name in models:
+            return f"aliases[{i}].name", f"alias {a.name!r} shadows a served model"
+        for j, t in enumerate(a.all_models):
+            if t not in models:
+                return f"aliases[{i}].targets[{j}]", f"no backend serves model {t!r}"
+        if not a.targets:
+            return f"aliases[{i}].targets", "an alias needs at least one target"
+        bad_alias = alias_error(a)
+        if bad_alias is not None:
+            return f"aliases[{i}].{bad_alias[0]}", bad_alias[1]
+    return None
+
+
+def _keys_problem(raw: GatewayConfigRaw, environ: Mapping[str, str]) -> _Problem | None:
+    """Static keys and the admin key: their environment variables must be set."""
+    for i, sk in enumerate(raw.keys):
+        if not sk.key_env and not sk.key:
+            return f"keys[{i}]", "a static key needs key_env or key"
+        if sk.key_env and not environ.get(sk.key_env):
+            return f"keys[{i}].key_env", f"environment variable {sk.key_env} is not set"
+    if raw.admin.key_env and not environ.get(raw.admin.key_env):
+        return "admin.key_env", f"environment variable {raw.admin.key_env} is not set"
+    return None
+
+
+def _limits_problem(raw: GatewayConfigRaw) -> _Problem | None:
+    """telemetry, server, policy audit and batch limits."""
+    if raw.telemetry.kv_silence_grace_s <= 0:
+        return "telemetry.kv_silence_grace_s", "must be > 0 (seconds)"
+    if raw.server.port < 0 or raw.server.port > 65535:
+        return "server.port", "must be between 0 and 65535"
+    if raw.server.max_body_bytes <= 0:
+        return "server.max_body_bytes", "must be > 0"
+    if raw.policy.audit_max_bytes < 0:
+        return "policy.audit_max_bytes", "must be >= 0 (0: never rotate)"
+    if raw.policy.audit_max_bytes and raw.policy.audit_backups < 1:
+        return "policy.audit_backups", ("must be >= 1 when policy.audit_max_bytes is set "
+                                        "(rotating into no backup would delete records)")
+    bad_batch = batch_error(raw.batch)
+    if bad_batch is not None:
+        return f"batch.{bad_batch[0]}", bad_batch[1]
+    return None
+
+
+def _stores_problem(raw: GatewayConfigRaw) -> _Problem | None:
+    """trusted proxies, the budget and identity stores, and the routing strategy."""
+    for i, tp in enumerate(raw.server.trusted_proxies):
+        try:
+            ipaddress.ip_network(tp, strict=False)
+        except ValueError:
+            return f"server.trusted_proxies[{i}]", f"{tp!r} is not an IP address or CIDR"
+    if raw.budgets.store not in ("auto", "memory", "sqlite", "redis"):
+        return "budgets.store", "must be 'auto', 'memory', 'sqlite' or 'redis'"
+    if raw.budgets.on_store_error not in ("closed", "open"):
+        return "budgets.on_store_error", "must be 'closed' or 'open'"
+    if raw.budgets.reservation_ttl_s <= 0:
+        return "budgets.reservation_ttl_s", "must be > 0"
+    if raw.budgets.reserve_gpu_seconds is not None and raw.budgets.reserve_gpu_seconds < 0:
+        return "budgets.reserve_gpu_seconds", ("must be >= 0 (omit it to reserve the longest "
+                                               "request the backends allow)")
+    if raw.identity.store not in ("sqlite", "postgres"):
+        return "identity.store", "must be 'sqlite' or 'postgres'"
+    bad_routing = raw.routing.strategy_error()  # gateway/routing/registry.py: presets and plugin lists
+    if bad_routing is not None:
+        return f"routing.{bad_routing[0]}", bad_routing[1]
+    return None
+
+
 def parse_config(text: str, source: str = "<config>", base_dir: Path | None = None, path: Path | None = None,
                  env: Mapping[str, str] | None = None) -> Config:
     """Validate config text into a snapshot, or raise ConfigError naming file:line: key."""
@@ -395,127 +578,20 @@ def parse_config(text: str, source: str = "<config>", base_dir: Path | None = No
     try:
         raw = msgspec.convert(data, GatewayConfigRaw, strict=False)
     except msgspec.ValidationError as e:
-        msg = str(e)
-        key = _msgspec_path(msg)
-        problem = re.sub(r"\s*-\s*at `.*?`$", "", msg)
-        if problem.startswith("Object contains unknown field"):
-            fld = re.search(r"`(.*?)`", problem)
-            if fld:
-                key = f"{key}.{fld.group(1)}" if key else fld.group(1)
-            problem = "unknown key"
-        raise _fail(source, marks, key, problem) from None
+        raise _fail(source, marks, *_validation_problem(str(e))) from None
 
-    # ---- semantic checks
+    # ---- semantic checks, in file order; the first problem found is the one reported
     if raw.server.gc_threshold is not None and any(t < 1 for t in raw.server.gc_threshold):
         raise _fail(source, marks, "server.gc_threshold", "thresholds must be positive integers")
-    names: set[str] = set()
-    models: dict[str, list[str]] = {}
-    from gateway.proxy.dialects import DIALECTS, KINDS
-
-    for i, b in enumerate(raw.backends):
-        k = f"backends[{i}]"
-        if b.kind not in DIALECTS:
-            raise _fail(source, marks, f"{k}.kind", f"must be one of {', '.join(KINDS)}, got {b.kind!r}")
-        if b.kv_cache_report_mode == "full" and not DIALECTS[b.kind].kv_report_full:
-            raise _fail(source, marks, f"{k}.kv_cache_report_mode", f"'full' is vLLM's (kinds "
-                        f"{', '.join(k2 for k2 in KINDS if DIALECTS[k2].kv_report_full)}), not kind {b.kind}'s")
-        if b.name in names:
-            raise _fail(source, marks, f"{k}.name", f"duplicate backend name {b.name!r}")
-        names.add(b.name)
-        if not re.match(r"^https?://[^/\s]+", b.url):
-            raise _fail(source, marks, f"{k}.url", f"must be an http(s) URL, got {b.url!r}")
-        if not b.models:
-            raise _fail(source, marks, f"{k}.models", "a backend must serve at least one model")
-        if b.lora is not None and b.lora.max_loras is not None and not 1 <= b.lora.max_loras <= 1024:
-            raise _fail(source, marks, f"{k}.lora.max_loras", f"must be between 1 and 1024, got {b.lora.max_loras}")
-        if b.lora is not None and not b.lora.refresh_s > 0:
-            raise _fail(source, marks, f"{k}.lora.refresh_s", "must be > 0 (seconds)")
-        if b.location is not None:
-            for attr in ("country", "storage_country"):
-                v = getattr(b.location, attr)
-                if v is not None and not _COUNTRY.fullmatch(v):
-                    raise _fail(source, marks, f"{k}.location.{attr}", f"must be an ISO 3166 alpha-2 code like DE, got {v!r}")
-                why = country_error(v) if v is not None else None
-                if why is not None:
-                    raise _fail(source, marks, f"{k}.location.{attr}", why)
-        if b.retention != "zero" and b.retention != "none" and not re.fullmatch(r"\d+d", b.retention):
-            raise _fail(source, marks, f"{k}.retention", f"must be 'zero', 'none' or '<N>d', got {b.retention!r}")
-        if b.api_key_env and b.api_key_env not in environ:
-            raise _fail(source, marks, f"{k}.api_key_env", f"environment variable {b.api_key_env} is not set")
-        if b.api_key_file and not (base_dir or Path.cwd()).joinpath(b.api_key_file).exists():
-            raise _fail(source, marks, f"{k}.api_key_file", f"file {b.api_key_file} does not exist")
-        for tname in ("connect_s", "first_token_s", "idle_s", "total_s"):
-            if getattr(b.timeouts, tname) <= 0:
-                raise _fail(source, marks, f"{k}.timeouts.{tname}", "must be > 0")
-        if b.proxy is not None:
-            if not re.match(r"^https?://[^/\s]+", b.proxy):
-                raise _fail(source, marks, f"backends[{i}].proxy", f"must be an http:// or https:// URL, got {b.proxy!r}")
-            if b.trust_env:
-                raise _fail(source, marks, f"backends[{i}].proxy", "set either proxy or trust_env, not both (an "
-                            "explicit proxy ignores HTTPS_PROXY/NO_PROXY)")
-        if b.discovery is not None:
-            if not b.discovery.dns.strip():
-                raise _fail(source, marks, f"{k}.discovery.dns", "must be a DNS name")
-            if b.discovery.refresh_s <= 0:
-                raise _fail(source, marks, f"{k}.discovery.refresh_s", "must be > 0 (seconds)")
-            if b.discovery.port is not None and not 0 < b.discovery.port < 65536:
-                raise _fail(source, marks, f"{k}.discovery.port", "must be between 1 and 65535")
-        for m in b.models:
-            models.setdefault(m, []).append(b.name)
-    raw, models = _expand_discovered(raw, models, source, path)
-    aliases: dict[str, tuple[str, ...]] = {}
-    for i, a in enumerate(raw.aliases):
-        if a.name in models:
-            raise _fail(source, marks, f"aliases[{i}].name", f"alias {a.name!r} shadows a served model")
-        for j, t in enumerate(a.all_models):
-            if t not in models:
-                raise _fail(source, marks, f"aliases[{i}].targets[{j}]", f"no backend serves model {t!r}")
-        if not a.targets:
-            raise _fail(source, marks, f"aliases[{i}].targets", "an alias needs at least one target")
-        bad_alias = alias_error(a)
-        if bad_alias is not None:
-            raise _fail(source, marks, f"aliases[{i}].{bad_alias[0]}", bad_alias[1])
-        aliases[a.name] = tuple(a.models)
-    for i, sk in enumerate(raw.keys):
-        if not sk.key_env and not sk.key:
-            raise _fail(source, marks, f"keys[{i}]", "a static key needs key_env or key")
-        if sk.key_env and not environ.get(sk.key_env):
-            raise _fail(source, marks, f"keys[{i}].key_env", f"environment variable {sk.key_env} is not set")
-    if raw.admin.key_env and not environ.get(raw.admin.key_env):
-        raise _fail(source, marks, "admin.key_env", f"environment variable {raw.admin.key_env} is not set")
-    if raw.telemetry.kv_silence_grace_s <= 0:
-        raise _fail(source, marks, "telemetry.kv_silence_grace_s", "must be > 0 (seconds)")
-    if raw.server.port < 0 or raw.server.port > 65535:
-        raise _fail(source, marks, "server.port", "must be between 0 and 65535")
-    if raw.server.max_body_bytes <= 0:
-        raise _fail(source, marks, "server.max_body_bytes", "must be > 0")
-    if raw.policy.audit_max_bytes < 0:
-        raise _fail(source, marks, "policy.audit_max_bytes", "must be >= 0 (0: never rotate)")
-    if raw.policy.audit_max_bytes and raw.policy.audit_backups < 1:
-        raise _fail(source, marks, "policy.audit_backups", "must be >= 1 when policy.audit_max_bytes is set "
-                    "(rotating into no backup would delete records)")
-    bad_batch = batch_error(raw.batch)
-    if bad_batch is not None:
-        raise _fail(source, marks, f"batch.{bad_batch[0]}", bad_batch[1])
-    for i, tp in enumerate(raw.server.trusted_proxies):
-        try:
-            ipaddress.ip_network(tp, strict=False)
-        except ValueError:
-            raise _fail(source, marks, f"server.trusted_proxies[{i}]", f"{tp!r} is not an IP address or CIDR") from None
-    if raw.budgets.store not in ("auto", "memory", "sqlite", "redis"):
-        raise _fail(source, marks, "budgets.store", "must be 'auto', 'memory', 'sqlite' or 'redis'")
-    if raw.budgets.on_store_error not in ("closed", "open"):
-        raise _fail(source, marks, "budgets.on_store_error", "must be 'closed' or 'open'")
-    if raw.budgets.reservation_ttl_s <= 0:
-        raise _fail(source, marks, "budgets.reservation_ttl_s", "must be > 0")
-    if raw.budgets.reserve_gpu_seconds is not None and raw.budgets.reserve_gpu_seconds < 0:
-        raise _fail(source, marks, "budgets.reserve_gpu_seconds", "must be >= 0 (omit it to reserve the longest "
-                                                                  "request the backends allow)")
-    if raw.identity.store not in ("sqlite", "postgres"):
-        raise _fail(source, marks, "identity.store", "must be 'sqlite' or 'postgres'")
-    bad_routing = raw.routing.strategy_error()  # gateway/routing/registry.py: presets and plugin lists
-    if bad_routing is not None:
-        raise _fail(source, marks, f"routing.{bad_routing[0]}", bad_routing[1])
+    bad = _backends_problem(raw.backends, environ, base_dir)
+    if bad is not None:
+        raise _fail(source, marks, *bad)
+    raw, models = _expand_discovered(raw, _served_models(raw.backends), source, path)
+    bad = _aliases_problem(raw.aliases, models) or _keys_problem(raw, environ) or _limits_problem(raw) \
+        or _stores_problem(raw)
+    if bad is not None:
+        raise _fail(source, marks, *bad)
+    aliases = {a.name: tuple(a.models) for a in raw.aliases}
     bd = base_dir or Path.cwd()
     return Config(raw=raw, path=path, base_dir=bd, models={m: tuple(v) for m, v in models.items()}, aliases=aliases)
 
