@@ -170,15 +170,7 @@ def build_record(ctx: RequestContext, *, capture_content: bool = False,
     ev = ctx.evidence
     usage = ctx.usage
     zero = ctx.zero_retention
-    location = None
-    if ctx.backend and backend_lookup is not None:
-        b = backend_lookup(ctx.backend)
-        loc = getattr(b, "location", None)
-        if loc is not None:
-            location = {"country": loc.country, "storage_country": loc.storage, "region": loc.region}
-        if b is not None:
-            location = {**(location or {}), "retention": getattr(b, "retention", None),
-                        "operator": getattr(b, "operator", None)}
+    location = _backend_location(ctx, backend_lookup)
     rec: dict[str, Any] = {
         "request_id": ctx.request_id,
         "client_request_id": ctx.client_request_id,
@@ -221,6 +213,27 @@ def build_record(ctx: RequestContext, *, capture_content: bool = False,
         "stage_timings_us": {k: round(v, 1) for k, v in ctx.stage_timings_us.items()},
         "evidence": {k: v if type(v) in _PLAIN_TYPES else _plain(v) for k, v in ev.items() if k not in _LIFTED_SET},
     }
+    return _retained(rec, ctx, capture_content)
+
+
+def _backend_location(ctx: RequestContext, backend_lookup: Callable[[str], Any] | None) -> dict[str, Any] | None:
+    """Where the serving backend is and what it keeps (its location, retention and operator)."""
+    location = None
+    if ctx.backend and backend_lookup is not None:
+        b = backend_lookup(ctx.backend)
+        loc = getattr(b, "location", None)
+        if loc is not None:
+            location = {"country": loc.country, "storage_country": loc.storage, "region": loc.region}
+        if b is not None:
+            location = {**(location or {}), "retention": getattr(b, "retention", None),
+                        "operator": getattr(b, "operator", None)}
+    return location
+
+
+def _retained(rec: dict[str, Any], ctx: RequestContext, capture_content: bool) -> dict[str, Any]:
+    """The record as it may be kept: content captured only where retention allows; under zero (or unknown)
+    retention every string is checked for echoes of the content, else only the stage-provided structures."""
+    ev = ctx.evidence
     # unknown retention (no decision, no principal: refused early) is treated as zero: never captured, scrubbed
     keep = ctx.content_retainable
     want_content = capture_content and keep
