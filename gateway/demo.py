@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Callable
 from importlib import resources
 from pathlib import Path
 
@@ -81,14 +82,9 @@ def run_demo(args: argparse.Namespace) -> int:
                             str(manifest_path)], cwd=work, start_new_session=True)
     gw = None
     try:
-        deadline = time.monotonic() + 30
-        while not manifest_path.exists():
-            if stop["now"]:
-                return 0
-            if sim.poll() is not None or time.monotonic() > deadline:
-                print("error: the simulated fleet did not start", file=sys.stderr)
-                return 1
-            time.sleep(0.1)
+        started = _wait_started(lambda: manifest_path.exists(), sim, stop, "the simulated fleet", 0.1)
+        if started is not None:
+            return started
         import json
 
         manifest = json.loads(manifest_path.read_text())
@@ -102,34 +98,10 @@ def run_demo(args: argparse.Namespace) -> int:
         gw = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(cfg_path)], cwd=work,
                               env=env, start_new_session=True)
         base = f"http://127.0.0.1:{args.port}"
-        deadline = time.monotonic() + 30
-        while True:
-            if stop["now"]:
-                return 0
-            if gw.poll() is not None or time.monotonic() > deadline:
-                print("error: the gateway did not start", file=sys.stderr)
-                return 1
-            try:
-                if httpx.get(base + "/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        key = env["GATEWAY_DEMO_KEY"]
-        print(f"""
-Gateway ready at {base}/v1   (config: {cfg_path})
-  fleet:      {n} simulated vLLM engines ({profiles}) in {locs}
-  demo key:   {key}          (tenant demo, team search)
-  EEA key:    {env['GATEWAY_DEMO_EEA_KEY']}   (tenant acme-eu, residency=eea: never leaves the EEA)
-  admin key:  {env['GATEWAY_ADMIN_KEY']}
-
-  curl {base}/v1/chat/completions -H 'authorization: Bearer {key}' -H 'content-type: application/json' \\
-       -d '{{"model": "sim-model", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
-
-  Evidence for a request: curl {base}/admin/decisions/<x-request-id> -H 'authorization: Bearer {env['GATEWAY_ADMIN_KEY']}'
-  Fleet view:             curl {base}/admin/fleet -H 'authorization: Bearer {env['GATEWAY_ADMIN_KEY']}'
-Ctrl-C stops everything.
-""", flush=True)
+        started = _wait_started(lambda: _ready(base), gw, stop, "the gateway", 0.2)
+        if started is not None:
+            return started
+        _banner(base, cfg_path, n, profiles, locs, env)
         while not stop["now"] and gw.poll() is None and sim.poll() is None:
             time.sleep(0.2)
         return 0
@@ -143,3 +115,43 @@ Ctrl-C stops everything.
                     p.wait(15)
                 except subprocess.TimeoutExpired:
                     p.kill()
+
+
+def _ready(base: str) -> bool:
+    try:
+        return httpx.get(base + "/readyz", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _wait_started(up: Callable[[], bool], proc: "subprocess.Popen[bytes]", stop: dict[str, bool], what: str,
+                  poll_s: float) -> int | None:
+    """Wait up to 30 s until `up()`; None when it is, else the exit code: 0 when stopped (Ctrl-C, SIGTERM),
+    1 when the process died or did not come up in time."""
+    deadline = time.monotonic() + 30
+    while not up():
+        if stop["now"]:
+            return 0
+        if proc.poll() is not None or time.monotonic() > deadline:
+            print(f"error: {what} did not start", file=sys.stderr)
+            return 1
+        time.sleep(poll_s)
+    return None
+
+
+def _banner(base: str, cfg_path: Path, n: int, profiles: str, locs: str, env: dict[str, str]) -> None:
+    key = env["GATEWAY_DEMO_KEY"]
+    print(f"""
+Gateway ready at {base}/v1   (config: {cfg_path})
+  fleet:      {n} simulated vLLM engines ({profiles}) in {locs}
+  demo key:   {key}          (tenant demo, team search)
+  EEA key:    {env['GATEWAY_DEMO_EEA_KEY']}   (tenant acme-eu, residency=eea: never leaves the EEA)
+  admin key:  {env['GATEWAY_ADMIN_KEY']}
+
+  curl {base}/v1/chat/completions -H 'authorization: Bearer {key}' -H 'content-type: application/json' \\
+       -d '{{"model": "sim-model", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+
+  Evidence for a request: curl {base}/admin/decisions/<x-request-id> -H 'authorization: Bearer {env['GATEWAY_ADMIN_KEY']}'
+  Fleet view:             curl {base}/admin/fleet -H 'authorization: Bearer {env['GATEWAY_ADMIN_KEY']}'
+Ctrl-C stops everything.
+""", flush=True)
