@@ -21,7 +21,7 @@ import random
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 import zmq
@@ -153,87 +153,104 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{step}: {n} PUB messages {info}", flush=True)
 
     try:
-        models = client.get("/v1/models").json()
-        model = models["data"][0]["id"]
-        (resp_dir / "models.json").write_text(json.dumps(models, indent=2) + "\n")
-        src = client.get("/kv_event_sources")
-        if src.status_code == 200:
-            (resp_dir / "kv_event_sources.json").write_text(json.dumps(src.json(), indent=2) + "\n")
-        time.sleep(1.0)  # ZMQ slow joiner: let the SUB subscription reach the PUB before the first step
-
-        tok_p = client.post("/tokenize", json={"model": model, "prompt": "the cache block token engine",
-                                               "add_special_tokens": True})
-        (resp_dir / "tokenize_prompt.json").write_text(json.dumps(tok_p.json(), indent=2) + "\n")
-        tok_m = client.post("/tokenize", json={"model": model, "messages": [{"role": "user", "content": "hello"}],
-                                               "add_generation_prompt": True})
-        (resp_dir / "tokenize_messages.json").write_text(json.dumps(tok_m.json(), indent=2) + "\n")
-
-        prompt_a = fit_prompt(client, model, rng, 200)
-        note("sizing /tokenize")
-        r1 = chat(client, model, prompt_a)
-        (resp_dir / "chat_cold.json").write_text(json.dumps(r1.json(), indent=2) + "\n")
-        note("chat A (~200 tokens, cold)", usage=r1.json()["usage"])
-        r2 = chat(client, model, prompt_a)
-        (resp_dir / "chat_cached.json").write_text(json.dumps(r2.json(), indent=2) + "\n")
-        note("chat A repeated (prefix hit)", usage=r2.json()["usage"])
-
-        body = {"model": model, "messages": [{"role": "user", "content": prompt_a}], "max_tokens": 4,
-                "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
-        with client.stream("POST", "/v1/chat/completions", json=body) as r:
-            r.raise_for_status()
-            raw = b"".join(r.iter_raw())
-        (resp_dir / "chat_stream_usage.sse").write_bytes(raw)
-        note("chat A streamed with include_usage")
-
-        r3 = chat(client, model, prompt_a, cache_salt="tenant-a")
-        (resp_dir / "chat_salted.json").write_text(json.dumps(r3.json(), indent=2) + "\n")
-        note("chat A with cache_salt=tenant-a", usage=r3.json()["usage"])
-
-        for k in range(args.evict_prompts):
-            p = fit_prompt(client, model, rng, 600)
-            r = chat(client, model, p)
-            note(f"distinct prompt {k} (~600 tokens)", usage=r.json()["usage"])
-
-        rr = client.post("/reset_prefix_cache")
-        note("POST /reset_prefix_cache", status=rr.status_code)
-
-        # TTFT cold vs cached for a ~1000-token prompt (stream; first chunk with choices).
-        cold, warm = [], []
-        for k in range(args.ttft_rounds):
-            p = fit_prompt(client, model, rng, args.ttft_tokens)
-            c, cc = ttft(client, model, p)
-            w, wc = ttft(client, model, p)
-            cold.append(c)
-            warm.append(w)
-            note(f"ttft round {k}", cold_s=round(c, 4), cached_s=round(w, 4), cached_tokens=wc, cold_cached=cc)
-        timings = {"prompt_tokens": args.ttft_tokens, "cold_ttft_s": cold, "cached_ttft_s": warm,
-                   "cold_median_s": statistics.median(cold), "cached_median_s": statistics.median(warm)}
+        model = _capture_api(client, resp_dir)
+        _capture_chats(client, model, rng, resp_dir, note, args.evict_prompts)
+        timings = _capture_ttft(client, model, rng, note, args.ttft_tokens, args.ttft_rounds)
         (args.out / "vllm_timings.json").write_text(json.dumps(timings, indent=2) + "\n")
-
         (args.out / "vllm_metrics.txt").write_text(client.get("/metrics").text)
         time.sleep(0.5)
         rec.drain("final drain")
         write_jsonl(kv_dir / "pub.jsonl", rec.messages)
-
-        rep0 = replay(ctx, args.replay, 0)
-        write_jsonl(kv_dir / "replay_from_0.jsonl",
-                    [{"i": i, "step": "replay from seq 0", "frames": [f.hex() for f in m]} for i, m in enumerate(rep0)])
-        mid = len(rec.messages) // 2
-        mid_seq = int.from_bytes(bytes.fromhex(rec.messages[mid]["frames"][1]), "big") if rec.messages else 0
-        repm = replay(ctx, args.replay, mid_seq)
-        write_jsonl(kv_dir / "replay_from_mid.jsonl",
-                    [{"i": i, "step": f"replay from seq {mid_seq}", "frames": [f.hex() for f in m]}
-                     for i, m in enumerate(repm)])
-        (kv_dir / "capture_log.json").write_text(json.dumps(
-            {"steps": log, "pub_total": len(rec.messages), "replay_from_0": len(rep0),
-             "replay_mid_start_seq": mid_seq, "replay_from_mid": len(repm)}, indent=2) + "\n")
-        print(json.dumps({"pub": len(rec.messages), "replay0": len(rep0), "replay_mid": len(repm),
-                          "ttft": timings}, indent=2))
+        counts = _capture_replay(ctx, args.replay, rec, kv_dir, log)
+        print(json.dumps({**counts, "ttft": timings}, indent=2))
     finally:
         client.close()
         rec.sock.close(linger=0)
         ctx.term()
     return 0
+
+
+def _dump(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2) + "\n")
+
+
+def _capture_api(client: httpx.Client, resp_dir: Path) -> str:
+    """/v1/models, /kv_event_sources and /tokenize's two forms; the served model's id."""
+    models = client.get("/v1/models").json()
+    model: str = models["data"][0]["id"]
+    _dump(resp_dir / "models.json", models)
+    src = client.get("/kv_event_sources")
+    if src.status_code == 200:
+        _dump(resp_dir / "kv_event_sources.json", src.json())
+    time.sleep(1.0)  # ZMQ slow joiner: let the SUB subscription reach the PUB before the first step
+    tok_p = client.post("/tokenize", json={"model": model, "prompt": "the cache block token engine",
+                                           "add_special_tokens": True})
+    _dump(resp_dir / "tokenize_prompt.json", tok_p.json())
+    tok_m = client.post("/tokenize", json={"model": model, "messages": [{"role": "user", "content": "hello"}],
+                                           "add_generation_prompt": True})
+    _dump(resp_dir / "tokenize_messages.json", tok_m.json())
+    return model
+
+
+def _capture_chats(client: httpx.Client, model: str, rng: random.Random, resp_dir: Path,
+                   note: Callable[..., None], evict_prompts: int) -> None:
+    """A chat cold, repeated (prefix hit), streamed with usage, salted; distinct prompts until evictions; the
+    prefix cache reset."""
+    prompt_a = fit_prompt(client, model, rng, 200)
+    note("sizing /tokenize")
+    r1 = chat(client, model, prompt_a)
+    _dump(resp_dir / "chat_cold.json", r1.json())
+    note("chat A (~200 tokens, cold)", usage=r1.json()["usage"])
+    r2 = chat(client, model, prompt_a)
+    _dump(resp_dir / "chat_cached.json", r2.json())
+    note("chat A repeated (prefix hit)", usage=r2.json()["usage"])
+    body = {"model": model, "messages": [{"role": "user", "content": prompt_a}], "max_tokens": 4,
+            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        r.raise_for_status()
+        raw = b"".join(r.iter_raw())
+    (resp_dir / "chat_stream_usage.sse").write_bytes(raw)
+    note("chat A streamed with include_usage")
+    r3 = chat(client, model, prompt_a, cache_salt="tenant-a")
+    _dump(resp_dir / "chat_salted.json", r3.json())
+    note("chat A with cache_salt=tenant-a", usage=r3.json()["usage"])
+    for k in range(evict_prompts):
+        p = fit_prompt(client, model, rng, 600)
+        r = chat(client, model, p)
+        note(f"distinct prompt {k} (~600 tokens)", usage=r.json()["usage"])
+    rr = client.post("/reset_prefix_cache")
+    note("POST /reset_prefix_cache", status=rr.status_code)
+
+
+def _capture_ttft(client: httpx.Client, model: str, rng: random.Random, note: Callable[..., None], tokens: int,
+                  rounds: int) -> dict[str, Any]:
+    """TTFT cold vs cached for a ~`tokens`-token prompt (stream; first chunk with choices)."""
+    cold, warm = [], []
+    for k in range(rounds):
+        p = fit_prompt(client, model, rng, tokens)
+        c, cc = ttft(client, model, p)
+        w, wc = ttft(client, model, p)
+        cold.append(c)
+        warm.append(w)
+        note(f"ttft round {k}", cold_s=round(c, 4), cached_s=round(w, 4), cached_tokens=wc, cold_cached=cc)
+    return {"prompt_tokens": tokens, "cold_ttft_s": cold, "cached_ttft_s": warm,
+            "cold_median_s": statistics.median(cold), "cached_median_s": statistics.median(warm)}
+
+
+def _capture_replay(ctx: Any, endpoint: str, rec: Recorder, kv_dir: Path, log: list[dict[str, Any]]) -> dict[str, int]:
+    """The replay socket from seq 0 and from the middle of what was published, and the capture log."""
+    rep0 = replay(ctx, endpoint, 0)
+    write_jsonl(kv_dir / "replay_from_0.jsonl",
+                [{"i": i, "step": "replay from seq 0", "frames": [f.hex() for f in m]} for i, m in enumerate(rep0)])
+    mid = len(rec.messages) // 2
+    mid_seq = int.from_bytes(bytes.fromhex(rec.messages[mid]["frames"][1]), "big") if rec.messages else 0
+    repm = replay(ctx, endpoint, mid_seq)
+    write_jsonl(kv_dir / "replay_from_mid.jsonl",
+                [{"i": i, "step": f"replay from seq {mid_seq}", "frames": [f.hex() for f in m]}
+                 for i, m in enumerate(repm)])
+    _dump(kv_dir / "capture_log.json", {"steps": log, "pub_total": len(rec.messages), "replay_from_0": len(rep0),
+                                        "replay_mid_start_seq": mid_seq, "replay_from_mid": len(repm)})
+    return {"pub": len(rec.messages), "replay0": len(rep0), "replay_mid": len(repm)}
 
 
 if __name__ == "__main__":
