@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -100,29 +101,71 @@ def _limit(request: Request, default: int = 20, most: int = 100) -> int:
     return int(raw)
 
 
-def batch_routes(svc: "BatchService") -> list[Route]:
+_BatchHandler = Callable[[Request, Principal], Awaitable[Response]]
 
-    async def principal(request: Request) -> Principal:
-        client = request.client.host if request.client else ""
-        return await svc.gw.identity.authenticate(request.headers, client)
 
-    def guarded(handler: Any) -> Any:
-        async def run(request: Request) -> Response:
-            try:
-                p = await principal(request)
-                return await handler(request, p)
-            except GatewayError as e:
-                return _err(e)
-            except Exception as e:
-                if not _store_error(e):
-                    raise
-                log.warning("batch store unavailable on %s: %s", request.url.path, type(e).__name__)
-                return _err(GatewayError(503, "The batch store is unavailable; retry shortly.",
-                                         code="batch_store_unavailable", headers={"retry-after": "1"}))
-        return run
+def _guarded(svc: "BatchService", handler: _BatchHandler) -> Callable[[Request], Awaitable[Response]]:
+    """The endpoint running `handler` for the caller authenticated like the data plane: a GatewayError becomes its
+    JSON error, a failing state store a 503 with retry-after."""
+    async def run(request: Request) -> Response:
+        try:
+            client = request.client.host if request.client else ""
+            p = await svc.gw.identity.authenticate(request.headers, client)
+            return await handler(request, p)
+        except GatewayError as e:
+            return _err(e)
+        except Exception as e:
+            if not _store_error(e):
+                raise
+            log.warning("batch store unavailable on %s: %s", request.url.path, type(e).__name__)
+            return _err(GatewayError(503, "The batch store is unavailable; retry shortly.",
+                                     code="batch_store_unavailable", headers={"retry-after": "1"}))
+    return run
+
+
+async def _json_object(request: Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except Exception:
+        raise GatewayError(400, "The body must be a JSON object.", code="invalid_request") from None
+    if not isinstance(body, dict):
+        raise GatewayError(400, "The body must be a JSON object.", code="invalid_request")
+    return body
+
+
+def _check_batch_request(body: dict[str, Any]) -> tuple[str, str, dict[str, str] | None, str]:
+    """The endpoint, completion window, metadata and input file id of a batch creation body, checked in that order."""
+    endpoint = body.get("endpoint")
+    if endpoint not in ENDPOINTS:
+        raise GatewayError(400, f"endpoint must be one of {', '.join(ENDPOINTS)}.", code="invalid_request",
+                           param="endpoint")
+    window = body.get("completion_window")
+    if window not in COMPLETION_WINDOWS:
+        raise GatewayError(400, "completion_window must be '24h'.", code="invalid_request",
+                           param="completion_window")
+    meta = body.get("metadata")
+    if meta is not None and (not isinstance(meta, dict) or len(meta) > METADATA_MAX_KEYS or not all(
+            isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
+            for k, v in meta.items())):
+        raise GatewayError(400, f"metadata must map at most {METADATA_MAX_KEYS} strings (keys <= 64 chars) to "
+                           "strings (<= 512 chars).", code="invalid_request", param="metadata")
+    fid = body.get("input_file_id")
+    if not isinstance(fid, str):
+        raise GatewayError(400, "input_file_id must be the id of an uploaded file.", code="invalid_request",
+                           param="input_file_id")
+    return endpoint, window, meta, fid
+
+
+class _Handlers:
+    """The route handlers, over the batch service; every one gets the authenticated caller."""
+
+    def __init__(self, svc: "BatchService") -> None:
+        self.svc = svc
 
     # ------------------------------------------------------------------ files
-    async def files_create(request: Request, p: Principal) -> Response:
+    async def files_create(self, request: Request, p: Principal) -> Response:
+        svc = self.svc
+
         async def decide(models: set[str]) -> dict[str, Any]:
             # the decision it is uploaded under: every batch over it runs within it, whoever creates the batch
             return {"restriction": await svc.file_restriction(p, models, request.headers)}
@@ -131,59 +174,37 @@ def batch_routes(svc: "BatchService") -> list[Route]:
         row = await create_file(svc, request, p, svc.owner(p), decide)
         return JSONResponse(file_object(row))
 
-    async def files_list(request: Request, p: Principal) -> Response:
+    async def files_list(self, request: Request, p: Principal) -> Response:
         limit = _limit(request, 10000, 10000)
         try:
-            rows = await svc.store.list_files(svc.owner(p), request.query_params.get("purpose"),
-                                              request.query_params.get("after"), limit + 1)
+            rows = await self.svc.store.list_files(self.svc.owner(p), request.query_params.get("purpose"),
+                                                   request.query_params.get("after"), limit + 1)
         except LookupError:
             raise _bad_cursor("file") from None
         return JSONResponse(list_page([file_object(r) for r in rows], limit))
 
-    async def file_get(request: Request, p: Principal) -> Response:
+    async def file_get(self, request: Request, p: Principal) -> Response:
         fid = request.path_params["file_id"]
-        owner = svc.owner(p)
-        row = await svc.store.get_file(fid, owner)
+        owner = self.svc.owner(p)
+        row = await self.svc.store.get_file(fid, owner)
         if row is None:
             raise _not_found("file", fid)
         if request.method == "DELETE":
-            await svc.store.delete_file(fid, owner)
+            await self.svc.store.delete_file(fid, owner)
             return JSONResponse({"id": fid, "object": "file", "deleted": True})
         return JSONResponse(file_object(row))
 
-    async def file_content(request: Request, p: Principal) -> Response:
+    async def file_content(self, request: Request, p: Principal) -> Response:
         fid = request.path_params["file_id"]
-        data = await svc.store.file_content(fid, svc.owner(p))
+        data = await self.svc.store.file_content(fid, self.svc.owner(p))
         if data is None:
             raise _not_found("file", fid)
         return Response(data, media_type="application/octet-stream")
 
     # ------------------------------------------------------------------ batches
-    async def batches_create(request: Request, p: Principal) -> Response:
-        try:
-            body = await request.json()
-        except Exception:
-            raise GatewayError(400, "The body must be a JSON object.", code="invalid_request") from None
-        if not isinstance(body, dict):
-            raise GatewayError(400, "The body must be a JSON object.", code="invalid_request")
-        endpoint = body.get("endpoint")
-        if endpoint not in ENDPOINTS:
-            raise GatewayError(400, f"endpoint must be one of {', '.join(ENDPOINTS)}.", code="invalid_request",
-                               param="endpoint")
-        window = body.get("completion_window")
-        if window not in COMPLETION_WINDOWS:
-            raise GatewayError(400, "completion_window must be '24h'.", code="invalid_request",
-                               param="completion_window")
-        meta = body.get("metadata")
-        if meta is not None and (not isinstance(meta, dict) or len(meta) > METADATA_MAX_KEYS or not all(
-                isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
-                for k, v in meta.items())):
-            raise GatewayError(400, f"metadata must map at most {METADATA_MAX_KEYS} strings (keys <= 64 chars) to "
-                               "strings (<= 512 chars).", code="invalid_request", param="metadata")
-        fid = body.get("input_file_id")
-        if not isinstance(fid, str):
-            raise GatewayError(400, "input_file_id must be the id of an uploaded file.", code="invalid_request",
-                               param="input_file_id")
+    async def batches_create(self, request: Request, p: Principal) -> Response:
+        svc = self.svc
+        endpoint, window, meta, fid = _check_batch_request(await _json_object(request))
         owner = svc.owner(p)
         frow = await svc.store.get_file(fid, owner)
         if frow is None:
@@ -191,56 +212,59 @@ def batch_routes(svc: "BatchService") -> list[Route]:
         if frow["purpose"] != "batch":
             raise GatewayError(400, f"File {fid} has purpose {frow['purpose']!r}; a batch needs a file uploaded with "
                                "purpose 'batch'.", code="invalid_request", param="input_file_id")
-        now = time.time()
-        job = {"id": new_id("batch_"), "owner": owner, "tenant": p.tenant, "principal": principal_row(p),
+        now, bid = time.time(), new_id("batch_")
+        job = {"id": bid, "owner": owner, "tenant": p.tenant, "principal": principal_row(p),
                "principal_valid_until": svc.principal_valid_until(request.headers, p), "endpoint": endpoint,
                "input_file_id": fid, "completion_window": window, "metadata": meta, "created_at": now,
                "expires_at": now + COMPLETION_WINDOWS[window],
                "zero_retention": await svc.zero_retention(p, fid, owner)}
         await svc.store.insert_job(job)
         svc.kick()
-        got = await svc.store.get_job(job["id"], owner)
+        got = await svc.store.get_job(bid, owner)
         assert got is not None  # just inserted for this owner, and jobs are never deleted
         return JSONResponse(batch_object(got))
 
-    async def batches_list(request: Request, p: Principal) -> Response:
+    async def batches_list(self, request: Request, p: Principal) -> Response:
         limit = _limit(request)
         try:
-            rows = await svc.store.list_jobs(svc.owner(p), request.query_params.get("after"), limit + 1)
+            rows = await self.svc.store.list_jobs(self.svc.owner(p), request.query_params.get("after"), limit + 1)
         except LookupError:
             raise _bad_cursor("batch") from None
         return JSONResponse(list_page([batch_object(r) for r in rows], limit))
 
-    async def batch_get(request: Request, p: Principal) -> Response:
+    async def batch_get(self, request: Request, p: Principal) -> Response:
         bid = request.path_params["batch_id"]
-        job = await svc.store.get_job(bid, svc.owner(p))
+        job = await self.svc.store.get_job(bid, self.svc.owner(p))
         if job is None:
             raise _not_found("batch", bid)
         return JSONResponse(batch_object(job))
 
-    async def batch_cancel(request: Request, p: Principal) -> Response:
+    async def batch_cancel(self, request: Request, p: Principal) -> Response:
         bid = request.path_params["batch_id"]
-        owner = svc.owner(p)
-        job = await svc.store.get_job(bid, owner)
+        owner = self.svc.owner(p)
+        job = await self.svc.store.get_job(bid, owner)
         if job is None:
             raise _not_found("batch", bid)
         if job["status"] not in ("validating", "in_progress", "cancelling"):
             raise GatewayError(409, f"Batch {bid} is {job['status']}; only a validating or in-progress batch can be "
                                "cancelled.", code="batch_not_cancellable")
-        job = await svc.store.cancel_job(bid, owner, time.time())
+        job = await self.svc.store.cancel_job(bid, owner, time.time())
         assert job is not None  # read above for this owner, and jobs are never deleted
-        svc.kick()
+        self.svc.kick()
         return JSONResponse(batch_object(job))
 
+
+def batch_routes(svc: "BatchService") -> list[Route]:
+    h = _Handlers(svc)
     return [
-        Route("/v1/files", guarded(files_create), methods=["POST"]),
-        Route("/v1/files", guarded(files_list), methods=["GET"]),
-        Route("/v1/files/{file_id}", guarded(file_get), methods=["GET", "DELETE"]),
-        Route("/v1/files/{file_id}/content", guarded(file_content), methods=["GET"]),
-        Route("/v1/batches", guarded(batches_create), methods=["POST"]),
-        Route("/v1/batches", guarded(batches_list), methods=["GET"]),
-        Route("/v1/batches/{batch_id}", guarded(batch_get), methods=["GET"]),
-        Route("/v1/batches/{batch_id}/cancel", guarded(batch_cancel), methods=["POST"]),
+        Route("/v1/files", _guarded(svc, h.files_create), methods=["POST"]),
+        Route("/v1/files", _guarded(svc, h.files_list), methods=["GET"]),
+        Route("/v1/files/{file_id}", _guarded(svc, h.file_get), methods=["GET", "DELETE"]),
+        Route("/v1/files/{file_id}/content", _guarded(svc, h.file_content), methods=["GET"]),
+        Route("/v1/batches", _guarded(svc, h.batches_create), methods=["POST"]),
+        Route("/v1/batches", _guarded(svc, h.batches_list), methods=["GET"]),
+        Route("/v1/batches/{batch_id}", _guarded(svc, h.batch_get), methods=["GET"]),
+        Route("/v1/batches/{batch_id}/cancel", _guarded(svc, h.batch_cancel), methods=["POST"]),
     ]
 
 
