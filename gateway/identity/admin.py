@@ -64,242 +64,310 @@ def _deleted(obj: str, **ids: str) -> dict[str, Any]:
     return {**ids, "object": obj, "deleted": True}
 
 
-def admin_routes(service: IdentityService, guard: AdminGuard | None = None) -> list[Route]:
-    """Starlette routes for the admin plane, to mount under the app (behind `guard`; by default one that
-    authenticates with `service` and bounds bodies by its config's `server.max_body_bytes`)."""
-    if guard is None:
-        guard = AdminGuard(service.authenticate_admin, lambda: service.config.server.max_body_bytes)
+def _team_path(req: Request, p: Principal) -> tuple[str, str]:
+    tid = req.path_params["tenant"]
+    require_tenant(p, tid)
+    return tid, req.path_params["team"]
 
-    # ---- tenants
-    async def list_tenants(req: Request, p: Principal) -> Any:
+
+def _project_path(req: Request, p: Principal) -> tuple[str, str, str]:
+    tid, team = _team_path(req, p)
+    return tid, team, req.path_params["project"]
+
+
+def _tenant_of(req: Request, p: Principal, b: dict[str, Any] | None = None) -> str:
+    """The tenant a project or key request acts in: the body's, the query's, or a tenant admin's own."""
+    tid = (b or {}).get("tenant") or req.query_params.get("tenant") or (None if is_admin(p) else p.tenant)
+    if not isinstance(tid, str) or not tid:
+        raise GatewayError(400, "tenant is required.", code="invalid_request", param="tenant")
+    require_tenant(p, tid)
+    return tid
+
+
+_PLATFORM = (PLATFORM_ADMIN,)
+_BOTH = (PLATFORM_ADMIN, TENANT_ADMIN)
+
+
+class _Tenants:
+    """/admin/tenants: created, changed and deleted by platform admins; a tenant admin reads its own."""
+
+    def __init__(self, service: IdentityService) -> None:
+        self.service = service
+
+    async def list_tenants(self, req: Request, p: Principal) -> Any:
         if is_admin(p):
-            ts = await service.list_tenants()
+            ts = await self.service.list_tenants()
         else:
-            t = await service.get_tenant(p.tenant)
+            t = await self.service.get_tenant(p.tenant)
             ts = [t] if t else []
         return {"object": "list", "data": [to_dict(t) for t in ts]}
 
-    async def create_tenant(req: Request, p: Principal) -> Any:
+    async def create_tenant(self, req: Request, p: Principal) -> Any:
         b = await _body(req)
         # ids are validated here, as the service would (same errors), so what it is given is a str
-        t = await service.create_tenant(validate_id(b.get("id"), "id"), b.get("name"), b.get("labels"))
+        t = await self.service.create_tenant(validate_id(b.get("id"), "id"), b.get("name"), b.get("labels"))
         return _json(to_dict(t), 201)
 
-    async def get_tenant(req: Request, p: Principal) -> Any:
+    async def get_tenant(self, req: Request, p: Principal) -> Any:
         tid = req.path_params["tenant"]
         require_tenant(p, tid)
-        t = await service.get_tenant(tid)
+        t = await self.service.get_tenant(tid)
         if t is None:
             raise _not_found("Tenant")
         return to_dict(t)
 
-    async def patch_tenant(req: Request, p: Principal) -> Any:
+    async def patch_tenant(self, req: Request, p: Principal) -> Any:
         tid = req.path_params["tenant"]
-        t = await service.update_tenant(tid, await _body(req))
+        t = await self.service.update_tenant(tid, await _body(req))
         if t is None:
             raise _not_found("Tenant")
         return to_dict(t)
 
-    async def delete_tenant(req: Request, p: Principal) -> Any:
+    async def delete_tenant(self, req: Request, p: Principal) -> Any:
         tid = req.path_params["tenant"]
-        if not await service.delete_tenant(tid):
+        if not await self.service.delete_tenant(tid):
             raise _not_found("Tenant")
         return _deleted("tenant", id=tid)
 
-    # ---- teams
-    async def list_teams(req: Request, p: Principal) -> Any:
+
+def _tenant_routes(service: IdentityService, guard: AdminGuard) -> list[Route]:
+    h = _Tenants(service)
+    return [
+        guard.route("/admin/tenants", h.list_tenants, ["GET"], _BOTH),
+        guard.route("/admin/tenants", h.create_tenant, ["POST"], _PLATFORM),
+        guard.route("/admin/tenants/{tenant}", h.get_tenant, ["GET"], _BOTH),
+        guard.route("/admin/tenants/{tenant}", h.patch_tenant, ["PATCH"], _PLATFORM),
+        guard.route("/admin/tenants/{tenant}", h.delete_tenant, ["DELETE"], _PLATFORM),
+    ]
+
+
+class _Teams:
+    """/admin/tenants/{tenant}/teams: managed by platform admins and the tenant's own admins."""
+
+    def __init__(self, service: IdentityService) -> None:
+        self.service = service
+
+    async def list_teams(self, req: Request, p: Principal) -> Any:
         tid = req.path_params["tenant"]
         require_tenant(p, tid)
-        return {"object": "list", "data": [to_dict(t) for t in await service.list_teams(tid)]}
+        return {"object": "list", "data": [to_dict(t) for t in await self.service.list_teams(tid)]}
 
-    async def create_team(req: Request, p: Principal) -> Any:
+    async def create_team(self, req: Request, p: Principal) -> Any:
         tid = req.path_params["tenant"]
         require_tenant(p, tid)
         b = await _body(req)
-        t = await service.create_team(tid, validate_id(b.get("id"), "id"), b.get("name"), b.get("labels"))
+        t = await self.service.create_team(tid, validate_id(b.get("id"), "id"), b.get("name"), b.get("labels"))
         return _json(to_dict(t), 201)
 
-    def _team_path(req: Request, p: Principal) -> tuple[str, str]:
-        tid = req.path_params["tenant"]
-        require_tenant(p, tid)
-        return tid, req.path_params["team"]
-
-    async def get_team(req: Request, p: Principal) -> Any:
-        t = await service.get_team(*_team_path(req, p))
+    async def get_team(self, req: Request, p: Principal) -> Any:
+        t = await self.service.get_team(*_team_path(req, p))
         if t is None:
             raise _not_found("Team")
         return to_dict(t)
 
-    async def patch_team(req: Request, p: Principal) -> Any:
+    async def patch_team(self, req: Request, p: Principal) -> Any:
         tid, team = _team_path(req, p)
-        t = await service.update_team(tid, team, await _body(req))
+        t = await self.service.update_team(tid, team, await _body(req))
         if t is None:
             raise _not_found("Team")
         return to_dict(t)
 
-    async def delete_team(req: Request, p: Principal) -> Any:
+    async def delete_team(self, req: Request, p: Principal) -> Any:
         tid, team = _team_path(req, p)
-        if not await service.delete_team(tid, team):
+        if not await self.service.delete_team(tid, team):
             raise _not_found("Team")
         return _deleted("team", id=team, tenant=tid)
 
-    # ---- projects
-    def _tenant_of(req: Request, p: Principal, b: dict[str, Any] | None = None) -> str:
-        tid = (b or {}).get("tenant") or req.query_params.get("tenant") or (None if is_admin(p) else p.tenant)
-        if not isinstance(tid, str) or not tid:
-            raise GatewayError(400, "tenant is required.", code="invalid_request", param="tenant")
-        require_tenant(p, tid)
-        return tid
 
-    async def list_projects(req: Request, p: Principal) -> Any:
+def _team_routes(service: IdentityService, guard: AdminGuard) -> list[Route]:
+    h = _Teams(service)
+    return [
+        guard.route("/admin/tenants/{tenant}/teams", h.list_teams, ["GET"], _BOTH),
+        guard.route("/admin/tenants/{tenant}/teams", h.create_team, ["POST"], _BOTH),
+        guard.route("/admin/tenants/{tenant}/teams/{team}", h.get_team, ["GET"], _BOTH),
+        guard.route("/admin/tenants/{tenant}/teams/{team}", h.patch_team, ["PATCH"], _BOTH),
+        guard.route("/admin/tenants/{tenant}/teams/{team}", h.delete_team, ["DELETE"], _BOTH),
+    ]
+
+
+class _Projects:
+    """Projects: by path under their team, listed and created under /admin/projects."""
+
+    def __init__(self, service: IdentityService) -> None:
+        self.service = service
+
+    async def list_projects(self, req: Request, p: Principal) -> Any:
         tid = _tenant_of(req, p)
-        ps = await service.list_projects(tid, req.query_params.get("team"))
+        ps = await self.service.list_projects(tid, req.query_params.get("team"))
         return {"object": "list", "data": [to_dict(x) for x in ps]}
 
-    async def create_project(req: Request, p: Principal) -> Any:
+    async def create_project(self, req: Request, p: Principal) -> Any:
         b = await _body(req)
         tid = _tenant_of(req, p, b)
         team = validate_id(b.get("team"), "team")
-        x = await service.create_project(tid, team, validate_id(b.get("id"), "id"), b.get("name"), b.get("labels"))
+        x = await self.service.create_project(tid, team, validate_id(b.get("id"), "id"), b.get("name"),
+                                              b.get("labels"))
         return _json(to_dict(x), 201)
 
-    def _project_path(req: Request, p: Principal) -> tuple[str, str, str]:
-        tid, team = _team_path(req, p)
-        return tid, team, req.path_params["project"]
-
-    async def get_project(req: Request, p: Principal) -> Any:
-        x = await service.get_project(*_project_path(req, p))
+    async def get_project(self, req: Request, p: Principal) -> Any:
+        x = await self.service.get_project(*_project_path(req, p))
         if x is None:
             raise _not_found("Project")
         return to_dict(x)
 
-    async def patch_project(req: Request, p: Principal) -> Any:
+    async def patch_project(self, req: Request, p: Principal) -> Any:
         tid, team, pid = _project_path(req, p)
-        x = await service.update_project(tid, team, pid, await _body(req))
+        x = await self.service.update_project(tid, team, pid, await _body(req))
         if x is None:
             raise _not_found("Project")
         return to_dict(x)
 
-    async def delete_project(req: Request, p: Principal) -> Any:
+    async def delete_project(self, req: Request, p: Principal) -> Any:
         tid, team, pid = _project_path(req, p)
-        if not await service.delete_project(tid, team, pid):
+        if not await self.service.delete_project(tid, team, pid):
             raise _not_found("Project")
         return _deleted("project", id=pid, tenant=tid, team=team)
 
-    # ---- partners
-    async def list_partners(req: Request, p: Principal) -> Any:
-        ps = await service.list_partners(None if is_admin(p) else p.tenant)
+
+def _project_routes(service: IdentityService, guard: AdminGuard) -> list[Route]:
+    h = _Projects(service)
+    path = "/admin/tenants/{tenant}/teams/{team}/projects/{project}"
+    return [
+        guard.route(path, h.get_project, ["GET"], _BOTH),
+        guard.route(path, h.patch_project, ["PATCH"], _BOTH),
+        guard.route(path, h.delete_project, ["DELETE"], _BOTH),
+        guard.route("/admin/projects", h.list_projects, ["GET"], _BOTH),
+        guard.route("/admin/projects", h.create_project, ["POST"], _BOTH),
+    ]
+
+
+class _Partners:
+    """/admin/partners: changed by platform admins; a tenant admin sees its own tenant's (others' are 404)."""
+
+    def __init__(self, service: IdentityService) -> None:
+        self.service = service
+
+    async def list_partners(self, req: Request, p: Principal) -> Any:
+        ps = await self.service.list_partners(None if is_admin(p) else p.tenant)
         return {"object": "list", "data": [to_dict(x) for x in ps]}
 
-    async def create_partner(req: Request, p: Principal) -> Any:
+    async def create_partner(self, req: Request, p: Principal) -> Any:
         b = await _body(req)
         pid = validate_id(b.get("id"), "id")
-        x = await service.create_partner(pid, validate_id(b.get("tenant") or pid, "tenant"), b.get("name"),
-                                         b.get("labels"))
+        x = await self.service.create_partner(pid, validate_id(b.get("tenant") or pid, "tenant"), b.get("name"),
+                                              b.get("labels"))
         return _json(to_dict(x), 201)
 
-    async def get_partner(req: Request, p: Principal) -> Any:
-        x = await service.get_partner(req.path_params["partner"])
+    async def get_partner(self, req: Request, p: Principal) -> Any:
+        x = await self.service.get_partner(req.path_params["partner"])
         if x is None or (not is_admin(p) and x.tenant != p.tenant):
             raise _not_found("Partner")
         return to_dict(x)
 
-    async def patch_partner(req: Request, p: Principal) -> Any:
-        x = await service.update_partner(req.path_params["partner"], await _body(req))
+    async def patch_partner(self, req: Request, p: Principal) -> Any:
+        x = await self.service.update_partner(req.path_params["partner"], await _body(req))
         if x is None:
             raise _not_found("Partner")
         return to_dict(x)
 
-    async def delete_partner(req: Request, p: Principal) -> Any:
+    async def delete_partner(self, req: Request, p: Principal) -> Any:
         pid = req.path_params["partner"]
-        if not await service.delete_partner(pid):
+        if not await self.service.delete_partner(pid):
             raise _not_found("Partner")
         return _deleted("partner", id=pid)
 
-    # ---- keys
-    async def list_keys(req: Request, p: Principal) -> Any:
+
+def _partner_routes(service: IdentityService, guard: AdminGuard) -> list[Route]:
+    h = _Partners(service)
+    return [
+        guard.route("/admin/partners", h.list_partners, ["GET"], _BOTH),
+        guard.route("/admin/partners", h.create_partner, ["POST"], _PLATFORM),
+        guard.route("/admin/partners/{partner}", h.get_partner, ["GET"], _BOTH),
+        guard.route("/admin/partners/{partner}", h.patch_partner, ["PATCH"], _PLATFORM),
+        guard.route("/admin/partners/{partner}", h.delete_partner, ["DELETE"], _PLATFORM),
+    ]
+
+
+class _Keys:
+    """/admin/keys: a tenant admin manages its own tenant's keys (another tenant's key id is 404)."""
+
+    def __init__(self, service: IdentityService) -> None:
+        self.service = service
+
+    async def list_keys(self, req: Request, p: Principal) -> Any:
         tid = req.query_params.get("tenant")
         if tid is not None:
             require_tenant(p, tid)
         elif not is_admin(p):
             tid = p.tenant
-        return {"object": "list", "data": [k.public() for k in await service.list_keys(tid)]}
+        return {"object": "list", "data": [k.public() for k in await self.service.list_keys(tid)]}
 
-    async def create_key(req: Request, p: Principal) -> Any:
+    async def create_key(self, req: Request, p: Principal) -> Any:
         b = await _body(req)
         tid = _tenant_of(req, p, b)
-        k, secret = await service.create_key(
+        k, secret = await self.service.create_key(
             tid, team=b.get("team"), project=b.get("project"), partner=b.get("partner"), name=b.get("name"),
             purpose=b.get("purpose") or "data", labels=b.get("labels"), scopes=b.get("scopes"),
             models=b.get("models"), expires_at=b.get("expires_at"))
         return _json({**k.public(), "key": secret}, 201)
 
-    async def _own_key(req: Request, p: Principal) -> str:
+    async def _own_key(self, req: Request, p: Principal) -> str:
         kid = req.path_params["key_id"]
-        k = await service.get_key(kid)
+        k = await self.service.get_key(kid)
         if k is None or (not is_admin(p) and k.tenant != p.tenant):
             raise _not_found("Key")
         return kid
 
-    async def get_key(req: Request, p: Principal) -> Any:
-        kid = await _own_key(req, p)
-        k = await service.get_key(kid)
+    async def get_key(self, req: Request, p: Principal) -> Any:
+        kid = await self._own_key(req, p)
+        k = await self.service.get_key(kid)
         assert k is not None
         return k.public()
 
-    async def patch_key(req: Request, p: Principal) -> Any:
-        kid = await _own_key(req, p)
-        k = await service.update_key(kid, await _body(req))
+    async def patch_key(self, req: Request, p: Principal) -> Any:
+        kid = await self._own_key(req, p)
+        k = await self.service.update_key(kid, await _body(req))
         if k is None:
             raise _not_found("Key")
         return k.public()
 
-    async def revoke_key(req: Request, p: Principal) -> Any:  # POST .../revoke and DELETE: idempotent
-        kid = await _own_key(req, p)
-        k = await service.revoke_key(kid)
+    async def revoke_key(self, req: Request, p: Principal) -> Any:  # POST .../revoke and DELETE: idempotent
+        kid = await self._own_key(req, p)
+        k = await self.service.revoke_key(kid)
         assert k is not None
         return k.public()
 
-    async def rotate_key(req: Request, p: Principal) -> Any:
-        kid = await _own_key(req, p)
+    async def rotate_key(self, req: Request, p: Principal) -> Any:
+        kid = await self._own_key(req, p)
         b = await _body(req)
         overlap = b.get("overlap_s")
         if overlap is not None and not isinstance(overlap, (int, float)):
             raise GatewayError(400, "overlap_s must be a number.", code="invalid_request", param="overlap_s")
-        res = await service.rotate_key(kid, overlap)
+        res = await self.service.rotate_key(kid, overlap)
         if res is None:
             raise GatewayError(409, "Key is revoked or already rotated.", code="conflict")
         k, secret = res
         return _json({**k.public(), "key": secret}, 201)
 
-    PLATFORM = (PLATFORM_ADMIN,)
-    BOTH = (PLATFORM_ADMIN, TENANT_ADMIN)
-    return [  # the roles each route admits (the guard enforces them; handlers scope to the tenant)
-        guard.route("/admin/tenants", list_tenants, ["GET"], BOTH),
-        guard.route("/admin/tenants", create_tenant, ["POST"], PLATFORM),
-        guard.route("/admin/tenants/{tenant}", get_tenant, ["GET"], BOTH),
-        guard.route("/admin/tenants/{tenant}", patch_tenant, ["PATCH"], PLATFORM),
-        guard.route("/admin/tenants/{tenant}", delete_tenant, ["DELETE"], PLATFORM),
-        guard.route("/admin/tenants/{tenant}/teams", list_teams, ["GET"], BOTH),
-        guard.route("/admin/tenants/{tenant}/teams", create_team, ["POST"], BOTH),
-        guard.route("/admin/tenants/{tenant}/teams/{team}", get_team, ["GET"], BOTH),
-        guard.route("/admin/tenants/{tenant}/teams/{team}", patch_team, ["PATCH"], BOTH),
-        guard.route("/admin/tenants/{tenant}/teams/{team}", delete_team, ["DELETE"], BOTH),
-        guard.route("/admin/tenants/{tenant}/teams/{team}/projects/{project}", get_project, ["GET"], BOTH),
-        guard.route("/admin/tenants/{tenant}/teams/{team}/projects/{project}", patch_project, ["PATCH"], BOTH),
-        guard.route("/admin/tenants/{tenant}/teams/{team}/projects/{project}", delete_project, ["DELETE"], BOTH),
-        guard.route("/admin/projects", list_projects, ["GET"], BOTH),
-        guard.route("/admin/projects", create_project, ["POST"], BOTH),
-        guard.route("/admin/partners", list_partners, ["GET"], BOTH),
-        guard.route("/admin/partners", create_partner, ["POST"], PLATFORM),
-        guard.route("/admin/partners/{partner}", get_partner, ["GET"], BOTH),
-        guard.route("/admin/partners/{partner}", patch_partner, ["PATCH"], PLATFORM),
-        guard.route("/admin/partners/{partner}", delete_partner, ["DELETE"], PLATFORM),
-        guard.route("/admin/keys", list_keys, ["GET"], BOTH),
-        guard.route("/admin/keys", create_key, ["POST"], BOTH),
-        guard.route("/admin/keys/{key_id}", get_key, ["GET"], BOTH),
-        guard.route("/admin/keys/{key_id}", patch_key, ["PATCH"], BOTH),
-        guard.route("/admin/keys/{key_id}", revoke_key, ["DELETE"], BOTH),
-        guard.route("/admin/keys/{key_id}/revoke", revoke_key, ["POST"], BOTH),
-        guard.route("/admin/keys/{key_id}/rotate", rotate_key, ["POST"], BOTH),
+
+def _key_routes(service: IdentityService, guard: AdminGuard) -> list[Route]:
+    h = _Keys(service)
+    return [
+        guard.route("/admin/keys", h.list_keys, ["GET"], _BOTH),
+        guard.route("/admin/keys", h.create_key, ["POST"], _BOTH),
+        guard.route("/admin/keys/{key_id}", h.get_key, ["GET"], _BOTH),
+        guard.route("/admin/keys/{key_id}", h.patch_key, ["PATCH"], _BOTH),
+        guard.route("/admin/keys/{key_id}", h.revoke_key, ["DELETE"], _BOTH),
+        guard.route("/admin/keys/{key_id}/revoke", h.revoke_key, ["POST"], _BOTH),
+        guard.route("/admin/keys/{key_id}/rotate", h.rotate_key, ["POST"], _BOTH),
     ]
+
+
+def admin_routes(service: IdentityService, guard: AdminGuard | None = None) -> list[Route]:
+    """Starlette routes for the admin plane, to mount under the app (behind `guard`; by default one that
+    authenticates with `service` and bounds bodies by its config's `server.max_body_bytes`). Each route
+    declares the roles it admits (the guard enforces them; handlers scope to the tenant)."""
+    if guard is None:
+        guard = AdminGuard(service.authenticate_admin, lambda: service.config.server.max_body_bytes)
+    return [*_tenant_routes(service, guard), *_team_routes(service, guard), *_project_routes(service, guard),
+            *_partner_routes(service, guard), *_key_routes(service, guard)]
