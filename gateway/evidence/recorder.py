@@ -25,6 +25,9 @@ from gateway.pipeline import RequestContext
 
 log = logging.getLogger("gateway.evidence")
 
+_Record = dict[str, Any]  # one audit record, JSON-able
+_BackendLookup = Callable[[str], Any]  # backend name -> its config (location, retention, operator) or None
+
 # Keys whose values are request or response content. Never recorded unless capture_content is on and the
 # request is not zero-retention; stripped from every nested evidence entry otherwise.
 CONTENT_KEYS = frozenset({"messages", "prompt", "input", "completion", "completion_text", "content", "response_text",
@@ -163,7 +166,7 @@ def _iso_utc(ts: float) -> str:
 
 
 def build_record(ctx: RequestContext, *, capture_content: bool = False,
-                 backend_lookup: Callable[[str], Any] | None = None) -> dict[str, Any]:
+                 backend_lookup: _BackendLookup | None = None) -> _Record:
     """The audit record for one finished request. Pure; never includes content for zero-retention requests,
     nor for requests whose retention is unknown (refused before the policy decision)."""
     d = ctx.decision
@@ -171,7 +174,7 @@ def build_record(ctx: RequestContext, *, capture_content: bool = False,
     usage = ctx.usage
     zero = ctx.zero_retention
     location = _backend_location(ctx, backend_lookup)
-    rec: dict[str, Any] = {
+    rec: _Record = {
         "request_id": ctx.request_id,
         "client_request_id": ctx.client_request_id,
         "batch": _plain(ctx.batch),
@@ -216,7 +219,7 @@ def build_record(ctx: RequestContext, *, capture_content: bool = False,
     return _retained(rec, ctx, capture_content)
 
 
-def _backend_location(ctx: RequestContext, backend_lookup: Callable[[str], Any] | None) -> dict[str, Any] | None:
+def _backend_location(ctx: RequestContext, backend_lookup: _BackendLookup | None) -> _Record | None:
     """Where the serving backend is and what it keeps (its location, retention and operator)."""
     location = None
     if ctx.backend and backend_lookup is not None:
@@ -230,7 +233,7 @@ def _backend_location(ctx: RequestContext, backend_lookup: Callable[[str], Any] 
     return location
 
 
-def _retained(rec: dict[str, Any], ctx: RequestContext, capture_content: bool) -> dict[str, Any]:
+def _retained(rec: _Record, ctx: RequestContext, capture_content: bool) -> _Record:
     """The record as it may be kept: content captured only where retention allows; under zero (or unknown)
     retention every string is checked for echoes of the content, else only the stage-provided structures."""
     ev = ctx.evidence
@@ -275,7 +278,7 @@ class EvidenceRecorder:
     """Queue records on the request path; write JSON lines (and optional sinks) in a background task."""
 
     def __init__(self, path: str | Path | None, *, capture_content: bool = False, max_queue: int = 10000,
-                 recent: int = 4096, sink: Any = None, backend_lookup: Callable[[str], Any] | None = None,
+                 recent: int = 4096, sink: Any = None, backend_lookup: _BackendLookup | None = None,
                  batch: int = 256, sink_backlog: int = 100000, linger_s: float = 0.05, max_bytes: int = 0,
                  backups: int = 5) -> None:
         self.stdout = path == "-"  # JSON lines on fd 1 (then /admin/decisions reads memory and the sink only)
