@@ -18,11 +18,10 @@ import time
 import httpx
 import openai
 import pytest
-import yaml
 
-from backends.sim.fleet import FleetProcess
 from tests.e2e.test_adapter_placement_e2e import admin, resident
-from tests.support.procs import audit_record, free_port, start_gateway
+from tests.support.lora_stack import lora_stack
+from tests.support.procs import audit_record
 
 pytestmark = pytest.mark.e2e
 
@@ -38,26 +37,9 @@ def prompt(tokens: int) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("adapter-load")
-    fleet = FleetProcess(["--engines", "2", "--profile", "vllm-default", "--base-port", "0", "--enable-lora",
-                          "--max-loras", "2", "--lora-load-ms", "100"], tmp / "fleet.json")
-    man = fleet.start()
-    port = free_port()
-    lora = {"dynamic": True, "max_loras": 2, "refresh_s": 3600.0}
-    cfg = {"server": {"host": "127.0.0.1", "port": port, "workers": 1},
-           "backends": [{"name": f"e{i + 1}", "url": e["url"], "kind": "sim", "models": ["base"],
-                         "model_map": {"base": "sim-model"}, "health": {"enabled": False}, "lora": lora}
-                        for i, e in enumerate(man["engines"])],
-           "routing": {"model_validity": {"min_observations": 0}},
-           "admin": {"key": ADMIN},
-           "policy": {"audit_path": str(tmp / "audit.jsonl")},
-           "identity": {"sqlite_path": str(tmp / "id.db")},
-           "data_dir": str(tmp / "var")}
-    path = tmp / "gw.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    gw, _ = start_gateway(path)
-    base = f"http://127.0.0.1:{port}"
-    try:
+    with lora_stack(tmp_path_factory.mktemp("adapter-load"), ADMIN, profile="vllm-default", load_ms=100,
+                    config={"routing": {"model_validity": {"min_observations": 0}}}) as st:
+        base = st["base"]
         assert admin(base, "POST", "/admin/tenants", {"id": "alpha"}).status_code == 201
         assert admin(base, "PUT", "/admin/tenants/alpha/adapter_sources",
                      {"prefixes": ["/w/alpha/"]}).status_code == 200
@@ -69,11 +51,7 @@ def stack(tmp_path_factory):
         c = openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0, timeout=60)
         for _ in range(6):  # warm-up: each engine's speed learned from base-model requests
             c.chat.completions.create(model="base", messages=prompt(600), max_tokens=1)
-        yield {"base": base, "client": c, "engines": {f"e{i + 1}": e["url"].rstrip("/").removesuffix("/v1")
-                                                       for i, e in enumerate(man["engines"])}}
-    finally:
-        gw.stop()
-        fleet.stop()
+        yield {**st, "client": c}
 
 
 def evidence(base: str, raw) -> dict:

@@ -15,10 +15,9 @@ import time
 import httpx
 import openai
 import pytest
-import yaml
 
-from backends.sim.fleet import FleetProcess
-from tests.support.procs import audit_record, free_port, start_gateway
+from tests.support.lora_stack import lora_stack
+from tests.support.procs import audit_record
 
 pytestmark = pytest.mark.e2e
 
@@ -29,29 +28,8 @@ NAMES = ["ad-1", "ad-2", "ad-3", "ad-4", "ad-5"]
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("placement")
-    fleet = FleetProcess(["--engines", "2", "--profile", "tiny", "--base-port", "0", "--enable-lora",
-                          "--max-loras", "2", "--lora-load-ms", "20"], tmp / "fleet.json")
-    man = fleet.start()
-    port = free_port()
-    lora = {"dynamic": True, "max_loras": 2, "refresh_s": 3600.0}
-    cfg = {"server": {"host": "127.0.0.1", "port": port, "workers": 1},
-           "backends": [{"name": f"e{i + 1}", "url": e["url"], "kind": "sim", "models": ["base"],
-                         "model_map": {"base": "sim-model"}, "health": {"enabled": False}, "lora": lora}
-                        for i, e in enumerate(man["engines"])],
-           "admin": {"key": ADMIN},
-           "policy": {"audit_path": str(tmp / "audit.jsonl")},
-           "identity": {"sqlite_path": str(tmp / "id.db")},
-           "data_dir": str(tmp / "var")}
-    path = tmp / "gw.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    gw, _ = start_gateway(path)
-    try:
-        yield {"base": f"http://127.0.0.1:{port}", "engines": {f"e{i + 1}": e["url"].rstrip("/").removesuffix("/v1")
-                                                              for i, e in enumerate(man["engines"])}}
-    finally:
-        gw.stop()
-        fleet.stop()
+    with lora_stack(tmp_path_factory.mktemp("placement"), ADMIN) as st:
+        yield st
 
 
 def admin(base: str, method: str, path: str, body: dict | None = None) -> httpx.Response:

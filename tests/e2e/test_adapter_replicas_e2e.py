@@ -18,6 +18,7 @@ import yaml
 from backends.sim.fleet import FleetProcess
 from tests.conftest import require_service
 from tests.e2e.test_revocation_e2e import PG_DSN, _pg, _pg_reachable
+from tests.support.lora_stack import dynamic_backends, engine_roots
 from tests.support.procs import audit_record, free_port, start_gateway
 
 pytestmark = pytest.mark.e2e
@@ -34,15 +35,12 @@ def replicas(tmp_path_factory):
     fleet = FleetProcess(["--engines", "1", "--profile", "vllm-default", "--base-port", "0", "--enable-lora",
                           "--max-loras", "1", "--lora-load-ms", "50"], tmp / "fleet.json")
     man = fleet.start()
-    engine = man["engines"][0]["url"]
     procs = []
     try:
         for i in range(2):
             port = free_port()
             cfg = {"server": {"host": "127.0.0.1", "port": port, "workers": 1},
-                   "backends": [{"name": "e1", "url": engine, "kind": "sim", "models": ["base"],
-                                 "model_map": {"base": "sim-model"}, "health": {"enabled": False},
-                                 "lora": {"dynamic": True, "max_loras": 1, "refresh_s": 3600.0}}],
+                   "backends": dynamic_backends(man, max_loras=1),
                    "admin": {"key": ADMIN},
                    "identity": {"store": "postgres", "postgres_dsn": PG_DSN, "postgres_schema": schema},
                    "policy": {"audit_path": str(tmp / f"audit-{i}.jsonl")},
@@ -53,7 +51,7 @@ def replicas(tmp_path_factory):
             path.write_text(yaml.safe_dump(cfg))
             gw, _ = start_gateway(path)
             procs.append((gw, f"http://127.0.0.1:{port}"))
-        yield {"a": procs[0][1], "b": procs[1][1], "engine": engine.rstrip("/").removesuffix("/v1")}
+        yield {"a": procs[0][1], "b": procs[1][1], "engine": engine_roots(man)["e1"]}
     finally:
         for p, _ in procs:
             p.stop()
