@@ -302,8 +302,11 @@ class Placement:
     def setup_s(self, ctx: RequestContext, cands: list[Candidate]) -> dict[str, float]:
         """Per candidate engine, the load this request's adapter needs there first (0 where it is resident,
         left out where the candidate is not a placement): the routing stage adds it to the predicted TTFT, so
-        admission and the evidence count it. From the belief only (no I/O)."""
+        admission and the evidence count it. From the belief only (no I/O); nothing for a request that is not
+        for a registered adapter (every other request passes here on its way through routing)."""
         out: dict[str, float] = {}
+        if not isinstance(ctx.evidence.get("adapter"), dict):
+            return out
         prior = self._prior()
         for c in cands:
             adapter = self.placed(ctx, c)
