@@ -179,13 +179,16 @@ class RolloutService:
         if self.metrics is not None and hasattr(self.metrics, "rollout_rollbacks"):
             self.metrics.rollout_rollbacks.labels(alias, arm).inc()
         if self.store is not None:
-            t = asyncio.get_running_loop().create_task(self._persist(alias, new))
+            t = asyncio.get_running_loop().create_task(self._persist(alias, arm, why, st))
             self._writes.add(t)
             t.add_done_callback(self._writes.discard)
 
-    async def _persist(self, alias: str, st: LiveState) -> None:
+    async def _persist(self, alias: str, arm: str, why: str, before: LiveState) -> None:
+        """Store the rollback; where another replica rolled the arm back first, its reason is the one kept, and
+        this process takes the stored state at once rather than at its next refresh."""
+        assert self.store is not None
         try:
-            await self._put(alias, st)
+            self.live[alias] = await self.store.roll_back(alias, arm, why, before)
         except Exception as e:
             log.error("rollout %s: the rollback could not be stored (%s); this process keeps it", alias,
                       type(e).__name__)

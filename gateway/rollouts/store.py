@@ -47,6 +47,29 @@ class RolloutStore:
                 "updated_at = excluded.updated_at", alias, w, rb, now)
         return LiveState(dict(st.weights), dict(st.rolled_back), now)
 
+    async def roll_back(self, alias: str, arm: str, why: str, base: LiveState) -> LiveState:
+        """Set `arm`'s weight to 0 with its reason as one read-modify-write, and return the stored state. The first
+        rollback of an arm wins: replicas (and workers) judge their own windows and may each roll the same arm back
+        with a different reason before their next refresh; a later one leaves the stored reason and the other
+        arms' weights as they are. `base` is the writer's state, stored only when the alias has no row yet."""
+        async with self.store._tx() as tx:
+            w0, rb0 = orjson.dumps(base.weights).decode(), orjson.dumps(base.rolled_back).decode()
+            await tx.execute("INSERT INTO alias_rollouts (alias, weights, rolled_back, updated_at) VALUES (?, ?, ?, ?) "
+                             "ON CONFLICT (alias) DO NOTHING", alias, w0, rb0, time.time())
+            # a no-op UPDATE takes PostgreSQL's row lock for the rest of the transaction (SQLite's BEGIN IMMEDIATE
+            # serialises it already): two rollbacks of one alias read and write one after the other
+            await tx.execute("UPDATE alias_rollouts SET alias = alias WHERE alias = ?", alias)
+            rows = await tx.fetch("SELECT alias, weights, rolled_back, updated_at FROM alias_rollouts WHERE alias = ?",
+                                  alias)
+            cur = _state(rows[0])
+            if arm in cur.rolled_back:
+                return cur
+            now = time.time()
+            new = LiveState({**cur.weights, arm: 0.0}, {**cur.rolled_back, arm: why}, now)
+            await tx.execute("UPDATE alias_rollouts SET weights = ?, rolled_back = ?, updated_at = ? WHERE alias = ?",
+                             orjson.dumps(new.weights).decode(), orjson.dumps(new.rolled_back).decode(), now, alias)
+        return new
+
     async def delete(self, alias: str) -> None:
         async with self.store._tx() as tx:
             await tx.execute("DELETE FROM alias_rollouts WHERE alias = ?", alias)

@@ -91,3 +91,29 @@ async def test_live_weights_survive_a_reload_that_changes_the_config_weights(rep
     assert a.rollouts.state("support").weights == {"support-v2": 40.0, "support-v1": 95.0}
     await a.rollouts.reset("support")
     assert a.rollouts.state("support").weights == {"support-v2": 1.0, "support-v1": 99.0}  # the new config's
+
+
+async def test_two_replicas_rolling_one_arm_back_keep_the_first_reason(replicas: Any) -> None:
+    """Each replica judges its own window, so two may roll the same arm back, with different reasons, before either
+    reads the other's: the store keeps the first reason and the second replica takes it (a plain upsert let the
+    later write replace the reason every replica had shown)."""
+    a = await replicas(rollback={"min_requests": 10, "window_s": 30})
+    b = await replicas(rollback={"min_requests": 10, "window_s": 30})
+    for r, fail_every in ((a, 2), (b, 1)):  # a: 50% errors, b: 100%: two different reasons
+        for i in range(20):
+            r.rollouts.observe("support", "support-v1", True, 0.1, now=float(i))
+        for i in range(10):
+            r.rollouts.observe("support", "support-v2", i % fail_every != 0, 0.1, now=20.0 + i)
+        if r is b:
+            why_b = b.rollouts.state("support").rolled_back["support-v2"]  # b's own, before its write: b has
+            # not read the store since a wrote
+        for t in [*r.rollouts._writes]:
+            await t
+    why_a = a.rollouts.state("support").rolled_back["support-v2"]
+    assert why_a != why_b
+    assert b.rollouts.state("support").rolled_back == {"support-v2": why_a}
+    await a.rollouts.refresh()
+    await b.rollouts.refresh()
+    assert a.rollouts.view("support")["arms"][0]["rolled_back"] == why_a
+    assert b.rollouts.view("support")["arms"][0]["rolled_back"] == why_a
+    assert b.rollouts.state("support").weights == {"support-v2": 0.0, "support-v1": 95.0}
