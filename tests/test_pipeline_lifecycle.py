@@ -8,6 +8,7 @@ import pytest
 
 from gateway.errors import GatewayError
 from gateway.pipeline import Lifecycle, Pipeline, RequestContext
+from tests.support.wait import async_wait_until
 
 
 class Rec:
@@ -106,7 +107,7 @@ async def test_finish_is_shielded_from_the_requests_own_cancellation() -> None:
     gate.set()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await asyncio.sleep(0.01)
+    await async_wait_until(lambda: "finish:slow" in log, timeout=2, what="the shielded settle to finish")
     assert "finish:slow" in log  # the settle ran to its end anyway
     await life.finish()
     assert log.count("finish:slow") == 1

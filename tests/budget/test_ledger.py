@@ -11,6 +11,7 @@ import asyncpg
 import pytest
 
 from gateway.budget.ledger import Ledger, PostgresSink, SqliteSink
+from tests.support.wait import async_wait_until
 
 
 def row(rid: str, cost: float = 0.01) -> dict:
@@ -24,10 +25,7 @@ async def test_sqlite_drains_and_is_idempotent(tmp_path):
     for i in range(20):
         led.enqueue(row(f"r{i}"))
     led.enqueue(row("r3", cost=99.0))  # duplicate id: first write wins
-    for _ in range(50):
-        if not led.queue:
-            break
-        await asyncio.sleep(0.05)
+    await async_wait_until(lambda: not led.queue, what="the ledger queue to drain")
     await led.close()
     db = sqlite3.connect(tmp_path / "l.db")
     assert db.execute("select count(*), sum(cost) from budget_ledger").fetchone() == (20, pytest.approx(0.2))
@@ -48,13 +46,10 @@ async def test_postgres_outage_keeps_rows_and_retries(pg_dsn):
             await admin.execute(f"ALTER TABLE {table} RENAME TO {table}_away")  # the database "hiccups"
             for i in range(10):
                 led.enqueue(row(f"p{i}"))
-            await asyncio.sleep(0.4)
+            await async_wait_until(lambda: led.failures >= 1, what="a failed write to the missing table")
             assert len(led.queue) == 10 and led.failures >= 1  # nothing lost, nothing blocked
             await admin.execute(f"ALTER TABLE {table}_away RENAME TO {table}")
-            for _ in range(100):
-                if not led.queue:
-                    break
-                await asyncio.sleep(0.05)
+            await async_wait_until(lambda: not led.queue, what="the queue to drain once the table is back")
             assert not led.queue
             led.enqueue(row("p3"))  # a replay of an already written id
             await led.close()
@@ -95,7 +90,7 @@ async def test_crash_with_queued_rows_is_recovered_from_spool(tmp_path):
     await led.start()
     for i in range(7):
         led.enqueue(row(f"c{i}"))
-    await asyncio.sleep(0.1)
+    await async_wait_until(lambda: len(spool.read_bytes().splitlines()) == 7, what="7 rows in the spool")
     led2 = await _crash_and_restart(led, spool, tmp_path / "l.db")
     assert len(led2.queue) == 7
     await led2.close()

@@ -21,6 +21,8 @@ from gateway.routing.plan import Candidate
 from gateway.routing.stage import PredictiveRouteStage
 from gateway.types import Usage
 
+from tests.support.wait import async_wait_until
+
 PROMPT = " ".join(f"policy{i} applies" for i in range(300))
 MIN_OBS = 6
 
@@ -79,6 +81,19 @@ async def _serve(st: PredictiveRouteStage, client: httpx.AsyncClient, engines: l
     return c.evidence
 
 
+async def _indexed(tel, c: RequestContext) -> None:  # type: ignore[no-untyped-def]
+    """Wait until the KV events of `c`'s prompt reached the index: /admin/fleet shows its engine holding at least
+    the prompt's full blocks, with the fields its events carried."""
+    assert c.usage is not None and c.backend is not None
+    want = c.usage.prompt_tokens // 16
+
+    def seen() -> bool:
+        f = tel.fleet_snapshot()["engines"][c.backend]
+        return sum(f["cached_blocks"].values()) >= want and bool(f["kv_event_fields"])
+
+    await async_wait_until(seen, what=f"the KV events of {c.request_id} ({want} blocks) in the index")
+
+
 def _upstream_body(c: RequestContext, cand) -> bytes:  # type: ignore[no-untyped-def]
     """What the gateway sends this candidate: the kind's dialect builds it (priority in the kind's order...)."""
     ex = exchange_for(c, cand)
@@ -94,7 +109,11 @@ async def test_the_engine_is_passed_through_until_its_model_is_learned_then_mode
     assert all(not m.modelled and f"model not learned yet (0 of {MIN_OBS}" in m.reason for m in first.values()), first
     for i in range(3 * MIN_OBS):
         await _serve(st, client, engines, _ctx(f"learn-{i}", f"question {i} " + "words " * (20 + i)))
-    await asyncio.sleep(0.3)  # past the mode memo
+
+    def modelled() -> list[str]:  # the mode is memoised for 0.25 s: a learned engine shows once the memo lapses
+        return [n for n, m in st.snapshot()["modes"].items() if m["mode"] == "modelled"]
+
+    await async_wait_until(modelled, what="an engine shown as modelled in the routing snapshot")
     snap = st.snapshot()
     learned = [n for n, m in snap["modes"].items() if m["mode"] == "modelled"]
     assert learned, snap["modes"]
@@ -105,8 +124,9 @@ async def test_the_engine_is_passed_through_until_its_model_is_learned_then_mode
 
 async def test_cached_tokens_are_predicted_from_the_kinds_kv_events_and_agree(rig):
     st, tel, engines, client, kind = rig
-    await _serve(st, client, engines, _ctx("warm", PROMPT + " first"))
-    await asyncio.sleep(0.3)  # the KV events reach the index
+    warm = _ctx("warm", PROMPT + " first")
+    await _serve(st, client, engines, warm)
+    await _indexed(tel, warm)
     for i in range(3):
         ev = await _serve(st, client, engines, _ctx(f"rep-{i}", PROMPT + f" question {i}"))
         assert ev["predicted_cached_tokens"] == ev["actual_cached_tokens"] > 500, ev
@@ -118,8 +138,9 @@ async def test_admin_views_have_one_shape_whatever_the_kind(rig):
     """/admin/fleet (fleet_snapshot) and /admin/routing (stage snapshot) per engine: the same keys, and the facts
     from each kind's own telemetry (block size from its events or metrics, capacity from its metrics)."""
     st, tel, engines, client, kind = rig
-    await _serve(st, client, engines, _ctx("shape", PROMPT))
-    await asyncio.sleep(0.3)
+    shape = _ctx("shape", PROMPT)
+    await _serve(st, client, engines, shape)
+    await _indexed(tel, shape)
     fleet = tel.fleet_snapshot()["engines"]
     routing = st.snapshot()["engines"]
     for e in engines:
