@@ -9,7 +9,6 @@ import asyncio
 import io
 import json
 import os
-import time
 import uuid
 
 import pytest
@@ -18,6 +17,7 @@ from backends.sim.fleet import FleetProcess
 from tests.batch.test_batch_e2e import client, lines, new_key, wait_done, write_config
 from tests.conftest import require_service
 from tests.support.procs import free_port, start_gateway
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.e2e
 PG_DSN = os.environ.get("GATEWAY_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/test")
@@ -70,12 +70,17 @@ def test_two_replicas_share_one_job_exactly_once(tmp_path):
         assert ca.batches.retrieve(b.id).output_file_id == cb.batches.retrieve(b.id).output_file_id
         out = [json.loads(x) for x in cb.files.content(done.output_file_id).text.splitlines()]
         assert sorted(o["custom_id"] for o in out) == sorted(f"req-{i}" for i in range(N))
-        time.sleep(1.0)  # the audit writers flush
-        per = []
-        for name in ("a", "b"):
-            recs = [json.loads(x) for x in (tmp_path / name / "audit.jsonl").read_text().splitlines()]
-            per.append({r["batch"]["custom_id"] for r in recs if r.get("batch") and r["batch"]["batch_id"] == b.id
-                        and r["status"] == 200})
+
+        def served() -> list[set[str]]:  # the custom ids each replica's audit log records as served
+            per = []
+            for name in ("a", "b"):
+                recs = [json.loads(x) for x in (tmp_path / name / "audit.jsonl").read_text().splitlines()]
+                per.append({r["batch"]["custom_id"] for r in recs
+                            if r.get("batch") and r["batch"]["batch_id"] == b.id and r["status"] == 200})
+            return per
+
+        wait_until(lambda: len(set.union(*served())) >= N, what=f"the audit writers flushing all {N} lines")
+        per = served()
         print(f"\nlines served per replica: a={len(per[0])} b={len(per[1])}")
         assert per[0] and per[1]  # both replicas worked on the one job
         assert not per[0] & per[1] and len(per[0] | per[1]) == N  # and no line ran on both

@@ -17,6 +17,7 @@ import yaml
 
 from tests.conftest import require_redis
 from tests.support.procs import free_port, start_gateway, start_upstream
+from tests.support.wait import async_wait_until, wait_until
 
 pytestmark = pytest.mark.e2e
 KEY = "budget-e2e-key-0123456789"
@@ -104,7 +105,8 @@ async def _run_200(stack, content: str, tenant: str) -> None:
         assert r.json()["error"]["code"] in ("insufficient_quota", "rate_limit_exceeded")
         assert r.headers["retry-after"] and r.headers["retry-after-ms"]
     assert ok and refused
-    await asyncio.sleep(1.0)  # ledger flush
+    await async_wait_until(lambda: len([x for x in ledger(stack["tmp"]) if x[4] == tenant]) >= len(ok),
+                           what=f"{len(ok)} ledger rows of {tenant} (the outbox flushes in the background)")
     rows = [x for x in ledger(stack["tmp"]) if x[4] == tenant]
     assert len(rows) == len(ok) == len({x[0] for x in rows})  # one row per request, none twice
     settled = sum(x[1] for x in rows)
@@ -137,7 +139,8 @@ async def test_a_reused_client_request_id_cannot_merge_or_skip_budget_holds(stac
     assert {r.headers["x-request-id"] for r in rs} == {"same-id"}  # echoed to the client
     gids = [r.headers["x-gateway-request-id"] for r in rs]
     assert len(set(gids)) == 60 and all(g.startswith("req_") for g in gids)
-    await asyncio.sleep(1.0)  # ledger flush
+    await async_wait_until(lambda: len([x for x in ledger(stack["tmp"]) if x[4] == "dup"]) >= len(ok),
+                           what=f"{len(ok)} ledger rows of dup (the outbox flushes in the background)")
     rows = [x for x in ledger(stack["tmp"]) if x[4] == "dup"]
     assert len(rows) == len(ok) and {x[0] for x in rows} == {"same-id"}
     settled = sum(x[1] for x in rows)
@@ -167,9 +170,7 @@ def test_uncapped_stream_is_cut_at_the_remaining_budget(stack):
                 got.append(ch.choices[0].delta.content or "")
     assert "udget" in str(ei.value)
     assert "".join(got)  # part of the answer was delivered before the cut
-    import time
-
-    time.sleep(1.0)
+    wait_until(lambda: [x for x in ledger(stack["tmp"]) if x[0] == "cut-1"], what="the ledger row of cut-1")
     rows = [x for x in ledger(stack["tmp"]) if x[0] == "cut-1"]
     assert len(rows) == 1 and rows[0][3] == 1 and rows[0][2] > 0  # cut, and charged for what was delivered
     assert rows[0][1] <= CUT_BUDGET + 8  # never more than the budget plus one chunk past the allowance

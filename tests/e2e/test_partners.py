@@ -21,6 +21,7 @@ import pytest
 
 from tests.resilience.stack import ADMIN_KEY, GW_KEY, sim_backends, start_fleet_proc, write_config
 from tests.support.procs import ROOT, free_port, start_gateway
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -230,7 +231,8 @@ def test_zero_retention_canary_appears_in_no_record_or_log(stack):
         rec = decision(stack, rid)
         assert rec["zero_retention"] is True and "content" not in rec
         assert canary not in str(rec)
-    time.sleep(0.3)  # let the writer flush the JSON lines
+    wait_until(lambda: all(rid in (stack["tmp"] / "audit.jsonl").read_text() for rid in rids),
+               what="the writer flushing both records to audit.jsonl")
     audit_text = (stack["tmp"] / "audit.jsonl").read_text()
     assert all(rid in audit_text for rid in rids)
     assert canary not in audit_text
