@@ -51,13 +51,10 @@ class NoIdentity:
     async def run(self, ctx: RequestContext) -> None:
         raise GatewayError(503, "No identity layer is configured.", code="identity_unavailable")
 
-    async def finish(self, ctx: RequestContext) -> None:
-        return None
-
 
 class ObserveStage:
-    """First stage in, last out: on finish records metrics and hands the request to the finish hooks
-    (evidence recorder, predictor feedback), so refusals are observed as well as successes."""
+    """First stage in: sets the request's log context; its finish (a completion step after every stage's own)
+    records the request metrics, so refusals are observed as well as successes."""
 
     name = "observe"
 
@@ -119,11 +116,6 @@ class ObserveStage:
             if h is None:
                 h = stages[st] = c(m.stage_seconds, st)  # stage names: the pipeline's, bounded
             h.observe(us / 1e6)
-        for hook in gw.finish_hooks:
-            try:
-                await hook(ctx)
-            except Exception:
-                log.exception("finish hook failed for %s", ctx.request_id)
 
 
     def _provider(self, backend: str | None) -> str:
@@ -159,7 +151,6 @@ class Gateway:
         self.health = Health(config)
         self.upstreams = Upstreams(config)
         self.dispatcher = Dispatcher(lambda: self.upstreams, self.health, self._residency_check)
-        self.finish_hooks: list[Callable[[RequestContext], Awaitable[None]]] = []
         self.services: list[Any] = []  # objects with async start()/close() and optional swap_config(config)
         self.auth: Any = NoIdentity()
         # (headers, client address) -> the admin principal (gateway.admin_guard.Authenticate); identity wiring sets it

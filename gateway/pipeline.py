@@ -1,22 +1,24 @@
-"""The request pipeline: one mutable context per request flowing through small named stages.
+"""The request pipeline: one mutable context per request flowing through small named stages, then one declared
+completion list.
 
-observe -> authenticate -> decide (policy) -> cache -> reserve (budget) -> route (candidates, predict, pick,
-admit) [-> trace] -> dispatch (the terminal stage: the upstream request) ; then finish, in reverse stage order
-(settle budget, record evidence, feed predictor).
+observe -> authenticate -> rollout -> adapters -> placement -> decide (policy) -> cache -> reserve (budget) ->
+route (candidates, predict, pick, admit) -> meter [-> trace] -> dispatch (the terminal stage: the upstream
+request); then the completion steps in their declared order (gateway/wiring.py, gateway/completion.py): close the
+meter, learn, settle, store in the cache, ..., record the evidence, the access log, end the trace.
 
 A stage refuses a request by raising `gateway.errors.GatewayError`. `Lifecycle` (one per request) runs the
-pipeline and owns "finish exactly once": every stage whose `run` started gets its `finish` called once, after
-the response is complete (or failed), so reservations are always settled.
+pipeline and owns "complete exactly once": every completion step runs once after the response is complete (or
+failed), a stage's finish only where its run started, so reservations are always settled.
 """
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from gateway.api.endpoints import BY_NAME
+from gateway.completion import Completion, Step, finish_of, has_finish
 from gateway.types import Decision, Principal, Usage
 
 
@@ -44,6 +46,50 @@ class RequestHeaders(dict):
 
     def __contains__(self, key: object) -> bool:
         return dict.__contains__(self, key.lower() if isinstance(key, str) else key)
+
+
+@dataclass(frozen=True, slots=True)
+class Charge:
+    """What the budget charged a request, set when it filed the request's spend-ledger row (gateway/budget)."""
+
+    amount: float
+    currency: str
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What the completion steps tell each other about a finished request, typed: the control data that used to
+    travel in `ctx.evidence` (now output only). Each field has one writer."""
+
+    # the engine time the cost meter apportioned to the request (gateway/cost/meter.py `close`, the first step):
+    # what a GPU-second budget settles and what the meter prices; None: no engine span (refused, cache hit, partner)
+    unit_cost: dict[str, Any] | None = None
+    # the budget's charge (gateway/budget/stage.py); None: the budget filed no ledger row (refused before any
+    # engine saw it, a free cache hit): the cost meter files one
+    charge: Charge | None = None
+    # a response-cache hit: its normal price less what it was charged, in the budget currency (gateway/cache)
+    cache_saved_cost: float = 0.0
+    # the routing learner's sample of this request, (engine, features, the engine's part of the TTFT), once the
+    # learner observed it (gateway/routing/feedback.py): the same sample goes to the peers
+    learned: tuple[str, Any, float] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterUse:
+    """The tenant-owned LoRA adapter a request asked for (gateway/adapters/stage.py): registered, and the caller
+    may use it."""
+
+    name: str
+    base_model: str
+
+
+@dataclass(frozen=True, slots=True)
+class ArmChoice:
+    """The weighted alias's arm a request was routed to (gateway/rollouts); `shadow`: a shadow copy's."""
+
+    alias: str
+    arm: str
+    shadow: bool = False
 
 
 @dataclass(slots=True)
@@ -101,6 +147,9 @@ class RequestContext:
     # the endpoint table entry of this request (gateway/api/endpoints.py), looked up from `endpoint` when not
     # given; None outside inference. A field, not a property: stages read it ~10 times per request
     ep: Any = None
+    adapter: AdapterUse | None = None  # set by the adapters stage (gateway/adapters/stage.py)
+    rollout: ArmChoice | None = None  # set by the rollout stage (gateway/rollouts/stage.py) or a shadow copy
+    outcome: Outcome = field(default_factory=Outcome)
 
     def __post_init__(self) -> None:
         if self.ep is None:
@@ -119,29 +168,49 @@ class RequestContext:
 
 
 class Stage(Protocol):
-    """One step of the request path. `run` decides or refuses; `finish` cleans up after the response."""
+    """One step of the request path. `run` decides or refuses. A stage that must settle what its run opened also
+    has `async def finish(ctx)`, named in the completion list (gateway/completion.py)."""
 
     name: str
 
     async def run(self, ctx: RequestContext) -> None: ...
 
-    async def finish(self, ctx: RequestContext) -> None: ...
-
 
 class Pipeline:
-    """The stages in order, then the terminal `dispatch` stage. `run` stops early (straight to dispatch,
-    which then sends the prepared answer) when a stage set `ctx.answer`; on a refusal it finishes the started
-    stages in reverse and re-raises."""
+    """The stages in order, the terminal `dispatch` stage, and the completion list (frozen: the `with_*` methods
+    return copies). `run` stops early (straight to dispatch, which then sends the prepared answer) when a stage set
+    `ctx.answer`; on a refusal it completes the request and re-raises. Without a completion list, the stages'
+    finishes run in reverse stage order (a bare pipeline: tests, the unwired gateway)."""
 
-    def __init__(self, stages: list[Stage], dispatch: Stage | None = None) -> None:
-        self.stages = list(stages)
+    __slots__ = ("stages", "dispatch", "completion")
+
+    def __init__(self, stages: list[Stage], dispatch: Stage | None = None,
+                 completion: Completion | None = None) -> None:
+        self.stages: tuple[Stage, ...] = tuple(stages)
         self.dispatch = dispatch
+        if completion is None:
+            completion = Completion(finish_of(st.name) for st in reversed([*self.stages, *([dispatch] if dispatch
+                                                                                           else [])])
+                                    if has_finish(st))
+        missing = [st.name for st in (*self.stages, *([dispatch] if dispatch else []))
+                   if has_finish(st) and not completion.names_stage(st.name)]
+        if missing:
+            raise ValueError(f"stages with a finish not in the completion list: {missing}")
+        self.completion = completion
 
     def with_stage_after(self, after: str, stage: Stage) -> "Pipeline":
         """A copy with `stage` inserted after the stage named `after` (at the end when there is none)."""
         names = [st.name for st in self.stages]
         at = names.index(after) + 1 if after in names else len(names)
-        return Pipeline([*self.stages[:at], stage, *self.stages[at:]], self.dispatch)
+        return Pipeline([*self.stages[:at], stage, *self.stages[at:]], self.dispatch, self.completion)
+
+    def without(self, names: frozenset[str]) -> "Pipeline":
+        """A copy without the stages named in `names` (their finish steps are skipped: they never start)."""
+        return Pipeline([st for st in self.stages if st.name not in names], self.dispatch, self.completion)
+
+    def with_step(self, step: Step, after: str) -> "Pipeline":
+        """A copy with a completion step right after the step named `after`."""
+        return Pipeline(list(self.stages), self.dispatch, self.completion.with_step(step, after))
 
     async def run(self, ctx: RequestContext) -> list[Stage]:
         started: list[Stage] = []
@@ -167,13 +236,9 @@ class Pipeline:
             raise
         return started
 
-    @staticmethod
-    async def finish(ctx: RequestContext, started: list[Stage]) -> None:
-        for st in reversed(started):
-            try:
-                await st.finish(ctx)
-            except Exception:  # a finisher must never break the others; it logs its own failure
-                logging.getLogger("gateway.pipeline").exception("finish of stage %s failed", st.name)
+    async def finish(self, ctx: RequestContext, started: list[Stage]) -> None:
+        """The completion steps, in order (a stage's finish only where it started; a failing step is logged)."""
+        await self.completion.run(ctx, started)
 
     def refusing_stage(self, ctx: RequestContext) -> str:
         """The stage that refused a request: the first whose run did not complete (a refusing stage records no
@@ -230,11 +295,11 @@ class Lifecycle:
             return
         task = asyncio.current_task()
         if shield or self.shielded or task is None or task.cancelling():
-            await asyncio.shield(Pipeline.finish(self.ctx, self.started))  # runs to its end whatever happens here
+            await asyncio.shield(self.pipeline.finish(self.ctx, self.started))  # runs to its end whatever happens here
             return
         self.finishing = True
         try:
-            await Pipeline.finish(self.ctx, self.started)
+            await self.pipeline.finish(self.ctx, self.started)
         finally:
             self.finishing = False
             if self.cancel_pending:  # the client left while we settled: now unwind as the cancel asked

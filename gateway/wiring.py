@@ -15,12 +15,15 @@ from starlette.responses import JSONResponse, Response
 from gateway.admin_guard import PLATFORM_ADMIN, TENANT_ADMIN, gateway_guard
 from gateway.app import Gateway, ObserveStage
 from gateway.config import Config, ConfigError
+from gateway.completion import Completion, Step, finish_of
+from gateway.observability.tracing import UpstreamTraceStage
 from gateway.pipeline import Pipeline
 from gateway.proxy.forward import DispatchStage
 
 
-def wire(gw: Gateway) -> None:
-    """Attach every subsystem to the gateway (called once, before the app starts)."""
+def wire(gw: Gateway, span_exporter: Any = None) -> None:
+    """Attach every subsystem to the gateway (called once, before the app starts). `span_exporter`: tracing on
+    with this exporter besides the configured OTLP one (tests pass an in-memory exporter)."""
     authenticate = _wire_identity(gw)
     adapters = _wire_adapters(gw)
     placement = _wire_placement(gw)
@@ -29,29 +32,74 @@ def wire(gw: Gateway) -> None:
     reserve = _wire_budgets(gw)
     cache = _wire_cache(gw)
     cache.charge = reserve.charge_answer  # a hit is charged at the cache price by the budget (docs/cache.md#price)
-    _wire_telemetry(gw)
+    served = _wire_telemetry(gw)
     route = _wire_routing(gw)
-    if hasattr(route, "setup"):  # an adapter's load where it is not resident counts in the predicted TTFT
-        route.setup = placement.setup_s
-    _wire_evidence(gw)
+    route.setup = placement.setup_s  # an adapter's load where it is not resident counts in the predicted TTFT
+    record = _wire_evidence(gw)
     meter = _wire_cost(gw)
-    gw.pipeline = Pipeline([
-        ObserveStage(gw),  # first in, last out: metrics and the finish hooks (evidence, feedback) see every request
+    observer, tracing = _wire_observability(gw, span_exporter)
+    stages: list[Any] = [
+        ObserveStage(gw),  # first in: the request's log context; its finish records the request metrics
         authenticate,
         rollout,  # a weighted alias's arm, sticky per end user (gateway/rollouts, docs/rollouts.md)
         adapters,  # after the arm is chosen: an adapter exists only for its owner scope (gateway/adapters)
-        placement,  # its finish releases the request's hold on an adapter it placed (the dispatcher places)
+        placement,  # adapter_placement: its finish releases the request's hold on an adapter it placed (the dispatcher places)
         decide,
         cache,  # a hit answers here: no route, no GPU; charged at the cache price (budgets.prices, default 0)
         reserve,
         route,
-        # cost (docs/cost.md): its finish is the first of the finishes, so the engine time is apportioned
-        # before the budget settles (a GPU-second budget settles it); spans open per dispatch attempt
-        *([meter.stage] if meter is not None else []),
-    ], DispatchStage(gw.dispatcher))
-    _wire_observability(gw)  # after the stage list: with tracing on it adds the `trace` stage before dispatch
+        *([meter.stage] if meter is not None else []),  # spans open per dispatch attempt (docs/cost.md)
+        *([UpstreamTraceStage(tracing)] if tracing is not None else []),  # opens the spans, sets traceparent
+    ]
+    # what runs after the response, in this order, once per request (gateway/completion.py); a stage's finish
+    # runs only where its run started. docs/architecture.md renders this list (tests/test_architecture_doc.py)
+    completion = Completion([
+        finish_of("meter", "close the request's engine-time span and price it: a GPU-second budget settles the "
+                           "apportioned time, so this comes before the budget"),
+        finish_of("route", "learn: the TTFT learner's sample, the routing slot, the flow-control share and the "
+                           "peers' flight released"),
+        finish_of("reserve", "settle the budget hold with the engine's usage and file the spend-ledger row"),
+        finish_of("cache", "store a cacheable answer, with what it was charged (after the budget settled)"),
+        finish_of("adapter_placement", "release the request's hold on the adapter it placed; unload a deleted one"),
+        finish_of("rollout", "the arm's outcome into the rollback watch; start the sampled shadow copies"),
+        finish_of("batch_retention", "batch lane: a line of a zero-retention batch is zero-retention in every "
+                                     "record below, even when refused before its input file's decision ran"),
+        finish_of("observe", "request metrics: status, duration, TTFT, tokens, stage timings"),
+        *([Step("cost", meter.finish, "price with the charge, file a ledger row where the budget filed none, "
+                                      "cost metrics; before the audit record, which carries the unit cost")]
+          if meter is not None else []),
+        Step("telemetry", served, "the engine stored blocks (the KV-event stream's silence alarm)"),
+        Step("evidence", record, "the audit record"),
+        Step("access_log", observer, "per-request metrics beyond the standard ones, the recent ring, the "
+                                     "access log"),
+        *([Step("trace_end", tracing.finish, "complete the request's spans (last: they carry every fact above)")]
+          if tracing is not None else []),
+    ])
+    gw.pipeline = Pipeline(stages, DispatchStage(gw.dispatcher), completion)
     _wire_batch(gw)
     _wire_discovery(gw)  # last: its first resolution reloads the config into services already started
+
+
+def batch_pipeline(base: Pipeline, restriction: Any, zero: bool) -> Pipeline:
+    """The batch lane's pipeline for a line (gateway/batch): the realtime one at priority `batch`, never looser
+    than its input file's decision nor than the batch's zero retention. Its stages' finishes are in the
+    completion list above (`batch_retention`)."""
+    from gateway.batch.scope import InputFileDecision, RetentionGuard
+    from gateway.batch.service import BatchPriorityStage
+
+    pipe = base.with_stage_after("decide", BatchPriorityStage())
+    if restriction or zero:
+        pipe = pipe.with_stage_after("decide", InputFileDecision(restriction, zero)).with_stage_after(
+            "observe", RetentionGuard(restriction, zero))
+    return pipe
+
+
+def shadow_pipeline(base: Pipeline, caller: Any) -> Pipeline:
+    """A shadow copy's pipeline (gateway/rollouts/shadow.py): no authentication or arm choice of its own (it runs as
+    the primary's caller, on the arm it copies), the caller's decision tightened after `decide`."""
+    from gateway.rollouts.shadow import SKIPPED_STAGES, ShadowDecisionStage
+
+    return base.without(SKIPPED_STAGES).with_stage_after("decide", ShadowDecisionStage(caller))
 
 
 def _wire_cost(gw: Gateway) -> Any:
@@ -230,7 +278,7 @@ def _wire_cache(gw: Gateway) -> Any:
     return svc.stage
 
 
-def _wire_telemetry(gw: Gateway) -> None:
+def _wire_telemetry(gw: Gateway) -> Any:
     """KV-event subscribers and metric scrapers for engines that publish them (kind vllm/sim)."""
     from gateway.telemetry.service import TelemetryService
 
@@ -242,16 +290,15 @@ def _wire_telemetry(gw: Gateway) -> None:
         if ctx.backend and ctx.status in (0, 200) and ctx.usage is not None:
             svc.observe_served(ctx.backend, ctx.usage.prompt_tokens, ctx.usage.cached_tokens)
 
-    gw.finish_hooks.append(served)
-
     async def fleet(request: Request, principal: Any) -> Response:
         await svc.refresh_block_counts()
         return JSONResponse({"engines": svc.fleet_snapshot(), "health": gw.health.snapshot()})
 
     gw.extra_routes.append(gateway_guard(gw).route("/admin/fleet", fleet, ["GET"], (PLATFORM_ADMIN,)))
+    return served  # its completion step
 
 
-def _wire_evidence(gw: Gateway) -> None:
+def _wire_evidence(gw: Gateway) -> Any:
     """One audit record per request (JSON lines; Postgres optional), readable at /admin/decisions/{id}."""
     from gateway.evidence.admin import make_decision_handler
     from gateway.evidence.recorder import EvidenceRecorder
@@ -276,18 +323,18 @@ def _wire_evidence(gw: Gateway) -> None:
     async def record(ctx: Any) -> None:
         rec.record(ctx)
 
-    gw.finish_hooks.append(record)
     # platform admins read every record; a tenant admin its own tenant's (others' ids are 404)
     gw.extra_routes.append(gateway_guard(gw).route("/admin/decisions/{request_id}", make_decision_handler(rec),
                                                    ["GET"], (PLATFORM_ADMIN, TENANT_ADMIN)))
+    return record  # its completion step
 
 
-def _wire_observability(gw: Gateway) -> None:
-    """State metrics, per-request metrics/access log, /admin/ui dashboard, OTel tracing when configured (last:
-    the trace stage must follow routing, and its finish hook must follow the evidence recorder)."""
+def _wire_observability(gw: Gateway, span_exporter: Any) -> tuple[Any, Any]:
+    """State metrics, per-request metrics/access log, /admin/ui dashboard, OTel tracing when configured (or an
+    exporter given): the request observer and the tracing (None when off), for the stage and completion lists."""
     from gateway.observability.wiring import wire_observability
 
-    wire_observability(gw)
+    return wire_observability(gw, span_exporter)
 
 
 def _backend_or_none(gw: Gateway, name: str) -> Any:

@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from gateway.completion import Completion, Step, finish_of
 from gateway.errors import GatewayError
 from gateway.pipeline import Lifecycle, Pipeline, RequestContext
 from tests.support.wait import async_wait_until
@@ -113,13 +114,56 @@ async def test_finish_is_shielded_from_the_requests_own_cancellation() -> None:
     assert log.count("finish:slow") == 1
 
 
+class Plain:
+    """A stage with no completion work (no finish)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    async def run(self, ctx: RequestContext) -> None:
+        return None
+
+
 def test_with_stage_after_copies_without_touching_the_original() -> None:
     log: list[str] = []
     p = pipeline(log)
-    q = p.with_stage_after("a", Rec("x", log))
+    q = p.with_stage_after("a", Plain("x"))
     assert [s.name for s in q.stages] == ["a", "x", "b", "c"]
     assert [s.name for s in p.stages] == ["a", "b", "c"]
     assert q.dispatch is p.dispatch
+    assert q.completion is p.completion
+
+
+def test_a_stage_whose_finish_the_completion_list_does_not_name_is_refused_when_built() -> None:
+    """A variant (the batch lane's, a shadow copy's) cannot add a stage whose finish would never run."""
+    log: list[str] = []
+    with pytest.raises(ValueError, match=r"\['x'\]"):
+        pipeline(log).with_stage_after("a", Rec("x", log))
+    with pytest.raises(ValueError, match="named twice"):
+        Completion([finish_of("a"), finish_of("a")])
+
+
+async def test_the_completion_runs_in_its_declared_order_and_skips_stages_that_did_not_start() -> None:
+    """The declared order, not the stage order: hooks run for every request; a stage's finish only where its run
+    started (b refused: c never started); a failing step does not stop the later ones."""
+    log: list[str] = []
+
+    async def hook(ctx: RequestContext) -> None:
+        log.append("hook")
+
+    async def broken(ctx: RequestContext) -> None:
+        raise RuntimeError("a finisher's bug")
+
+    stages = [Rec("a", log), Rec("b", log, refuse=True), Rec("c", log)]
+    done = Completion([finish_of("c"), Step("broken", broken), finish_of("a"), Step("hook", hook),
+                       finish_of("b")])
+    p = Pipeline(stages, Plain("dispatch"), done)
+    c = ctx()
+    with pytest.raises(GatewayError):
+        await Lifecycle(p, c).run()
+    assert log == ["run:a", "run:b", "finish:a", "hook", "finish:b"]
+    assert [s.name for s in p.with_step(Step("probe", hook), after="a").completion.steps] == [
+        "c", "broken", "a", "probe", "hook", "b"]
 
 
 async def test_an_unshielded_lifecycle_defers_a_cancel_until_it_has_settled() -> None:

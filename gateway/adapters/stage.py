@@ -36,9 +36,6 @@ class AdapterStage:
         if used:
             ctx.evidence["adapter"] = {"name": used[0], "base_model": reg[used[0]].base_model}
 
-    async def finish(self, ctx: RequestContext) -> None:
-        return None
-
 
 def hide_dropped_arm(ctx: RequestContext) -> None:
     """A rollout arm chosen before this stage (gateway/rollouts) that the caller may not use is not named to it:

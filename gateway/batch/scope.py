@@ -138,9 +138,6 @@ class InputFileDecision:
             raise GatewayError(403, "The batch's input file was uploaded under a residency that, with this "
                                "request's own, allows no country.", code="residency_unsatisfiable")
 
-    async def finish(self, ctx: RequestContext) -> None:
-        return None
-
 
 class RetentionGuard:
     """Batch pipeline only, right after `observe` (so its finish runs just before the audit record, logs and

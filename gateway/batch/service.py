@@ -22,7 +22,7 @@ import orjson
 from gateway.batch.api import principal_from
 from gateway.batch.jsonl import ENDPOINTS, parse_input, prompt_prefix
 from gateway.batch.scheduler import Pacer, pick_jobs
-from gateway.batch.scope import ALWAYS_RESTRICTED, InputFileDecision, RetentionGuard, owner_of, record_decisions
+from gateway.batch.scope import ALWAYS_RESTRICTED, owner_of, record_decisions
 from gateway.batch.store import BatchStore, Line, PostgresBatchStore, SqliteBatchStore
 from gateway.batch.upload import UploadSlots
 from gateway.errors import GatewayError
@@ -80,9 +80,6 @@ class BatchPriorityStage:
             ctx.decision = dataclasses.replace(d, priority="batch")
             if isinstance(ctx.evidence.get("decision"), dict):
                 ctx.evidence["decision"]["priority"] = "batch"
-
-    async def finish(self, ctx: RequestContext) -> None:
-        return None
 
 
 class BatchService:
@@ -475,6 +472,7 @@ class BatchService:
         from gateway.api.endpoints import BY_NAME, prepare
         from gateway.api.reply import new_request_id
         from gateway.proxy.forward import JsonResult
+        from gateway.wiring import batch_pipeline
 
         gw = self.gw
         ep = BY_NAME[ENDPOINTS[job["endpoint"]]]
@@ -490,12 +488,8 @@ class BatchService:
             return e.status, e.body(), ctx.request_id, e
         prepare(ctx, parsed, orjson.dumps(body), gw.config)
         ctx.stream = False
-        pipe = gw.pipeline.with_stage_after("decide", BatchPriorityStage())
-        restriction, zero = job.get("restriction"), bool(job.get("zero_retention"))
-        if restriction or zero:  # never looser than the input file's decision, nor than the batch's zero retention
-            pipe = pipe.with_stage_after("decide", InputFileDecision(restriction, zero)).with_stage_after(
-                "observe", RetentionGuard(restriction, zero))
-        life = Lifecycle(pipe, ctx)
+        # never looser than the input file's decision, nor than the batch's zero retention (gateway/wiring.py)
+        life = Lifecycle(batch_pipeline(gw.pipeline, job.get("restriction"), bool(job.get("zero_retention"))), ctx)
         try:
             try:
                 result = await life.run()

@@ -104,8 +104,6 @@ def wire_cost(gw: Any) -> CostMeter | None:
     if budgets is not None:
         budgets.ledger.enrichers.append(meter.enrich)
         budgets.set_gpu_estimator(meter.gpu_worst_case)  # GPU-second budgets reserve the learned worst case
-    # first of the finish hooks: the audit record (and every later hook) sees the priced unit cost
-    gw.finish_hooks.insert(0, meter.finish)
     gw.metrics.register_state(EngineCostCollector(meter))  # type: ignore[arg-type]
 
     async def admin_cost(request: Request, principal: Any) -> Response:

@@ -43,6 +43,3 @@ class AuthStage:
             raise GatewayError(403, f"This key may not use model {ctx.model!r}.", code="model_not_allowed",
                                param="model")
 
-    async def finish(self, ctx: RequestContext) -> None:
-        return None
-

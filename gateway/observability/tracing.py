@@ -317,6 +317,3 @@ class UpstreamTraceStage:
 
     async def run(self, ctx: RequestContext) -> None:
         self.tracing.open(ctx)
-
-    async def finish(self, ctx: RequestContext) -> None:
-        return None

@@ -168,6 +168,3 @@ class PolicyStage:
                     continue
             out.append(m)
         return tuple(out)
-
-    async def finish(self, ctx: RequestContext) -> None:
-        return None

@@ -174,9 +174,6 @@ class DispatchStage:
         finally:
             ctx.answered_at = time.perf_counter()
 
-    async def finish(self, ctx: RequestContext) -> None:
-        return None
-
 
 class AttemptObserver(Protocol):
     """Told of each attempt on a candidate (the cost meter: engine time per attempt, failed ones as waste)."""

@@ -64,9 +64,6 @@ class ShadowDecisionStage:
         ctx.decision = shadow_decision(self.caller, ctx.decision)
         ctx.evidence["decision"] = ctx.decision.to_evidence()
 
-    async def finish(self, ctx: RequestContext) -> None:
-        return None
-
 
 class ShadowRunner:
     """Starts copies as background tasks, at most `max_inflight` per shadow target at once."""
@@ -96,9 +93,9 @@ class ShadowRunner:
         return out
 
     def pipeline(self, caller: Decision) -> Pipeline:
-        base = self.gw.pipeline
-        stages = [st for st in base.stages if st.name not in SKIPPED_STAGES]
-        return Pipeline(stages, base.dispatch).with_stage_after("decide", ShadowDecisionStage(caller))
+        from gateway.wiring import shadow_pipeline
+
+        return shadow_pipeline(self.gw.pipeline, caller)
 
     async def _run(self, primary: RequestContext, alias: str, model: str, sh: ShadowConfig) -> None:
         from gateway.api.endpoints import prepare

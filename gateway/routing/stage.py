@@ -160,9 +160,6 @@ class RouteStage:
         ctx.route = plan
         ctx.evidence["candidates"] = [c.to_evidence() for c in plan.candidates]
 
-    async def finish(self, ctx: RequestContext) -> None:
-        return None
-
 
 class PredictiveRouteStage:
     """Candidates -> views -> predictions -> strategy plugins -> admission; finish feeds the learner."""

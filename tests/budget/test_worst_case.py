@@ -15,6 +15,7 @@ from gateway.config import ConfigError, parse_config
 from gateway.errors import GatewayError
 from gateway.pipeline import RequestContext
 from gateway.types import BudgetSpec, Decision, Principal, Usage
+from gateway.completion import Step
 
 P = Principal(id="key:k1", kind="api_key", tenant="acme", team="search", project="web", key_id="k1")
 MONEY = [BudgetSpec(window="month", scope="team", money=1000.0, currency="EUR")]
@@ -297,7 +298,7 @@ async def test_wired_gateway_reserves_and_charges_gpu_seconds(tmp_path):
         async def hook(c) -> None:
             seen.append({"cost": c.evidence.get("cost"), "budget": c.evidence.get("budget")})
 
-        gw.finish_hooks.append(hook)
+        gw.pipeline = gw.pipeline.with_step(Step("probe", hook), after="access_log")
         await gw.start()
         try:
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as cl:

@@ -74,11 +74,7 @@ async def open_stack(tmp: Path, fleet: Any, exporter: Any = None, server: dict[s
                      **obs: Any) -> AsyncIterator[Stack]:
     cfg = parse_config(yaml.safe_dump(gateway_config(tmp, fleet.manifest()["engines"], server, **obs)), base_dir=tmp)
     gw = Gateway(cfg)
-    wire(gw)
-    if exporter is not None:
-        from gateway.observability.wiring import enable_tracing
-
-        enable_tracing(gw, exporter)
+    wire(gw, span_exporter=exporter)
     app = build_app(gw)
     await gw.start()
     try:

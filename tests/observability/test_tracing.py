@@ -136,12 +136,8 @@ async def test_traceparent_sent_upstream_is_the_gateway_span(tmp_path: Path) -> 
                "data_dir": str(tmp_path)}
         for traced in (True, False):
             gw = Gateway(parse_config(yaml.safe_dump(raw), base_dir=tmp_path))
-            wire(gw)
             exp = InMemorySpanExporter()
-            if traced:
-                from gateway.observability.wiring import enable_tracing
-
-                enable_tracing(gw, exp)
+            wire(gw, span_exporter=exp if traced else None)
             assert (gw.tracing is not None) == traced
             assert ("trace" in [s.name for s in gw.pipeline.stages]) == traced
             app = build_app(gw)

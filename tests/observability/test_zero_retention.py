@@ -11,6 +11,7 @@ import orjson
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from gateway.observability.logs import configure_logging
+from gateway.completion import Step
 
 from .conftest import ADMIN_KEY, KEY, ZR_KEY, open_stack
 
@@ -37,7 +38,7 @@ async def test_zero_retention_content_leaves_no_trace(tmp_path: Path, fleet) -> 
 
     try:
         async for st in open_stack(tmp_path, fleet, exp, server={"access_log": True}, capture_content=True):
-            st.gw.finish_hooks.append(careless_hook)
+            st.gw.pipeline = st.gw.pipeline.with_step(Step("careless", careless_hook), after="access_log")
             rids = []
             for stream in (False, True):
                 r = await st.chat(f"please summarise {canary} now", key=ZR_KEY, stream=stream,
