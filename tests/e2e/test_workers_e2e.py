@@ -26,6 +26,7 @@ import yaml
 
 from tests.conftest import require_redis
 from tests.support.procs import free_port, start_gateway, start_upstream
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.e2e
 KEY = "workers-e2e-key-0123456789"
@@ -269,7 +270,7 @@ def test_sighup_reloads_every_worker(stack):
 def test_a_killed_worker_is_restarted_and_the_other_ones_stream_finishes(stack):
     before = pids(stack["base"])
     s = RawStream(stack["port"], chat(stream=True, fault="slow_chunks:0.15", max_tokens=12))
-    time.sleep(0.3)
+    wait_until(lambda: b'"content"' in s.buf, what="the stream's first token")
     serving = accepting_pid(stack["port"], s.local_port, before)
     victim = (before - {serving}).pop()
     env = dict(kv.split("=", 1) for kv in open(f"/proc/{victim}/environ").read().split("\0") if "=" in kv)
@@ -322,7 +323,7 @@ def test_rolling_restart_replaces_every_worker_without_a_failed_request(stack):
 
 def test_sigterm_drains_streams_on_every_worker_and_exits_0(stack):
     streams = [RawStream(stack["port"], chat(stream=True, fault="slow_chunks:0.1", max_tokens=15)) for _ in range(4)]
-    time.sleep(0.4)
+    wait_until(lambda: all(b'"content"' in s.buf for s in streams), what="a first token on each of the 4 streams")
     stack["gw"].signal(signal.SIGTERM)
     for s in streams:
         out = s.result()
@@ -414,7 +415,7 @@ def test_a_refused_reload_keeps_every_worker_serving_the_old_config(stack):
     """SIGHUP with a config that does not load: each worker says why and keeps serving what it had."""
     (stack["tmp"] / "gw.yaml").write_text("server: {port: [not, a, port]}\n")
     stack["gw"].signal(signal.SIGHUP)
-    time.sleep(1.5)
+    wait_until(lambda: stack["gw"].log().count("reload refused") >= 2, what="both workers refusing the reload")
     for _ in range(20):
         r = fresh(stack["base"], "/v1/chat/completions", method="POST", json=chat(),
                   headers={"authorization": f"Bearer {KEY}"})

@@ -23,6 +23,7 @@ from gateway.policy.compiler import compile_text
 from gateway.policy.stage import PolicyStage
 from gateway.types import Principal, Usage
 from tests.conftest import unavailable
+from tests.support.wait import async_wait_until
 
 CANARY_PROMPT = "CANARY-PROMPT-7f3a9c1e secret merger plans"
 CANARY_COMPLETION = "CANARY-COMPLETION-b24d88aa the answer"
@@ -120,7 +121,8 @@ async def test_records_arriving_together_are_written_in_one_append(tmp_path, mon
         assert rec.record(await finished_ctx(f"b-{i}", None))
         assert (await rec.get(f"b-{i}"))["request_id"] == f"b-{i}"
         await asyncio.sleep(0.005)
-    await asyncio.sleep(0.2)
+    out = tmp_path / "a.jsonl"
+    await async_wait_until(lambda: out.exists() and out.read_text().count("\n") == 3, what="the three records written")
     assert appends == [3]
     await rec.close()
     assert len((tmp_path / "a.jsonl").read_text().splitlines()) == 3

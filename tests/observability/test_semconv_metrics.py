@@ -13,6 +13,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from gateway.observability.logs import configure_logging
+from tests.support.wait import async_wait_until
 
 from .conftest import KEY, open_stack
 from .test_metrics import families
@@ -58,7 +59,13 @@ async def test_genai_metrics_follow_the_semantic_conventions(tmp_path: Path, fle
         r = await st.chat("no such model", model="no-such-model")
         assert r.status_code == 404 or r.status_code == 400, r.text
         refused_code = r.json()["error"]["code"]
-        await asyncio.sleep(0.3)  # the tracing finish hook runs after the response
+
+        async def finished() -> bool:  # the tracing finish hook runs after the response: all 5 recorded
+            f = families((await st.client.get("/metrics")).text).get("gen_ai_client_operation_duration_seconds")
+            n = sum(s.value for s in f.samples if s.name.endswith("_count")) if f else 0
+            return n >= 5 and len([sp for sp in exp.get_finished_spans() if sp.kind == SpanKind.SERVER]) >= 5
+
+        await async_wait_until(finished, what="the five requests' durations on /metrics and their server spans")
         fams = families((await st.client.get("/metrics")).text)
 
         for name, (unit, attrs) in SEMCONV.items():

@@ -206,8 +206,13 @@ def test_admin_fleet_and_the_dashboard_show_each_engine_in_one_shape(stack):
     base, admin = stack["base"], {"authorization": f"Bearer {ADMIN}"}
     st, _, _ = _stream(base, _body("fleet view " + "words " * 200), {"x-request-id": "fleet-view"})
     assert st == 200
-    time.sleep(0.5)
-    fleet = httpx.get(base + "/admin/fleet", headers=admin, timeout=10).json()["engines"]["engines"]
+
+    def fleet_view() -> dict:
+        return httpx.get(base + "/admin/fleet", headers=admin, timeout=10).json()["engines"]["engines"]
+
+    wait_until(lambda: sum(e["cached_blocks"].get("GPU", 0) for e in fleet_view().values()) > 0,
+               what="the request's KV events in /admin/fleet")
+    fleet = fleet_view()
     kinds = {e["name"]: e["kind"] for e in stack["engines"]}
     for name in kinds:
         e = fleet[name]

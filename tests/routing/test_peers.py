@@ -17,6 +17,7 @@ from gateway.routing.peers import (Batch, Dispatch, Finish, FirstToken, PeerBus,
                                    RedisTransport, Sample, UnixTransport, decode, encode, resolve_transport)
 from gateway.routing.predictor import Features, Predictor
 from gateway.routing.view import Drain, engine_view, queue_view
+from tests.support.wait import async_wait_until
 
 
 class Clock:
@@ -171,12 +172,12 @@ def test_the_bus_batches_events_off_the_request_path_and_reports_first_tokens():
             ctx = mk(f"r{i}")
             ctxs.append(ctx)
             bus.dispatched(Flight(ctx, "e1", 1000 + i, clock.t, 0.2))  # no await: appended
-        await asyncio.sleep(0.05)
+        await async_wait_until(lambda: len(tr.sent) == 1, what="the first flush")
         ctxs[0].ttft_s = 0.12
-        await asyncio.sleep(0.05)
+        await async_wait_until(lambda: len(tr.sent) == 2, what="the first token's flush")
         bus.finished("r0", ("e1", Features(10.0, 1000.0, 1.0), 0.11))
         bus.finished("never-dispatched", None)
-        await asyncio.sleep(0.05)
+        await async_wait_until(lambda: len(tr.sent) == 3, what="the finish's flush")
         bus.on_data(tr.sent[0])  # its own echo (Redis) is ignored
         bus.on_data(b"garbage")
         await bus.close()
