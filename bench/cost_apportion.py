@@ -27,6 +27,7 @@ from pathlib import Path
 
 import httpx
 import yaml
+from gateway.completion import Step
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from backends.sim.fleet import FleetProcess
@@ -108,7 +109,7 @@ async def run(args: argparse.Namespace) -> int:
                 wall[ctx.backend] += ctx.total_s
                 served[ctx.backend] += 1
 
-        gw.finish_hooks.append(old_figure)
+        gw.pipeline = gw.pipeline.with_step(Step("probe", old_figure), after="access_log")
         app = build_app(gw)
         await gw.start()
         try:

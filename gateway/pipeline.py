@@ -88,7 +88,7 @@ class ArmChoice:
     """The weighted alias's arm a request was routed to (gateway/rollouts); `shadow`: a shadow copy's."""
 
     alias: str
-    arm: str
+    arm: str | None  # None: the caller may use no arm of the alias (gateway/adapters/stage.py hid it)
     shadow: bool = False
 
 

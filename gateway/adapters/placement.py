@@ -254,8 +254,8 @@ class Placement:
     def placed(self, ctx: RequestContext, cand: Candidate) -> str | None:
         """The registered adapter this candidate must hold, when it is a dynamic engine serving it at run time
         (not one the config serves it on statically)."""
-        ad = ctx.evidence.get("adapter")
-        if not isinstance(ad, dict) or ad.get("name") != cand.model or not is_dynamic(cand.backend):
+        ad = ctx.adapter
+        if ad is None or ad.name != cand.model or not is_dynamic(cand.backend):
             return None
         return None if cand.backend.name in self._config().models.get(cand.model, ()) else cand.model
 
@@ -305,7 +305,7 @@ class Placement:
         admission and the evidence count it. From the belief only (no I/O); nothing for a request that is not
         for a registered adapter (every other request passes here on its way through routing)."""
         out: dict[str, float] = {}
-        if not isinstance(ctx.evidence.get("adapter"), dict):
+        if ctx.adapter is None:
             return out
         prior = self._prior()
         for c in cands:
@@ -613,7 +613,7 @@ def adapter_backends(config: Config, ctx: RequestContext, model: str) -> list[Ba
     names = config.models.get(model)
     if names:
         return [config.backend(n) for n in names]
-    ad = ctx.evidence.get("adapter")
-    if not isinstance(ad, dict) or ad.get("name") != model or not isinstance(ad.get("base_model"), str):
+    ad = ctx.adapter
+    if ad is None or ad.name != model:
         return []
-    return [as_adapter_backend(b, model) for b in dynamic_backends(config, ad["base_model"])]
+    return [as_adapter_backend(b, model) for b in dynamic_backends(config, ad.base_model)]

@@ -4,10 +4,12 @@ way a request for an unknown model goes (the same 404 model_not_found, no existe
 audit record names the adapter. Policy, budgets and routing then treat the adapter name like any model."""
 from __future__ import annotations
 
+import dataclasses
+
 from gateway.adapters.model import visible_chain
 from gateway.adapters.placement import dynamic_backends
 from gateway.adapters.service import AdapterService
-from gateway.pipeline import RequestContext
+from gateway.pipeline import AdapterUse, RequestContext
 
 
 class AdapterStage:
@@ -34,17 +36,19 @@ class AdapterStage:
             hide_dropped_arm(ctx)
         used = [m for m in ctx.model_chain if m in reg]
         if used:
+            ctx.adapter = AdapterUse(used[0], reg[used[0]].base_model)
             ctx.evidence["adapter"] = {"name": used[0], "base_model": reg[used[0]].base_model}
 
 
 def hide_dropped_arm(ctx: RequestContext) -> None:
     """A rollout arm chosen before this stage (gateway/rollouts) that the caller may not use is not named to it:
     the arm header and the audit record name the arm the request now goes to (none when nothing is left)."""
-    ro = ctx.evidence.get("rollout")
-    if not isinstance(ro, dict) or ro.get("arm") in ctx.model_chain:
+    ro = ctx.rollout
+    if ro is None or ro.arm in ctx.model_chain:
         return
     arm = ctx.model_chain[0] if ctx.model_chain else None
-    ctx.evidence["rollout"] = {**ro, "arm": arm}
+    ctx.rollout = dataclasses.replace(ro, arm=arm)
+    ctx.evidence["rollout"] = {**ctx.evidence["rollout"], "arm": arm}
     if arm is None:
         ctx.extra_headers.pop("x-gateway-rollout-arm", None)
     else:

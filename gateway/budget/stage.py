@@ -18,7 +18,7 @@ from typing import Any
 
 from gateway.budget.pricing import find_price
 from gateway.budget.service import BudgetService, Reservation, _NoLimits
-from gateway.pipeline import RequestContext
+from gateway.pipeline import Charge, RequestContext
 from gateway.types import Usage
 
 HIT = "cache_hit"  # the cost category (gateway/cost/model.py) of an answer from the response cache
@@ -141,7 +141,7 @@ class BudgetStage:
         price = find_price(model, svc.cfg.prices, ctx.backend, batch)
         gpu_s = None
         if price is not None and price.gpu_second is not None and ctx.backend is not None:
-            metered = (ctx.evidence.get("unit_cost") or {}).get("gpu_seconds")
+            metered = (ctx.outcome.unit_cost or {}).get("gpu_seconds")
             if metered is not None:  # the engine time apportioned to this request (gateway/cost, docs/cost.md)
                 gpu_s = round(max(0.0, metered), 6)
             else:  # no meter wired: the gateway's wall time so far, an upper bound of the engine's time
@@ -161,7 +161,9 @@ class BudgetStage:
     def _record(self, ctx: RequestContext, usage: Usage, model: str, amount: float, ccy: str,
                 gpu_s: float | None, resv: Reservation | None, priced_as: str | None = None,
                 row: dict[str, Any] | None = None) -> None:
-        """The charge as `cost` evidence and a spend-ledger row (`row`: fields added or replaced)."""
+        """The charge (the request's `outcome.charge`, its `cost` evidence) and a spend-ledger row (`row`: fields
+        added or replaced)."""
+        ctx.outcome.charge = Charge(amount, ccy)
         ctx.evidence["cost"] = {"amount": amount, "currency": ccy, "model": model,
                                 "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
                                 "cached_tokens": usage.cached_tokens, "gpu_seconds": gpu_s,
@@ -184,8 +186,8 @@ class BudgetStage:
         """The engine GPU-seconds the cost meter apportioned to this request (its `close`, the meter stage's
         finish, ran before this one): what GPU-second budgets settle. 0 when no engine of ours served it: refused
         or failed before dispatch, or a partner route (priced by tokens, no GPU of ours)."""
-        uc = ctx.evidence.get("unit_cost")
-        if not isinstance(uc, dict) or uc.get("method") != "apportioned":
+        uc = ctx.outcome.unit_cost
+        if uc is None or uc.get("method") != "apportioned":
             return 0.0
         v = uc.get("gpu_seconds")
         return max(0.0, float(v)) if isinstance(v, (int, float)) else 0.0

@@ -163,8 +163,9 @@ class CacheStage:
                 ctx.evidence["cache"]["refused_by"] = "budget"
                 raise
             saved["charged"] = charged
-            if saved["currency"] is None:  # both in the budget currency (the charge's)
-                saved["currency"] = (ctx.evidence.get("cost") or {}).get("currency")
+            if saved["currency"] is None and ctx.outcome.charge is not None:  # both in the budget currency
+                saved["currency"] = ctx.outcome.charge.currency
+        ctx.outcome.cache_saved_cost = float(saved["cost"] or 0.0)  # what the cost meter reports saved
         obj = e.response
         ctx.answer = CachedStream(obj, ctx.endpoint) if ctx.stream else JsonResult(200, orjson.dumps(obj), None)
         if m is not None:
@@ -191,7 +192,7 @@ class CacheStage:
         if len(orjson.dumps(obj)) > cc.max_entry_bytes:
             return
         u = ctx.usage or Usage()
-        cost = ctx.evidence.get("cost") or {}
+        charge = ctx.outcome.charge
         now = self.clock()
         ttl = p.spec.ttl_s if p.spec.ttl_s is not None else cc.default_ttl_s
         d = ctx.decision
@@ -200,7 +201,8 @@ class CacheStage:
             stored = await self.store.put(Entry(
                 key=p.key, partition=p.partition, tenant=ctx.principal.tenant, model=ctx.model, response=obj,
                 created_by=ctx.request_id, created_at=now, expires_at=now + ttl, prompt_tokens=u.prompt_tokens,
-                completion_tokens=u.completion_tokens, cost=cost.get("amount"), currency=cost.get("currency"),
+                completion_tokens=u.completion_tokens, cost=charge.amount if charge else None,
+                currency=charge.currency if charge else None,
                 vector=p.vector, params=p.params, guards=p.guards, residency=residency))
         except Exception as ex:
             log.warning("cache store %s put failed: %s", self.store.name, ex)

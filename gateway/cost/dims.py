@@ -1,40 +1,38 @@
 """Cost dimensions beyond backend and model: the tenant-owned LoRA adapter a request used and the weighted
 alias's arm it was routed to (docs/cost.md#per-adapter-and-per-arm).
 
-Both come from the request's evidence: `evidence.adapter.name` (gateway/adapters/stage.py: set only for a
-registered adapter the caller may use) and `evidence.rollout` {alias, arm} (gateway/rollouts/stage.py: the arm
-chosen; a shadow copy's carries `shadow: true`, gateway/rollouts/shadow.py; a primary's `shadow` is the list of
-models it was copied to, which leaves it a primary). The arm a request counts for is the one whose engine time it
+Both come from the request's typed facts: `ctx.adapter` (gateway/adapters/stage.py: set only for a registered
+adapter the caller may use) and `ctx.rollout` (gateway/rollouts/stage.py: the alias and the arm chosen; a shadow
+copy's has `shadow` set, gateway/rollouts/shadow.py). The arm a request counts for is the one whose engine time it
 was charged: the arm that answered (`backend_model`, when it is one of the alias's chain: the chosen arm failed
 and a fallback arm answered), else the arm chosen (refused or failed before any arm answered). The ledger columns `adapter` and `arm` and the /metrics
 counters below carry them; label values are bounded: adapters are registered names, aliases and arms come from
 the config (and /admin/aliases, which only reweights configured arms)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gateway.pipeline import RequestContext
 
 SHADOW_SUFFIX = " (shadow)"
 
 
-def adapter_of(ctx: Any) -> str | None:
-    ad = ctx.evidence.get("adapter")
-    name = ad.get("name") if isinstance(ad, dict) else None
-    return name if isinstance(name, str) and name else None
+def adapter_of(ctx: RequestContext) -> str | None:
+    return ctx.adapter.name if ctx.adapter is not None else None
 
 
-def arm_of(ctx: Any) -> tuple[str, str, bool] | None:
+def arm_of(ctx: RequestContext) -> tuple[str, str, bool] | None:
     """(alias, arm model, shadow copy) of a request routed through a weighted alias, else None (also when the
     arm the caller may use was dropped and none was left: `arm` None)."""
-    ro = ctx.evidence.get("rollout")
-    if not isinstance(ro, dict):
+    ro = ctx.rollout
+    if ro is None or not ro.arm:
         return None
-    alias, arm = ro.get("alias"), ro.get("arm")
-    if not isinstance(alias, str) or not isinstance(arm, str) or not arm:
-        return None
+    arm = ro.arm
     answered = ctx.backend_model
     if answered and answered != arm and answered in ctx.model_chain:
         arm = answered  # a fallback arm answered: its engine time, its row (as the model dimension)
-    return alias, arm, ro.get("shadow") is True
+    return ro.alias, arm, ro.shadow
 
 
 def arm_label(alias: str, arm: str, shadow: bool) -> str:
@@ -42,7 +40,7 @@ def arm_label(alias: str, arm: str, shadow: bool) -> str:
     return f"{alias}:{arm}{SHADOW_SUFFIX if shadow else ''}"
 
 
-def ledger_dims(ctx: Any) -> dict[str, str | None]:
+def ledger_dims(ctx: RequestContext) -> dict[str, str | None]:
     """The ledger columns `adapter` and `arm` of a request (None: not an adapter / not through an arm)."""
     a = arm_of(ctx)
     return {"adapter": adapter_of(ctx), "arm": arm_label(*a) if a is not None else None}

@@ -3,7 +3,9 @@ a request's span when it is dispatched and closes it before the budget settles (
 the apportioned time, not the gateway's wall time), and a finish hook that prices every request (served or
 not), files a ledger row for those the budget stage does not record, and feeds /metrics and the dashboard.
 
-Evidence: `ctx.evidence["unit_cost"]` (lifted to the audit record's `unit_cost`), next to the budget's `cost`.
+The apportioned time is the request's `outcome.unit_cost` (what the budget settles and the finish prices); the
+budget's charge is `outcome.charge`. Evidence (output only): `unit_cost`, lifted to the audit record, next to the
+budget's `cost`.
 Per adapter and per rollout arm (gateway/cost/dims.py): ledger columns `adapter` and `arm`, `by_dim` totals,
 /metrics counters (`dims`, set by gateway/cost/wiring.py).
 """
@@ -187,9 +189,9 @@ class CostMeter:
         retry = self._retry.pop(ctx.request_id, None)
         if span is None:
             if retry is not None:  # every attempt failed: all its engine time was retry waste
-                ctx.evidence["unit_cost"] = {"engine": retry[0], "method": "apportioned", "gpu_seconds": 0.0,
-                                             "prefill_gpu_seconds": 0.0, "shared_gpu_seconds": 0.0,
-                                             "retry_gpu_seconds": retry[1]}
+                ctx.outcome.unit_cost = ctx.evidence["unit_cost"] = {
+                    "engine": retry[0], "method": "apportioned", "gpu_seconds": 0.0, "prefill_gpu_seconds": 0.0,
+                    "shared_gpu_seconds": 0.0, "retry_gpu_seconds": retry[1]}
             return
         engine, token, est, spt = span  # spt: the learned prefill cost per token its begin used
         ec = self.clock_of(engine)
@@ -220,12 +222,12 @@ class CostMeter:
         }
         if retry is not None:
             facts["retry_gpu_seconds"] = retry[1]
-        ctx.evidence["unit_cost"] = facts
+        ctx.outcome.unit_cost = ctx.evidence["unit_cost"] = facts
 
     # ------------------------------------------------------------------ pricing (finish hook)
     def outcome(self, ctx: Any) -> Outcome:
         failed = sum(1 for a in ctx.attempts if isinstance(a, dict) and "error" in a)
-        return Outcome(dispatched=ctx.backend is not None or "unit_cost" in ctx.evidence,
+        return Outcome(dispatched=ctx.backend is not None or ctx.outcome.unit_cost is not None,
                        status=ctx.status or 200, cache_hit=ctx.answer is not None, batch=ctx.batch is not None,
                        cut=bool(ctx.cut_by_budget or ctx.cut_by_shutdown), retries=failed)
 
@@ -235,7 +237,7 @@ class CostMeter:
         raw = self._config().raw
         cfg = raw.cost
         fx = getattr(raw.budgets, "fx_rates", {})
-        uc = ctx.evidence.get("unit_cost") or {}  # read only: `out` below is a new dict
+        uc = ctx.outcome.unit_cost or {}  # read only: `out` below is a new dict
         o = self.outcome(ctx)
         cat = category(o)
         u = ctx.usage
@@ -268,21 +270,17 @@ class CostMeter:
         what it was charged, in the budget currency: the cache stage's `saved` evidence); 0 for the others."""
         if cat != "cache_hit":
             return _NO_HIT_SAVINGS  # merged into a new dict by the caller, never changed
-        saved = (ctx.evidence.get("cache") or {}).get("saved") or {}
         u = ctx.usage
         tokens = u.total_tokens if u is not None else 0
-        return {"saved_tokens": tokens, "saved_cost": float(saved.get("cost") or 0.0)}
+        return {"saved_tokens": tokens, "saved_cost": ctx.outcome.cache_saved_cost}
 
     def _charge(self, facts: dict[str, Any], ctx: Any) -> None:
         """What the budget charged (known only after it settled): the charge and the margin against the cost."""
-        charged_ev = ctx.evidence.get("cost")
-        if not isinstance(charged_ev, dict):
-            charged_ev = {}
-        charged = charged_ev.get("amount")
+        ch = ctx.outcome.charge
+        charged, ccy = (ch.amount, ch.currency) if ch is not None else (None, None)
         facts["charged"] = charged
-        facts["charged_currency"] = charged_ev.get("currency")
-        facts["margin"] = (margin(charged, facts["cost"])
-                           if charged_ev.get("currency") in (None, facts["currency"]) else None)
+        facts["charged_currency"] = ccy
+        facts["margin"] = margin(charged, facts["cost"]) if ccy in (None, facts["currency"]) else None
 
     def _learn_per_token(self, facts: dict[str, Any], ctx: Any) -> None:
         """Fleet-wide GPU-seconds per token of served requests (what a response-cache hit is said to save)."""
@@ -336,7 +334,7 @@ class CostMeter:
         """Runs after `close`, before the budget finish files the row: prices what is known and parks the
         ledger fields (the charge is added when the finish hook reprices)."""
         self._dims[ctx.request_id] = ledger_dims(ctx)
-        if "unit_cost" not in ctx.evidence:
+        if ctx.outcome.unit_cost is None:
             return
         facts = self.price(ctx, charged=False)
         self._priced[ctx.request_id] = facts
@@ -350,7 +348,7 @@ class CostMeter:
         if not self.cfg.enabled:
             return
         if facts is None:
-            if ctx.principal is None and "unit_cost" not in ctx.evidence:
+            if ctx.principal is None and ctx.outcome.unit_cost is None:
                 return  # refused before anyone was identified: nothing to attribute
             facts = self.price(ctx)
         else:
@@ -358,7 +356,7 @@ class CostMeter:
         self._learn_per_token(facts, ctx)
         ctx.evidence["unit_cost"] = facts
         self._observe(ctx, facts)
-        if "cost" not in ctx.evidence:  # the budget stage filed no row (cache hit, early refusal): file one
+        if ctx.outcome.charge is None:  # the budget stage filed no row (free cache hit, early refusal): file one
             self._file_row(ctx, facts)
 
     def _file_row(self, ctx: Any, facts: dict[str, Any]) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 
 from gateway.errors import GatewayError
-from gateway.pipeline import Lifecycle, Pipeline, RequestContext, RequestHeaders
+from gateway.pipeline import ArmChoice, Lifecycle, Pipeline, RequestContext, RequestHeaders
 from gateway.rollouts import arms
 from gateway.rollouts.config import ShadowConfig
 from gateway.types import Decision, Principal
@@ -111,6 +111,7 @@ class ShadowRunner:
             prepare(ctx, ctx.ep.parse(body), orjson.dumps(body), self.gw.config)
             ctx.stream = False
             ctx.principal = shadow_principal(primary.principal, alias, sh.budget_scope)
+            ctx.rollout = ArmChoice(alias, model, shadow=True)
             ctx.evidence["rollout"] = {"alias": alias, "arm": model, "shadow": True, "of": primary.request_id}
             life = Lifecycle(self.pipeline(primary.decision), ctx)
             result = await life.run()

@@ -23,7 +23,7 @@ def engine_part(ttft_s: float, elapsed_s: float) -> float:
 def feed_back(ctx: RequestContext, fl: Flight, *, predictor: Predictor, approx: ApproxPrefixIndex,
               avg_uncached: dict[str, float], telemetry: Any, has_telemetry_name: Callable[[str], bool]) -> None:
     """Evidence of predicted vs actual for a finished flight; when it was served (200), train the serving
-    engine's learners on it. A request that failed over from another engine is not a sample (its TTFT holds
+    engine's learners on it (the sample is the request's `outcome.learned`). A request that failed over from another engine is not a sample (its TTFT holds
     the failed attempt)."""
     served = ctx.backend or fl.engine
     ev = ctx.evidence
@@ -45,6 +45,7 @@ def feed_back(ctx: RequestContext, fl: Flight, *, predictor: Predictor, approx: 
         part = engine_part(ctx.ttft_s, fl.elapsed_s + ctx.setup_s)
         rel = predictor.observe(served, f, part, fl.uppers.get(served) or None)
         ev["ttft_prediction_error"] = round(rel, 4)
+        ctx.outcome.learned = (served, f, part)  # the same sample goes to the peers (gateway/routing/stage.py)
     done = ctx.usage.completion_tokens if ctx.usage is not None else 0
     if ctx.stream and ctx.ttft_s is not None and done and done > 1:  # mean inter-token time: the step
         total = ctx.total_s if ctx.total_s is not None else time.perf_counter() - ctx.received_at

@@ -931,13 +931,8 @@ class PredictiveRouteStage:
             tel.end(fl.engine, fl.uncached)
         feed_back(ctx, fl, predictor=self.predictor, approx=self.approx, avg_uncached=self.avg_uncached,
                   telemetry=tel, has_telemetry_name=lambda name: self.engines.has_telemetry_name(name, tel))
-        if self.peers is not None:  # the learner's sample (feed_back observed it: it wrote the error) to the peers
-            served = ctx.backend or fl.engine
-            f = fl.features.get(served)
-            sample = ((served, f, engine_part(ctx.ttft_s, fl.elapsed_s))
-                      if f is not None and ctx.ttft_s is not None and "ttft_prediction_error" in ctx.evidence
-                      else None)
-            self.peers.finished(ctx.request_id, sample)
+        if self.peers is not None:  # the learner's sample, where feed_back observed one, to the peers
+            self.peers.finished(ctx.request_id, ctx.outcome.learned)
 
     def snapshot(self) -> dict[str, Any]:
         """For /admin/routing: per engine the learned parameters, the guard's state, prediction quality out of

@@ -8,7 +8,7 @@ import pytest
 from gateway.adapters.placement import (DEFAULT_LOAD_S, Slots, Step, adapter_backends, adapter_ids, choose,
                                         learn_load, lru_idle, mean_load, not_loaded_answer, step)
 from gateway.config import ConfigError, parse_config
-from gateway.pipeline import RequestContext
+from gateway.pipeline import AdapterUse, RequestContext
 from gateway.routing.plan import Candidate
 from gateway.routing.prompt import lora_name
 
@@ -109,6 +109,7 @@ def test_a_registered_adapter_is_a_candidate_on_the_dynamic_engines_of_its_base_
     cfg = parse_config(CFG)
     ctx = RequestContext(request_id="r", endpoint="chat", headers={}, body={})
     assert adapter_backends(cfg, ctx, "ad") == []  # not let through by the adapters stage
+    ctx.adapter = AdapterUse("ad", "base")  # what the adapters stage sets
     ctx.evidence["adapter"] = {"name": "ad", "base_model": "base"}
     bs = adapter_backends(cfg, ctx, "ad")
     assert [b.name for b in bs] == ["dyn"]

@@ -17,12 +17,13 @@ from gateway.adapters.model import Adapter
 from gateway.adapters.placement import Placement, adapter_backends
 from gateway.config import parse_config
 from gateway.errors import GatewayError
-from gateway.pipeline import RequestContext
+from gateway.pipeline import AdapterUse, RequestContext
 from gateway.routing.plan import Candidate
 
 
 def ctx_for(rid: str, name: str) -> RequestContext:
     ctx = RequestContext(request_id=rid, endpoint="chat", headers={}, body={})
+    ctx.adapter = AdapterUse(name, "base")  # what the adapters stage sets
     ctx.evidence["adapter"] = {"name": name, "base_model": "base"}
     return ctx
 

@@ -23,7 +23,7 @@ from gateway.admin_guard import AdminGuard
 from gateway.config import parse_config
 from gateway.identity.admin import admin_routes
 from gateway.identity.service import IdentityService
-from gateway.pipeline import RequestContext
+from gateway.pipeline import AdapterUse, RequestContext
 from gateway.routing.plan import Candidate
 from tests.identity.conftest import ADMIN_KEY
 
@@ -32,6 +32,7 @@ ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
 
 def ctx_for(rid: str, name: str) -> RequestContext:
     ctx = RequestContext(request_id=rid, endpoint="chat", headers={}, body={})
+    ctx.adapter = AdapterUse(name, "base")  # what the adapters stage sets
     ctx.evidence["adapter"] = {"name": name, "base_model": "base"}
     return ctx
 

@@ -108,7 +108,7 @@ def served(c: RequestContext, gpu_s: float, usage=(1000, 50)) -> None:
     """What dispatch and the cost meter's close leave on the context for the budget stage's finish."""
     c.backend = "b1"
     c.usage = Usage(*usage)
-    c.evidence["unit_cost"] = {"engine": "b1", "method": "apportioned", "gpu_seconds": gpu_s}
+    c.outcome.unit_cost = {"engine": "b1", "method": "apportioned", "gpu_seconds": gpu_s}
 
 
 @pytest.mark.parametrize("gpu_svc", ["memory", "redis"], indirect=True)

@@ -9,6 +9,7 @@ import sqlite3
 import pytest
 
 import yaml
+from gateway.completion import Step
 
 from backends.sim.fleet import start_fleet
 from backends.sim.profiles import get_profile
@@ -31,7 +32,7 @@ async def test_cache_hits_rejections_aborts_and_prefix_savings(tmp_path):
             async def keep(ctx) -> None:
                 seen[ctx.request_id] = dict(ctx.evidence.get("unit_cost") or {})
 
-            gw.finish_hooks.append(keep)
+            gw.pipeline = gw.pipeline.with_step(Step("probe", keep), after="access_log")
             h = {"authorization": f"Bearer {KEY}"}
             body = {"model": "sim-model", "max_tokens": 8, "temperature": 0,
                     "messages": [{"role": "user", "content": "a question worth caching " * 40}]}
@@ -102,7 +103,7 @@ async def test_a_failed_attempt_is_retry_waste_on_its_engine_not_part_of_the_cha
             async def keep(ctx) -> None:
                 seen[ctx.request_id] = dict(ctx.evidence.get("unit_cost") or {})
 
-            gw.finish_hooks.append(keep)
+            gw.pipeline = gw.pipeline.with_step(Step("probe", keep), after="access_log")
             fleet.servers[0].engine.faults.error_rate = 1.0
             first, second = engines[0]["name"], engines[1]["name"]
             r = await cl.post("/v1/chat/completions", headers={"authorization": f"Bearer {KEY}"}, json={

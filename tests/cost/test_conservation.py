@@ -11,6 +11,7 @@ import sqlite3
 
 import httpx
 import pytest
+from gateway.completion import Step
 
 from backends.sim.fleet import FleetProcess
 from tests.cost.helpers import KEY, gateway_config, wired_gateway
@@ -49,7 +50,7 @@ async def test_apportioned_gpu_seconds_sum_to_the_engines_true_busy_time(tmp_pat
             async def keep(ctx) -> None:
                 wall[ctx.request_id] = ctx.total_s
 
-            gw.finish_hooks.append(keep)
+            gw.pipeline = gw.pipeline.with_step(Step("probe", keep), after="access_log")
             statuses = await _drive(cl, n=200, concurrency=16)
             assert statuses.count(200) == len(statuses), statuses
             seen = gw.cost.engines_snapshot()

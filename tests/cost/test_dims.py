@@ -23,7 +23,7 @@ from gateway.cost.meter import CostMeter
 from gateway.cost.report import read_sqlite, summarize
 from gateway.metrics import Metrics
 from gateway.observability.logs import current_request
-from gateway.pipeline import RequestContext, RequestHeaders
+from gateway.pipeline import AdapterUse, ArmChoice, Charge, RequestContext, RequestHeaders
 from gateway.types import Principal, Usage
 
 ADAPTER = {"adapter": {"name": "acme-lora", "base_model": "base", "engine": "e1", "loaded": True}}
@@ -34,14 +34,20 @@ DROPPED = {"rollout": {"alias": "support", "arm": None}}  # hide_dropped_arm lef
 
 
 def ctx_with(rid: str, evidence: dict, gpu: float = 0.0) -> RequestContext:
+    """A finished request with the adapter and arm its stages would have set (as in their evidence)."""
     ctx = RequestContext(request_id=rid, endpoint="chat", headers=RequestHeaders(), body={})
     ctx.principal = Principal(id="key:k", kind="key", tenant="acme")
     ctx.model = ctx.backend_model = "m"
     ctx.evidence.update(evidence)
+    if "adapter" in evidence:
+        ctx.adapter = AdapterUse(evidence["adapter"]["name"], evidence["adapter"]["base_model"])
+    if "rollout" in evidence:
+        ro = evidence["rollout"]
+        ctx.rollout = ArmChoice(ro["alias"], ro["arm"], shadow=ro.get("shadow") is True)
     if gpu:
         ctx.backend, ctx.status, ctx.usage = "e1", 200, Usage(10, 5)
-        ctx.evidence["unit_cost"] = {"engine": "e1", "method": "apportioned", "gpu_seconds": gpu,
-                                     "prefill_gpu_seconds": 0.0, "shared_gpu_seconds": gpu, "gpus": 1}
+        ctx.outcome.unit_cost = {"engine": "e1", "method": "apportioned", "gpu_seconds": gpu,
+                                 "prefill_gpu_seconds": 0.0, "shared_gpu_seconds": gpu, "gpus": 1}
     return ctx
 
 
@@ -77,7 +83,7 @@ def test_meter_files_counts_and_exports_per_adapter_and_arm(tmp_path):
         for ctx in reqs:  # the meter stage's finish, the budget stage's row, the meter's finish hook
             meter.before_settle(ctx)
             spend.enqueue({"request_id": ctx.request_id})
-            ctx.evidence["cost"] = {"amount": 0.0, "currency": "EUR"}
+            ctx.outcome.charge = Charge(0.0, "EUR")
             await meter.finish(ctx)
         # a priced cache hit: answered before the meter stage, its row filed while the request is finished
         hit = ctx_with("r7", ADAPTER)
@@ -88,7 +94,7 @@ def test_meter_files_counts_and_exports_per_adapter_and_arm(tmp_path):
             spend.enqueue({"request_id": "r7", "cost_category": "cache_hit"})
 
         contextvars.copy_context().run(budget_finish)
-        hit.evidence["cost"] = {"amount": 0.0, "currency": "EUR"}
+        hit.outcome.charge = Charge(0.0, "EUR")
         await meter.finish(hit)
         # an early refusal through an alias: the meter files its row on the unbilled table
         await meter.finish(ctx_with("r8", ARM_V2))
