@@ -18,6 +18,7 @@ import jwt
 from jwt import PyJWK
 
 from gateway.errors import GatewayError
+from gateway.identity.clock import Clock
 from gateway.identity.config import JWTIssuerConfig
 
 log = logging.getLogger("gateway.identity.jwt")
@@ -39,15 +40,16 @@ class _Jwks:
 class JwksCache:
     """Signing keys of one issuer, by kid."""
 
-    def __init__(self, cfg: JWTIssuerConfig, client: httpx.AsyncClient) -> None:
+    def __init__(self, cfg: JWTIssuerConfig, client: httpx.AsyncClient, clock: Clock = time) -> None:
         self.cfg = cfg
         self.client = client
+        self.clock = clock
         self.state = _Jwks()
         self.fetches = 0
 
     async def _fetch(self) -> None:
         st = self.state
-        st.last_attempt = time.monotonic()
+        st.last_attempt = self.clock.monotonic()
         self.fetches += 1
         try:
             r = await self.client.get(self.cfg.jwks_url)
@@ -68,20 +70,20 @@ class JwksCache:
                 continue
             keys[str(jwk.get("kid", f"#{i}"))] = k
         st.keys = keys
-        st.fetched_at = time.monotonic()
+        st.fetched_at = self.clock.monotonic()
 
     async def get(self, kid: str | None) -> PyJWK | None:
         st = self.state
-        now = time.monotonic()
+        now = self.clock.monotonic()
         if now - st.fetched_at > self.cfg.jwks_cache_s:
             async with st.lock:
-                if time.monotonic() - st.fetched_at > self.cfg.jwks_cache_s and \
-                        time.monotonic() - st.last_attempt >= min(self.cfg.jwks_min_refresh_s, self.cfg.jwks_cache_s):
+                if self.clock.monotonic() - st.fetched_at > self.cfg.jwks_cache_s and \
+                        self.clock.monotonic() - st.last_attempt >= min(self.cfg.jwks_min_refresh_s, self.cfg.jwks_cache_s):
                     await self._fetch()
         k = self._pick(kid)
-        if k is None and time.monotonic() - st.last_attempt >= self.cfg.jwks_min_refresh_s:
+        if k is None and self.clock.monotonic() - st.last_attempt >= self.cfg.jwks_min_refresh_s:
             async with st.lock:  # single flight: waiters see the fresh set
-                if time.monotonic() - st.last_attempt >= self.cfg.jwks_min_refresh_s:
+                if self.clock.monotonic() - st.last_attempt >= self.cfg.jwks_min_refresh_s:
                     await self._fetch()
             k = self._pick(kid)
         return k
@@ -102,16 +104,18 @@ class VerifiedToken:
 class JWTVerifier:
     """Verifies bearer JWTs for the configured issuers."""
 
-    def __init__(self, issuers: list[JWTIssuerConfig], client: httpx.AsyncClient | None = None) -> None:
+    def __init__(self, issuers: list[JWTIssuerConfig], client: httpx.AsyncClient | None = None,
+                 clock: Clock = time) -> None:
         self.client = client or httpx.AsyncClient(timeout=5.0)
-        self.issuers: dict[str, JwksCache] = {i.issuer: JwksCache(i, self.client) for i in issuers}
+        self.clock = clock
+        self.issuers: dict[str, JwksCache] = {i.issuer: JwksCache(i, self.client, clock) for i in issuers}
 
     def replace_issuers(self, issuers: list[JWTIssuerConfig]) -> None:
         """Hot reload: keep caches of unchanged issuers, drop removed ones."""
         new: dict[str, JwksCache] = {}
         for i in issuers:
             old = self.issuers.get(i.issuer)
-            new[i.issuer] = old if old is not None and old.cfg == i else JwksCache(i, self.client)
+            new[i.issuer] = old if old is not None and old.cfg == i else JwksCache(i, self.client, self.clock)
         self.issuers = new
 
     async def aclose(self) -> None:

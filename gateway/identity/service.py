@@ -17,11 +17,12 @@ import logging
 import os
 import re
 import time
-from typing import Any, Mapping, Protocol
+from typing import Any, Mapping
 
 from gateway.config import Config
 from gateway.errors import GatewayError
 from gateway.identity import keys as keyfmt
+from gateway.identity.clock import Clock
 from gateway.identity.jwt_verify import JWTVerifier, token_error
 from gateway.identity.model import ApiKey, Conflict, InUse, NotEditable, NotFound, Partner, Project, Team, Tenant
 from gateway.identity.ratelimit import FailureLimiter
@@ -189,15 +190,6 @@ def make_store(config: Config) -> IdentityStore:
     return SqliteIdentityStore(config.resolve_path(ic.sqlite_path))
 
 
-class Clock(Protocol):
-    """Where the service reads the time: `time()` the wall clock (key expiry and revocation, created_at, a JWT's
-    expiry), `monotonic()` the freshness of its caches. The `time` module is one; tests pass one they advance."""
-
-    def time(self) -> float: ...
-
-    def monotonic(self) -> float: ...
-
-
 class IdentityService:
     def __init__(self, config: Config, store: IdentityStore | None = None, clock: Clock = time) -> None:
         self._clock = clock
@@ -208,7 +200,7 @@ class IdentityService:
         self._jwt_cache: dict[str, _JwtEntry] = {}
         self._gen = 0  # bumped by every change event; a load that raced an event is not cached
         self.restrictions: Restrictions = DEFAULT_RESTRICTIONS
-        self._jwt = JWTVerifier(list(config.raw.identity.jwt))
+        self._jwt = JWTVerifier(list(config.raw.identity.jwt), clock=clock)
         self.swap_config(config)
 
     # ------------------------------------------------------------------ lifecycle
@@ -269,13 +261,13 @@ class IdentityService:
     # ------------------------------------------------------------------ data plane
     async def authenticate(self, headers: Mapping[str, str], client_addr: str) -> Principal:
         """Principal for a data-plane request, or GatewayError 401/403/429 (never echoing the credential)."""
-        self.limiter.check(client_addr)
+        self.limiter.check(client_addr, self._clock.monotonic())
         try:
             token = extract_credential(headers)
             p = await self._resolve(token, "data")
         except GatewayError as e:
             if e.status == 401:
-                self.limiter.failure(client_addr)
+                self.limiter.failure(client_addr, self._clock.monotonic())
             raise
         eu = headers.get(self.end_user_header)
         if eu is not None:
@@ -314,7 +306,7 @@ class IdentityService:
 
     async def authenticate_admin(self, headers: Mapping[str, str], client_addr: str = "") -> Principal:
         """Principal for the admin plane: role "admin" (config admin key) or "tenant_admin" (stored admin key)."""
-        self.limiter.check(client_addr)
+        self.limiter.check(client_addr, self._clock.monotonic())
         try:
             token = extract_credential(headers)
             if self._admin_digest is not None and hmac.compare_digest(
@@ -323,7 +315,7 @@ class IdentityService:
             p = await self._resolve(token, "admin")
         except GatewayError as e:
             if e.status == 401:
-                self.limiter.failure(client_addr)
+                self.limiter.failure(client_addr, self._clock.monotonic())
             raise
         if "tenant_admin" not in p.roles:
             raise GatewayError(403, "This credential may not use the admin API.", code="admin_required")

@@ -17,6 +17,8 @@ from jwt.algorithms import ECAlgorithm, RSAAlgorithm
 from gateway.errors import GatewayError
 from gateway.identity.service import IdentityService
 
+from tests.support.wait import ManualClock
+
 from .conftest import JwksServer, make_config
 
 ISS = "https://idp.test"
@@ -61,10 +63,16 @@ def b64(d: dict[str, Any]) -> str:
 
 
 @pytest.fixture
-async def jwt_service(tmp_path: Path, jwks_server: JwksServer) -> Any:
+def jwt_clock() -> ManualClock:
+    """The service's clock: tests move it past `jwks_min_refresh_s` instead of sleeping."""
+    return ManualClock()
+
+
+@pytest.fixture
+async def jwt_service(tmp_path: Path, jwks_server: JwksServer, jwt_clock: ManualClock) -> Any:
     cfg = make_config(tmp_path, jwt=[{"issuer": ISS, "jwks_url": jwks_server.url, "audience": AUD,
                                       "leeway_s": 5, "jwks_min_refresh_s": 0.2, "project_claim": "project"}])
-    svc = IdentityService(cfg)
+    svc = IdentityService(cfg, clock=jwt_clock)
     await svc.start()
     yield svc
     await svc.close()
@@ -106,16 +114,17 @@ async def test_verified_token_is_cached(jwt_service: IdentityService, jwks_serve
     assert jwks_server.hits == hits
 
 
-async def test_key_rotation_and_unknown_kid(jwt_service: IdentityService, jwks_server: JwksServer) -> None:
+async def test_key_rotation_and_unknown_kid(jwt_service: IdentityService, jwks_server: JwksServer,
+                                            jwt_clock: ManualClock) -> None:
     old, new = rsa_key(), rsa_key()
     jwks_server.jwks = {"keys": [jwk_of(old, "k-old")]}
     await ok(jwt_service, sign(old, "k-old"))
     # IdP rotates: publishes the new key; a token with the new kid triggers a refetch
     jwks_server.jwks = {"keys": [jwk_of(old, "k-old"), jwk_of(new, "k-new")]}
-    time.sleep(0.25)
+    jwt_clock.advance(0.25)  # past jwks_min_refresh_s
     await ok(jwt_service, sign(new, "k-new"))
     # a kid nobody publishes: one refetch, then 401; repeated tries inside the interval don't refetch
-    time.sleep(0.25)
+    jwt_clock.advance(0.25)  # past jwks_min_refresh_s
     hits = jwks_server.hits
     e = await fail(jwt_service, sign(new, "k-ghost"))
     assert (e.status, e.code) == (401, "invalid_token") and "unknown" in e.message
@@ -125,7 +134,7 @@ async def test_key_rotation_and_unknown_kid(jwt_service: IdentityService, jwks_s
     assert jwks_server.hits == hits + 1
     # the old key is withdrawn; old-kid tokens still verify from cache of keys until the set is refetched
     jwks_server.jwks = {"keys": [jwk_of(new, "k-new")]}
-    time.sleep(0.25)
+    jwt_clock.advance(0.25)  # past jwks_min_refresh_s
     await fail(jwt_service, sign(new, "k-ghost2"))  # triggers refetch of the new set
     e = await fail(jwt_service, sign(old, "k-old", sub="fresh"))
     assert e.code == "invalid_token"

@@ -21,7 +21,7 @@ from gateway.policy.model import RequestAttrs
 from gateway.types import Principal
 
 from .conftest import ADMIN_KEY
-from .test_jwt import jwk_of, jwt_service, rsa_key, sign  # noqa: F401  (jwt_service is a fixture)
+from .test_jwt import jwk_of, jwt_clock, jwt_service, rsa_key, sign  # noqa: F401  (jwt_clock, jwt_service: fixtures)
 
 ROOT = Path(__file__).resolve().parents[2]
 POLICY = load_policies([ROOT / "policies" / "tenants.yaml"])

@@ -17,6 +17,8 @@ import pytest
 from gateway.errors import GatewayError
 from gateway.identity.service import IdentityService
 
+from tests.support.wait import ManualClock
+
 from .conftest import PG_DSN, make_config
 
 
@@ -133,20 +135,25 @@ async def _labels_has(svc: IdentityService, headers: dict[str, str], k: str, v: 
 
 
 async def test_postgres_ttl_bounds_staleness_without_notify(tmp_path: Path, pg_schema: str) -> None:
-    a, b = await two(tmp_path, "postgres", pg_schema, ttl=0.5)
+    clock = ManualClock()  # b's clock: its cache ages only when the test moves it
+    a = IdentityService(make_config(tmp_path, "postgres", pg_schema, cache_ttl_s=0.5))
+    b = IdentityService(make_config(tmp_path, "postgres", pg_schema, cache_ttl_s=0.5), clock=clock)
+    await a.start()
+    await b.start()
     try:
         await a.create_tenant("acme")
         k, secret = await a.create_key("acme")
-        await b.authenticate({"authorization": f"Bearer {secret}"}, "r")
-        cached_at = time.monotonic()  # b cached the principal before returning: the entry expires by cached_at + ttl
+        await b.authenticate({"authorization": f"Bearer {secret}"}, "r")  # cached in b until clock + ttl
         conn = await asyncpg.connect(PG_DSN, server_settings={"search_path": pg_schema})
-        try:  # revoke behind the services' backs: no NOTIFY is sent
-            await conn.execute("UPDATE api_keys SET revoked_at = $1 WHERE id = $2", time.time(), k.id)
+        try:  # revoke behind the services' backs (no NOTIFY is sent), as of b's now
+            await conn.execute("UPDATE api_keys SET revoked_at = $1 WHERE id = $2", clock.time(), k.id)
         finally:
             await conn.close()
-        # Once the TTL has passed, the very next request must be rejected: no wall-clock margin to miss under
-        # load, only the bound itself (the entry cannot outlive cached_at + ttl).
-        await asyncio.sleep(max(0.0, cached_at + 0.5 - time.monotonic()) + 0.01)
+        clock.advance(0.49)  # inside the TTL: b still answers from its cache, it cannot know
+        assert (await b.authenticate({"authorization": f"Bearer {secret}"}, "r")).key_id == k.id
+        # Once the TTL has passed, the very next request must be rejected: only the bound itself (the entry
+        # cannot outlive its load + ttl).
+        clock.advance(0.01)
         with pytest.raises(GatewayError) as e:
             await b.authenticate({"authorization": f"Bearer {secret}"}, "r")
         assert e.value.code == "revoked_api_key"

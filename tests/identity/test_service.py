@@ -137,7 +137,8 @@ async def test_static_partner_and_planes(service: IdentityService) -> None:
 
 
 async def test_failed_auth_rate_limited_per_client(config_factory: Any) -> None:
-    svc = IdentityService(config_factory(auth_fail_limit_per_minute=3))
+    clock = ManualClock()
+    svc = IdentityService(config_factory(auth_fail_limit_per_minute=3), clock=clock)
     await svc.start()
     try:
         await svc.create_tenant("acme")
@@ -148,6 +149,10 @@ async def test_failed_auth_rate_limited_per_client(config_factory: Any) -> None:
         assert (e.status, e.code) == (429, "auth_rate_limited")
         assert int(e.headers["retry-after"]) >= 1 and "retry-after-ms" in e.headers
         assert (await svc.authenticate(bearer(good), "7.7.7.7")).tenant == "acme"
+        clock.advance(59.0)  # the admin plane shares the limiter, and the window still holds
+        assert (await err(svc.authenticate_admin(bearer(ADMIN_KEY), "6.6.6.6"))).code == "auth_rate_limited"
+        clock.advance(1.0)  # the one-minute window is over: the address may try again
+        assert (await svc.authenticate(bearer(good), "6.6.6.6")).tenant == "acme"
     finally:
         await svc.close()
 
