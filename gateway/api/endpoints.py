@@ -1,12 +1,15 @@
 """The endpoint table: every inference API the gateway serves, one `Endpoint` entry each.
 
-An entry says everything the request path needs to know about one API: its path, the parser that validates
-a body (gateway/api/parse.py), the upstream path on an engine speaking it natively, the wire rules of its
-responses and errors (gateway/api/wire/), the body field a max-tokens cap goes into and the engine's default
-when the client sends none, whether it generates tokens at all, its OpenTelemetry operation name, the
-parameter that carries the prompt (named in context errors) and the prompt as text for routing.
+An entry says everything the request path needs to know about one API: its path, its body's media type (JSON or
+a multipart form: how the ingress reads it and the exchange writes it upstream, gateway/api/media.py) and size
+limit, the parser that validates a body (gateway/api/parse.py), the upstream path on an engine speaking it
+natively, the wire rules of its responses and errors (gateway/api/wire/), the body field a max-tokens cap goes
+into and the engine's default when the client sends none, whether it generates tokens at all, its OpenTelemetry
+operation name, the parameter that carries the prompt (named in context errors) and the prompt as text for
+routing.
 
-Adding an endpoint: one entry here, one parser, and its wire rules when its wire is new (docs/architecture.md).
+Adding an endpoint: one entry here, one parser, and its wire rules when its wire is new (docs/architecture.md);
+a multipart one names `media=FORM`.
 Stages read `ctx.ep` (this entry); none compares endpoint names.
 """
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from gateway.api import parse
+from gateway.api.media import JSON, Media
 from gateway.api.parse_messages import as_chat, parse_messages
 from gateway.api.wire.anthropic import ANTHROPIC
 from gateway.api.wire.base import ClientWire
@@ -71,6 +75,8 @@ class Endpoint:
     # the body as the OpenAI chat body an engine renders for it, where this API is not chat's (routing tokenizes
     # it, keys its message prefixes and builds the approximate tree from it); None: the body as it is
     chat_view: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    media: Media = JSON  # the body's media type: read at the ingress, written upstream by the exchange
+    max_body_bytes: int | None = None  # its own body limit (an audio upload's); None: server.max_body_bytes
 
     @property
     def generates(self) -> bool:
@@ -140,5 +146,7 @@ def prepare(ctx: Any, parsed: parse.Parsed, raw: bytes, config: Any) -> None:
     ctx.client_wants_usage = parsed.include_usage
     ctx.max_tokens = parsed.max_tokens
     ctx.prompt_tokens_est = max(1, parsed.prompt_chars // 4)
-    ctx.prompt_tokens_max = prompt_token_bound(raw, ctx.body, parsed.prompt_chars)
+    # the raw body bounds the prompt only where it is the prompt's text (JSON; not an audio upload's bytes)
+    text = raw if ctx.ep is None or ctx.ep.media.bounds_prompt else b""
+    ctx.prompt_tokens_max = prompt_token_bound(text, ctx.body, parsed.prompt_chars)
     ctx.model_chain = config.resolve_model(parsed.model)

@@ -17,7 +17,6 @@ from starlette.applications import Starlette
 from starlette.datastructures import Headers
 
 from gateway.api.endpoints import Endpoint, prepare
-from gateway.api.parse import decode_json
 from gateway.api.reply import client_request_id, new_request_id, request_id, send_bytes, send_error
 from gateway.api.unserved import ON_SERVED_PATHS, answer as unserved_answer
 from gateway.errors import GatewayError
@@ -120,12 +119,12 @@ class InferenceEndpoint:
         """(raw body, decoded body, parsed request), or None once the refusal was sent: the media type, the
         declared and the actual size, the upload's time limit, then the body (authenticated first when the
         body is refused, so an unauthenticated caller learns nothing about validation: 401, not 400)."""
-        gw, wire = self.gw, self.wire
-        limit = gw.config.server.max_body_bytes
+        gw, wire, media = self.gw, self.wire, self.ep.media
+        limit = self.ep.max_body_bytes or gw.config.server.max_body_bytes
         try:
             ctype = headers.get("content-type", "")
-            if ctype.split(";", 1)[0].strip().lower() != "application/json":
-                raise GatewayError(415, "Content-Type must be application/json.", code="unsupported_media_type")
+            if not media.accepts(ctype):
+                raise media.refusal()
             cl = headers.get("content-length")
             if cl is not None:
                 if not cl.isdigit():
@@ -146,7 +145,7 @@ class InferenceEndpoint:
                                  wire)
                 return None
             try:
-                body = decode_json(raw)
+                body = media.decode(raw, ctype)
                 parsed = self.ep.parse(body)
             except GatewayError as bad_body:
                 await self._authenticate(headers, rid, scope)  # only on this refusal path (the pipeline does it)

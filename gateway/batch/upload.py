@@ -18,9 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import email.message
-import email.parser
-import email.policy
 import mmap
 import tempfile
 import time
@@ -29,6 +26,7 @@ from typing import IO, TYPE_CHECKING, Any, Awaitable, Callable, Iterator
 
 from starlette.requests import Request
 
+from gateway.api.media import MultipartError, iter_parts
 from gateway.batch.jsonl import LineChecker, prompt_prefix
 from gateway.batch.store import QuotaExceeded, new_id
 from gateway.errors import GatewayError
@@ -41,7 +39,6 @@ YIELD_LINES = 32  # the checking thread lets the GIL go this often, so the event
 RELEASE_BYTES = 8 << 20  # pages of the mapped upload read this far back are dropped from the process's RSS
 CHUNK_LINES = 1000  # lines per insert while storing an upload
 CHUNK_BYTES = 4 << 20  # or this many bytes of them, whichever comes first
-HEADER_MAX = 16384  # the most header bytes one multipart part may have
 FIELD_MAX = 4096  # the most of a non-file field (purpose) that is read
 
 
@@ -122,76 +119,27 @@ class Form:
         return self.end >= self.start
 
 
-FIND_WINDOW = 1 << 20  # a search through the upload looks at this much at a time, letting the GIL go in between
-
-
-def _find(body: Any, sub: bytes, start: int, end: int | None = None) -> int:
-    """body.find(sub, start, end), a window at a time: one C-speed search over a 100 MB mapping holds the GIL
-    (and takes its page faults) for tens of milliseconds, which the event loop would wait out."""
-    stop = len(body) if end is None else min(end, len(body))
-    pos = start
-    while pos < stop:
-        upto = min(stop, pos + FIND_WINDOW + len(sub) - 1)
-        at = body.find(sub, pos, upto)
-        if at >= 0:
-            return int(at)
-        pos += FIND_WINDOW
-        time.sleep(0)
-    return -1
-
-
 def _not_multipart(why: str) -> GatewayError:
     return GatewayError(400, f"The upload must be multipart/form-data with fields 'file' and 'purpose' ({why}).",
                         code="invalid_request")
 
 
 def parse_form(body: Any, size: int, ctype: str) -> Form:
-    """multipart/form-data (RFC 7578) over `body` (bytes or a memory map): the small fields' values, and where the
-    'file' field's content lies, found with C-speed searches for the boundary; no part is copied but the small
-    fields."""
-    msg = email.message.Message()
-    msg["content-type"] = ctype
-    boundary = msg.get_boundary()
-    if not boundary or len(boundary) > 200:
-        raise _not_multipart("no boundary")
-    delim = b"--" + boundary.encode("latin-1", "replace")
-    if body[:len(delim)] == delim:
-        pos = 0
-    else:
-        pos = _find(body, b"\r\n" + delim, 0)
-        if pos < 0:
-            raise _not_multipart("no part")
-        pos += 2
+    """multipart/form-data (RFC 7578) over `body` (bytes or a memory map), read by the gateway's multipart reader
+    (gateway/api/media.py): the small fields' values, and where the 'file' field's content lies; no part is
+    copied but the small fields."""
     form = Form({})
-    headers = email.parser.BytesHeaderParser(policy=email.policy.HTTP)
-    while True:
-        pos += len(delim)
-        if body[pos:pos + 2] == b"--":  # the close delimiter
-            return form
-        eol = body.find(b"\r\n", pos, pos + 256)  # transport padding may precede the CRLF
-        if eol < 0 or body[pos:eol].strip(b" \t"):
-            raise _not_multipart("a malformed boundary line")
-        start = eol + 2
-        if body[start:start + 2] == b"\r\n":  # a part without headers
-            raw_headers, data = b"", start + 2
-        else:
-            hend = body.find(b"\r\n\r\n", start, start + HEADER_MAX)
-            if hend < 0:
-                raise _not_multipart("a part's headers do not end")
-            raw_headers, data = body[start:hend], hend + 4
-        nxt = _find(body, b"\r\n" + delim, data)
-        if nxt < 0:
-            raise _not_multipart("the body ends inside a part")
-        part = headers.parsebytes(raw_headers + b"\r\n\r\n")
-        name = part.get_param("name", header="content-disposition")
-        if name:
-            if str(name) == "file":
-                form.filename, form.start, form.end = part.get_filename(), data, nxt
+    try:
+        for part in iter_parts(body, size, ctype):
+            if not part.name:
+                continue
+            if part.name == "file":
+                form.filename, form.start, form.end = part.filename, part.start, part.end
             else:
-                form.fields[str(name)] = body[data:min(nxt, data + FIELD_MAX)]
-        pos = nxt + 2
-        if pos > size:
-            raise _not_multipart("the body ends inside a part")
+                form.fields[part.name] = body[part.start:min(part.end, part.start + FIELD_MAX)]
+    except MultipartError as e:
+        raise _not_multipart(str(e)) from None
+    return form
 
 
 @dataclass

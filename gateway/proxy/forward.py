@@ -197,8 +197,9 @@ class Dispatcher:
         self.attempts: AttemptObserver | None = None  # gateway.cost.meter.CostMeter when cost is enabled
         self.placement: Any = None  # gateway.adapters.placement.Placement: registered adapters on dynamic engines
 
-    def _headers(self, ctx: RequestContext, cand: Candidate, dialect: Dialect) -> dict[str, str]:
-        h = {"content-type": "application/json", "x-request-id": ctx.request_id}
+    def _headers(self, ctx: RequestContext, cand: Candidate, dialect: Dialect,
+                 content_type: str = "application/json") -> dict[str, str]:
+        h = {"content-type": content_type, "x-request-id": ctx.request_id}
         h.update(dialect.auth_headers(self._upstreams().auth(cand.backend.name)))
         tp = ctx.headers.get("traceparent")
         if tp:
@@ -305,7 +306,7 @@ class Dispatcher:
         resp: UpstreamResponse | None = None
         try:
             async with asyncio.timeout(limit):
-                resp = await client.post(ex.path, body, self._headers(ctx, cand, dialect))
+                resp = await client.post(ex.path, body, self._headers(ctx, cand, dialect, ex.content_type(body)))
                 if resp.status != 200:
                     err_body = await _read_limited(resp, _MAX_ERROR_BODY)
                     await resp.aclose()

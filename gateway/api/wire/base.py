@@ -4,6 +4,10 @@ A wire is stateless; per-stream state lives in `StreamState`. The dispatcher and
 - `usage(obj)`: the token usage of a JSON response body (None when it carries none);
 - `facts(ctx, obj)`: the response id and finish reasons of a body or stream event (traces, audit);
 - `prepare(ctx, body)`: wire-specific fields of the upstream body (e.g. OpenAI's stream usage request);
+- `from_upstream(raw)`: a 200 upstream body as this API's JSON answer, where `prepare` asked the engine for
+  another shape (`rewrites_upstream`; the transcription wire folds the stream it asks vLLM for);
+- `client_body(ctx, obj, body)`: the bytes and content type of a JSON answer as the client asked for it (the
+  body as it is unless the API has other formats: a transcription's `text`);
 - `is_first_token(event)`: does this SSE event carry the first generated output (TTFT is measured there);
 - `process(ctx, st, event)`: one upstream event on its way to the client: capture usage, count delivered
   tokens, strip what the client did not ask for, cut at the budget allowance; returns the bytes to send;
@@ -30,6 +34,7 @@ class ClientWire:
     """Base class: OpenAI-shaped errors; subclasses override what their API does differently."""
 
     name = "base"
+    rewrites_upstream = False  # `from_upstream` is not the identity (the exchange calls it on every 200 body)
 
     def usage(self, obj: Any) -> Any:
         raise NotImplementedError
@@ -39,6 +44,12 @@ class ClientWire:
 
     def prepare(self, ctx: Any, body: dict[str, Any]) -> None:
         return None
+
+    def from_upstream(self, raw: bytes) -> bytes:
+        return raw
+
+    def client_body(self, ctx: Any, obj: Any, body: bytes) -> tuple[bytes, bytes]:
+        return body, b"application/json"
 
     def is_first_token(self, event: bytes) -> bool:
         raise NotImplementedError

@@ -37,15 +37,19 @@ class StreamTranslator:
 
 
 class Exchange:
-    """One (client API, backend dialect) pair: the upstream path, the upstream body, and the response back in
-    the client's API. This base class is the native case (the backend speaks the client's API)."""
+    """One (client API, backend dialect) pair: the upstream path, the upstream body (in the endpoint's media
+    type: JSON or a multipart form) with its content type, and the response back in the client's API. This base
+    class is the native case (the backend speaks the client's API; the endpoint's wire may still ask it for
+    another shape and turn it back: `ClientWire.from_upstream`)."""
 
-    translates = False
+    translates = False  # `response` must see every 200 body
 
     def __init__(self, dialect: "Dialect", ep: Endpoint) -> None:
         self.dialect = dialect
         self.ep = ep
         self.path = ep.upstream_path
+        if ep.wire.rewrites_upstream:
+            self.translates = True
 
     def body(self, ctx: Any, cand: Any) -> bytes:
         """The client's body with the upstream model name, the wire's own additions (stream usage), policy and
@@ -60,11 +64,15 @@ class Exchange:
         if ctx.body_overrides:
             body.update(ctx.body_overrides)
         self.dialect.adjust(ctx, cand, body)
-        return orjson.dumps(body)
+        return self.ep.media.encode(body)
+
+    def content_type(self, body: bytes) -> str:
+        """The Content-Type of a body `body` produced."""
+        return self.ep.media.content_type(body)
 
     def response(self, raw: bytes) -> bytes:
         """A 200 JSON body, in the client's API."""
-        return raw
+        return self.ep.wire.from_upstream(raw)
 
     def stream(self) -> StreamTranslator | None:
         """None: the upstream's events are already the client's."""
