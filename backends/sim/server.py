@@ -26,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from backends.sim import anthropic_api, extra_api, sglang_api
+from backends.sim import anthropic_api, audio_api, extra_api, sglang_api
 from backends.sim.engine import EngineDead, SimEngine
 from backends.sim.http import ApiError, json_response, read_body
 from backends.sim.lora import LoraConfig, LoraError, LoraState
@@ -157,6 +157,8 @@ class EngineServer:
             Route("/v1/responses", self._wrap(lambda r: extra_api.responses(self, r)), methods=["POST"]),
             Route("/v1/rerank", self._wrap(lambda r: extra_api.rerank(self, r)), methods=["POST"]),
             Route("/v1/score", self._wrap(lambda r: extra_api.score(self, r)), methods=["POST"]),
+            Route("/v1/audio/transcriptions", self._wrap(lambda r: audio_api.transcriptions(self, r)),
+                  methods=["POST"]),
             Route("/v1/models", self._wrap(self.models), methods=["GET"]),
             Route("/v1/load_lora_adapter", self._wrap(self.load_lora), methods=["POST"]),
             Route("/v1/unload_lora_adapter", self._wrap(self.unload_lora), methods=["POST"]),
