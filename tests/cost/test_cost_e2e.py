@@ -11,10 +11,8 @@ import time
 
 import httpx
 import pytest
-import yaml
 
-from backends.sim.fleet import FleetProcess
-from tests.support.procs import free_port, start_gateway
+from tests.support.stack import make_stack
 
 pytestmark = pytest.mark.e2e
 KEY = "cost-e2e-key-0123456789"
@@ -24,28 +22,13 @@ ADMIN = "cost-e2e-admin-0123456789"
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cost")
-    fleet = FleetProcess(["--engines", "1", "--profile", "l40s-8b"], tmp / "fleet.json")
-    man = fleet.start()
-    port = free_port()
-    (tmp / "policy.yaml").write_text(yaml.safe_dump({"version": 1, "defaults": {"allow": True}, "rules": []}))
-    e = man["engines"][0]
-    cfg = {"server": {"host": "127.0.0.1", "port": port},
-           "backends": [{"name": e["name"], "url": e["url"], "kind": "vllm", "models": ["sim-model"],
-                         "kv_events": e["kv_events"], "replay": e["replay"], "metrics": e["metrics"],
-                         "location": {"country": "DE"}}],
-           "keys": [{"key": KEY, "tenant": "acme", "team": "search", "name": "k"}],
-           "admin": {"key": ADMIN},
-           "policy": {"files": [str(tmp / "policy.yaml")], "audit_path": str(tmp / "audit.jsonl")},
-           "identity": {"sqlite_path": str(tmp / "id.db")},
-           "budgets": {"sqlite_path": str(tmp / "budgets.db"), "spool_path": str(tmp / "spool.jsonl"),
-                       "ledger_flush_s": 0.05, "prices": {"sim-model": {"input": 1.0, "output": 4.0}}},
-           "cost": {"backends": {e["name"]: {"gpu_hour": 3.6, "gpus": 2}}}}
-    path = tmp / "gw.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    gw, _ = start_gateway(path)
-    yield {"base": f"http://127.0.0.1:{port}", "tmp": tmp, "config": path, "engine": e}
-    gw.stop()
-    fleet.stop()
+    with make_stack(tmp, profile="l40s-8b", kind="vllm", backend={"location": {"country": "DE"}},
+                    keys={KEY: {"tenant": "acme", "team": "search", "name": "k"}}, admin=ADMIN,
+                    policy={"version": 1, "defaults": {"allow": True}, "rules": []},
+                    budgets={"prices": {"sim-model": {"input": 1.0, "output": 4.0}}},
+                    cost=lambda man: {"backends": {man["engines"][0]["name"]: {"gpu_hour": 3.6, "gpus": 2}}}) as s:
+        e = s.engines[0]
+        yield {"base": s.base, "tmp": tmp, "config": s.config, "engine": e}
 
 
 def test_audit_record_ledger_metrics_and_report_carry_the_apportioned_cost(stack):

@@ -16,10 +16,8 @@ import anthropic
 import httpx
 import openai
 import pytest
-import yaml
 
-from backends.sim.fleet import FleetProcess
-from tests.support.procs import free_port, start_gateway
+from tests.support.stack import make_stack
 
 pytestmark = pytest.mark.e2e
 KEY = "anth-e2e-key-0123456789"
@@ -31,41 +29,37 @@ PARTNER_SECRET = "partner-anthropic-secret-0123"
 MSGS = [{"role": "user", "content": "Name three prime numbers and say why they are prime."}]
 
 
+def _backends(tmp):  # type: ignore[no-untyped-def]
+    def make(man: dict) -> list[dict]:
+        e0, e1 = man["engines"]
+        return [{"name": "engine", "url": e0["url"], "kind": "sim", "models": ["sim-model"],
+                 "kv_events": e0["kv_events"], "replay": e0["replay"], "metrics": e0["metrics"],
+                 "location": {"country": "US"}, "retention": "zero"},
+                {"name": "claude-partner", "url": e1["url"], "kind": "anthropic", "models": ["claude-sim"],
+                 "model_map": {"claude-sim": "sim-model"}, "api_key_file": str(tmp / "partner.key"),
+                 "location": {"country": "US"}, "retention": "zero", "operator": "partner"}]
+    return make
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("anthropic")
-    fleet = FleetProcess(["--engines", "2", "--profile", "tiny", "--base-port", "0", "--locations", "US,US"],
-                         tmp / "fleet.json")
-    man = fleet.start()
-    e0, e1 = man["engines"]
-    (tmp / "policy.yaml").write_text(yaml.safe_dump({"version": 1, "defaults": {"allow": True}, "rules": [
-        {"id": "tiny-daily-quota", "match": {"tenant": "quota"}, "budgets": [{"window": "day", "tokens": 10}]},
-        {"id": "eu-stays-in-eea", "match": {"tenant": "eu"}, "require": {"jurisdiction": "EEA"}},
-        {"id": "metered", "match": {"tenant": "metered"}, "budgets": [{"window": "day", "tokens": 100000}]},
-        {"id": "isolated", "match": {"tenant": "iso"}, "set": {"cache_isolation": True}}]}))
     (tmp / "partner.key").write_text(PARTNER_SECRET)
-    port = free_port()
-    cfg = {"server": {"host": "127.0.0.1", "port": port, "max_body_bytes": 200_000},
-           "backends": [
-               {"name": "engine", "url": e0["url"], "kind": "sim", "models": ["sim-model"],
-                "kv_events": e0["kv_events"], "replay": e0["replay"], "metrics": e0["metrics"],
-                "location": {"country": "US"}, "retention": "zero"},
-               {"name": "claude-partner", "url": e1["url"], "kind": "anthropic", "models": ["claude-sim"],
-                "model_map": {"claude-sim": "sim-model"}, "api_key_file": str(tmp / "partner.key"),
-                "location": {"country": "US"}, "retention": "zero", "operator": "partner"}],
-           "keys": [{"key": KEY, "tenant": "acme", "name": "k"}, {"key": QUOTA_KEY, "tenant": "quota", "name": "q"},
-                    {"key": EU_KEY, "tenant": "eu", "name": "e"}, {"key": METER_KEY, "tenant": "metered", "name": "m"},
-                    {"key": ISO_KEY, "tenant": "iso", "name": "i"}],
-           "policy": {"files": [str(tmp / "policy.yaml")], "audit_path": str(tmp / "audit.jsonl")},
-           "identity": {"sqlite_path": str(tmp / "id.db")},
-           "budgets": {"sqlite_path": str(tmp / "budgets.db"), "ledger_flush_s": 0.05,
-                       "prices": {"sim-model": {"input": 1.0, "output": 4.0}}}}
-    path = tmp / "gw.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    gw, _ = start_gateway(path)
-    yield {"base": f"http://127.0.0.1:{port}", "tmp": tmp, "engine": e0, "partner": e1}
-    gw.stop()
-    fleet.stop()
+    with make_stack(tmp, engines=2, fleet_args=["--locations", "US,US"], backends=_backends(tmp),
+                    keys={KEY: {"tenant": "acme", "name": "k"}, QUOTA_KEY: {"tenant": "quota", "name": "q"},
+                          EU_KEY: {"tenant": "eu", "name": "e"}, METER_KEY: {"tenant": "metered", "name": "m"},
+                          ISO_KEY: {"tenant": "iso", "name": "i"}},
+                    policy={"version": 1, "defaults": {"allow": True}, "rules": [
+                        {"id": "tiny-daily-quota", "match": {"tenant": "quota"},
+                         "budgets": [{"window": "day", "tokens": 10}]},
+                        {"id": "eu-stays-in-eea", "match": {"tenant": "eu"}, "require": {"jurisdiction": "EEA"}},
+                        {"id": "metered", "match": {"tenant": "metered"},
+                         "budgets": [{"window": "day", "tokens": 100000}]},
+                        {"id": "isolated", "match": {"tenant": "iso"}, "set": {"cache_isolation": True}}]},
+                    server={"max_body_bytes": 200_000},
+                    budgets={"prices": {"sim-model": {"input": 1.0, "output": 4.0}}}) as s:
+        e0, e1 = s.engines
+        yield {"base": s.base, "tmp": tmp, "engine": e0, "partner": e1}
 
 
 def audit(tmp, rid: str, timeout: float = 5.0) -> dict:

@@ -9,7 +9,6 @@ capability, charged their input tokens, refused up front when the input bound pa
 stream without max_output_tokens cut at the remaining budget in the Responses stream shape."""
 from __future__ import annotations
 
-import json
 import sqlite3
 import time
 
@@ -17,8 +16,7 @@ import httpx
 import openai
 import pytest
 
-from backends.sim.fleet import FleetProcess
-from tests.support.procs import free_port, start_gateway
+from tests.support.stack import make_stack
 
 pytestmark = pytest.mark.e2e
 KEY = "resp-e2e-key-0123456789"
@@ -28,47 +26,33 @@ CUT_BUDGET = 80  # "go" is bounded at 2 + 16 + 16 = 34 input tokens: 46 tokens l
 TINY_BUDGET = 60
 
 
+def _backends(man: dict) -> list[dict]:
+    e0, e1 = man["engines"]
+    return [{"name": "pool", "kind": "sim", "url": e0["url"], "models": ["sim-model"],
+             "capabilities": ["chat", "completions", "rerank", "score"]},
+            {"name": "gen", "kind": "sim", "url": e1["url"], "models": ["sim-model", "gen-only"],
+             "model_map": {"gen-only": "sim-model"}},
+            # an OpenAI-compatible API (kind openai) in front of the second engine: Responses is native there
+            {"name": "oai", "kind": "openai", "url": e1["url"], "models": ["oai-model"],
+             "model_map": {"oai-model": "sim-model"}}]
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("responses")
-    fleet = FleetProcess(["--engines", "2", "--profile", "tiny", "--base-port", "0"], tmp / "fleet.json")
-    man = fleet.start()
-    try:
-        (tmp / "policy.yaml").write_text(json.dumps({"version": 1, "rules": [
-            {"id": "acme", "match": {"tenant": "acme"}, "budgets": [{"window": "day", "tokens": 1_000_000}]},
-            {"id": "cut", "match": {"tenant": "cut"}, "budgets": [{"window": "day", "tokens": CUT_BUDGET}]},
-            {"id": "tiny", "match": {"tenant": "tiny"}, "budgets": [{"window": "day", "tokens": TINY_BUDGET}]}]}))
-        e0, e1 = man["engines"]
-        backends = [{"name": "pool", "kind": "sim", "url": e0["url"], "models": ["sim-model"],
-                     "capabilities": ["chat", "completions", "rerank", "score"]},
-                    {"name": "gen", "kind": "sim", "url": e1["url"], "models": ["sim-model", "gen-only"],
-                     "model_map": {"gen-only": "sim-model"}},
-                    # an OpenAI-compatible API (kind openai) in front of the second engine: Responses is native there
-                    {"name": "oai", "kind": "openai", "url": e1["url"], "models": ["oai-model"],
-                     "model_map": {"oai-model": "sim-model"}}]
-        port = free_port()
-        cfg = tmp / "gateway.yaml"
-        cfg.write_text(json.dumps({
-            "server": {"host": "127.0.0.1", "port": port}, "backends": backends,
-            "keys": [{"key": KEY, "tenant": "acme"}, {"key": CUT_KEY, "tenant": "cut"},
-                     {"key": TINY_KEY, "tenant": "tiny"}],
-            "policy": {"files": [str(tmp / "policy.yaml")], "audit_path": str(tmp / "audit.jsonl")},
-            "identity": {"sqlite_path": str(tmp / "id.db")},
-            "budgets": {"sqlite_path": str(tmp / "ledger.db"), "spool_path": str(tmp / "spool.jsonl"),
-                        "ledger_flush_s": 0.05},
-            "observability": {"log_level": "warning"}}))
-        gw, _ = start_gateway(cfg)
-        try:
-            yield {"base": f"http://127.0.0.1:{port}", "tmp": tmp, "engines": man["engines"]}
-        finally:
-            gw.stop()
-    finally:
-        fleet.stop()
+    with make_stack(tmp, engines=2, backends=_backends, keys={KEY: "acme", CUT_KEY: "cut", TINY_KEY: "tiny"},
+                    policy={"version": 1, "rules": [
+                        {"id": "acme", "match": {"tenant": "acme"}, "budgets": [{"window": "day", "tokens": 1_000_000}]},
+                        {"id": "cut", "match": {"tenant": "cut"}, "budgets": [{"window": "day", "tokens": CUT_BUDGET}]},
+                        {"id": "tiny", "match": {"tenant": "tiny"},
+                         "budgets": [{"window": "day", "tokens": TINY_BUDGET}]}]},
+                    observability={"log_level": "warning"}) as s:
+        yield {"base": s.base, "tmp": tmp, "engines": s.engines}
 
 
 def ledger_row(tmp, client_rid: str) -> dict:
     for _ in range(100):  # the ledger outbox flushes every 50 ms
-        db = sqlite3.connect(tmp / "ledger.db")
+        db = sqlite3.connect(tmp / "budgets.db")
         db.row_factory = sqlite3.Row
         try:
             rows = db.execute("select * from budget_ledger where client_request_id = ?", (client_rid,)).fetchall()

@@ -1,7 +1,8 @@
 """Waiting for an asynchronous effect instead of sleeping a guessed time: `wait_until(predicate)` polls until the
-predicate is true (returning its value) and fails the test with `what` when `timeout` passes first; the assertion
-that follows still checks the effect. `async_wait_until` is the same for coroutines (the event loop keeps running
-between polls). `ManualClock` is a clock a test advances by hand (wall and monotonic time move together)."""
+predicate is true (returning its value) and fails the test with `what` and the predicate's last value when
+`timeout` passes first; the assertion that follows still checks the effect. `async_wait_until` is the same for
+coroutines (the event loop keeps running between polls). `ManualClock` is a clock a test advances by hand (wall
+and monotonic time move together)."""
 from __future__ import annotations
 
 import asyncio
@@ -17,7 +18,7 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 10.0, interval: fl
         if value:
             return value
         if time.monotonic() >= deadline:
-            raise AssertionError(f"{what} did not hold within {timeout} s")
+            raise AssertionError(_timed_out(what, timeout, value))
         time.sleep(interval)
 
 
@@ -31,12 +32,17 @@ async def async_wait_until(predicate: Callable[[], Any | Awaitable[Any]], timeou
         if value:
             return value
         if time.monotonic() >= deadline:
-            raise AssertionError(f"{what} did not hold within {timeout} s")
+            raise AssertionError(_timed_out(what, timeout, value))
         await asyncio.sleep(interval)
 
 
+def _timed_out(what: str, timeout: float, value: Any) -> str:
+    last = repr(value)
+    return f"{what} did not hold within {timeout} s (last value: {last if len(last) <= 300 else last[:300] + '...'})"
+
+
 class ManualClock:
-    """`time()` and `monotonic()` that move only by `advance(seconds)` (gateway.identity.service.Clock's shape)."""
+    """`time()` and `monotonic()` that move only by `advance(seconds)` (the shape of gateway.identity.clock.Clock)."""
 
     def __init__(self, start: float | None = None) -> None:
         self.now = time.time() if start is None else start
