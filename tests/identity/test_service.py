@@ -167,7 +167,6 @@ async def test_auth_stage_sets_principal_evidence_and_model_limits(service: Iden
     await stage.run(ctx)
     assert ctx.principal is not None and ctx.evidence["principal"]["tenant"] == "acme"
     assert secret not in repr(ctx.evidence)
-    await stage.finish(ctx)
     ctx2 = RequestContext(request_id="r2", endpoint="chat", headers=bearer(secret), body={}, client_addr="c",
                           model="kimi-k3")
     e = await err(stage.run(ctx2))
