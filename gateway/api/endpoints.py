@@ -9,7 +9,7 @@ operation name, the parameter that carries the prompt (named in context errors) 
 routing.
 
 Adding an endpoint: one entry here, one parser, and its wire rules when its wire is new (docs/architecture.md);
-a multipart one names `media=FORM`.
+a multipart one names `media=FORM` (/v1/audio/transcriptions: gateway/api/parse_audio.py, wire/audio.py).
 Stages read `ctx.ep` (this entry); none compares endpoint names.
 """
 from __future__ import annotations
@@ -18,9 +18,11 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from gateway.api import parse
-from gateway.api.media import JSON, Media
+from gateway.api.media import FORM, JSON, Media
+from gateway.api.parse_audio import FORM_OVERHEAD_BYTES, MAX_FILE_BYTES, parse_transcription
 from gateway.api.parse_messages import as_chat, parse_messages
 from gateway.api.wire.anthropic import ANTHROPIC
+from gateway.api.wire.audio import TRANSCRIPTION
 from gateway.api.wire.base import ClientWire
 from gateway.api.wire.openai import OPENAI
 from gateway.api import parse_pooling, parse_responses
@@ -115,6 +117,12 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     # Anthropic Messages: max_tokens is required by its parser, so there is no default
     Endpoint("messages", "/v1/messages", parse_messages, "messages", ANTHROPIC, "chat", "messages",
              _anthropic_text, _const("max_tokens"), chat_view=as_chat),
+    # OpenAI's audio transcription, a multipart form, on backends whose model transcribes (vLLM's Whisper-class
+    # models: the `transcription` capability). It generates text: a cap goes upstream as vLLM's
+    # max_completion_tokens form field; the client sends none (OpenAI has none), the engine runs to a stop
+    Endpoint("transcriptions", "/v1/audio/transcriptions", parse_transcription, "audio/transcriptions",
+             TRANSCRIPTION, "transcription", "file", _field_text("prompt"), _const("max_completion_tokens"),
+             capability="transcription", media=FORM, max_body_bytes=MAX_FILE_BYTES + FORM_OVERHEAD_BYTES),
 )
 
 BY_NAME: dict[str, Endpoint] = {e.name: e for e in ENDPOINTS}

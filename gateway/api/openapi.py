@@ -125,6 +125,25 @@ def _completion_op(op_id: str, summary: str, schema_ref: str, streams: bool) -> 
     }}
 
 
+def _transcription_op() -> _Json:
+    """POST /v1/audio/transcriptions: a multipart form in, JSON out."""
+    errors = _errors(*_POST_ERRORS)
+    errors["413"]["description"] = "The file is over 25 MiB (or the form over 26 MiB)"
+    errors["415"]["description"] = "Content-Type is not multipart/form-data"
+    return {"post": {
+        "operationId": "createTranscription",
+        "summary": "Transcribe audio (OpenAI-compatible; backends with the transcription capability, vLLM's "
+                   "Whisper-class models); usage in tokens",
+        "requestBody": {"required": True, "content": {"multipart/form-data": {
+            "schema": {"$ref": "#/components/schemas/TranscriptionRequest"},
+            "encoding": {"file": {"contentType": "audio/*, application/octet-stream"}}}}},
+        "responses": {"200": {"description": "{text, usage: {type: tokens, input_tokens, output_tokens, "
+                                             "total_tokens}}; verbose_json: {duration, language, text, segments}",
+                              "content": {"application/json": {"schema": {"type": "object"}}}},
+                      **errors},
+    }}
+
+
 def _messages_op() -> _Json:
     """POST /v1/messages: Anthropic-shaped, with its own auth header and error body."""
     return {"post": {
@@ -187,6 +206,7 @@ def _paths() -> _Json:
                                     "#/components/schemas/ScoreRequest", False),
         "/tokenize": _completion_op("tokenize", "Tokenize a prompt or a chat (vLLM's API)",
                                     "#/components/schemas/TokenizeRequest", False),
+        "/v1/audio/transcriptions": _transcription_op(),
         "/v1/models": _models_op(),
         **_probe_paths(),
     }
@@ -232,7 +252,7 @@ def _generation_schemas() -> _Json:
 
 
 def _pooling_schemas() -> _Json:
-    """Request bodies of the non-generating endpoints: rerank, score, tokenize, embeddings."""
+    """Request bodies of the other endpoints: rerank, score, tokenize, transcription, embeddings."""
     return {
         "RerankRequest": {"type": "object", "required": ["model", "query", "documents"], "properties": {
             "model": _MODEL, "query": {"type": "string"},
@@ -243,6 +263,13 @@ def _pooling_schemas() -> _Json:
         "TokenizeRequest": {"type": "object", "required": ["model", "prompt"], "properties": {
             "model": _MODEL, "prompt": {"type": "string", "description": "or `messages` instead (a chat)"},
             "add_special_tokens": {"type": "boolean"}, "return_token_strs": {"type": "boolean"}}},
+        "TranscriptionRequest": {"type": "object", "required": ["file", "model"], "properties": {
+            "file": {"type": "string", "format": "binary", "description": "the audio (flac, mp3, mp4, mpeg, mpga, "
+                                                                         "m4a, ogg, wav or webm), at most 25 MiB"},
+            "model": _MODEL, "language": {"type": "string", "maxLength": 32, "description": "ISO-639-1"},
+            "prompt": {"type": "string"}, "response_format": {"enum": ["json", "text", "verbose_json"]},
+            "temperature": {"type": "number", "minimum": 0, "maximum": 1},
+            "stream": {"enum": [False], "description": "streaming is refused"}}},
         "EmbeddingRequest": {"type": "object", "required": ["model", "input"], "properties": {
             "model": _MODEL,
             "input": {"oneOf": [{"type": "string"},

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +61,31 @@ def check_answer(method: str, path: str, status: int, ctype: str, body: bytes) -
     return None
 
 
+def _bytes(v: Any) -> bytes:
+    """Any generated value as the bytes of a form part (text as UTF-8, lone surrogates kept as they are)."""
+    if isinstance(v, bytes):
+        return v
+    return (v if isinstance(v, str) else json.dumps(v)).encode("utf-8", "surrogatepass")
+
+
+def multipart(files: list[tuple[Any, Any]]) -> tuple[bytes, str]:
+    """A multipart/form-data body of schemathesis's generated parts, [(name, (filename, content[, type]))],
+    written here rather than by a client library, which refuses some generated values (ints, lone surrogates):
+    the gateway must answer whatever bytes arrive."""
+    boundary = b"fuzz-" + uuid.uuid4().hex.encode()
+    out = []
+    for name, value in files:
+        filename, content, *ctype = value if isinstance(value, tuple) else (None, value)
+        head = b'Content-Disposition: form-data; name="' + _bytes(name).replace(b'"', b"%22") + b'"'
+        if filename is not None:
+            head += b'; filename="' + _bytes(filename).replace(b'"', b"%22") + b'"'
+        if ctype:
+            head += b"\r\nContent-Type: " + _bytes(ctype[0])
+        out.append(b"--" + boundary + b"\r\n" + head + b"\r\n\r\n" + _bytes(content) + b"\r\n")
+    body = b"".join(out) + b"--" + boundary + b"--\r\n"
+    return body, "multipart/form-data; boundary=" + boundary.decode()
+
+
 def fuzz(base: str, key: str, examples_per_operation: int, timeout_s: float = 30.0,
          seed: int | None = None, model: str = "sim-model") -> FuzzReport:
     """Run `examples_per_operation` generated requests per operation and generation mode against `base`."""
@@ -90,6 +116,8 @@ def fuzz(base: str, key: str, examples_per_operation: int, timeout_s: float = 30
                     if content is None and "json" in kw:
                         content = json.dumps(kw["json"]).encode()  # stdlib: big ints, NaN as they come
                         headers.setdefault("content-type", "application/json")
+                    if kw.get("files") is not None:  # a multipart form (/v1/audio/transcriptions)
+                        content, headers["content-type"] = multipart(kw["files"])
                     t0 = time.perf_counter()
                     try:
                         r = client.request(kw["method"], kw["url"], headers=headers, params=kw.get("params"),

@@ -43,7 +43,8 @@ def start_stack(tmp: Path, engines: int = 2, profile: str = "tiny", locations: s
                        locations, *(fleet_args or [])], tmp / "manifest.json")
     manifest = fp.start()
     try:
-        backends = sim_backends(manifest, capabilities=["chat", "completions", "embeddings", "rerank", "score"])
+        backends = sim_backends(manifest, capabilities=["chat", "completions", "embeddings", "rerank", "score",
+                                                            "transcription"])
         srv = {"max_body_bytes": 1_000_000, **(server or {})}
         cfg = write_config(tmp, backends, server=srv, observability={"log_level": "warning"}, **sections)
         gw, port = start_gateway(cfg, env=env)
