@@ -19,16 +19,19 @@ from __future__ import annotations
 import email.message
 import email.parser
 import email.policy
+import mmap
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Union
 
 import orjson
 
 from gateway.api.parse import decode_json
 from gateway.errors import GatewayError, bad_request
 
+Body = dict[str, Any]  # a decoded request body: a JSON object, or a form's fields
+Buffer = Union[bytes, mmap.mmap]  # what the multipart reader reads: a body in memory, or a memory-mapped spool file
 HEADER_MAX = 16384  # the most header bytes one multipart part may have
 FIND_WINDOW = 1 << 20  # a search through a large body looks at this much at a time, letting the GIL go in between
 
@@ -78,7 +81,7 @@ class Upload:
     __str__ = __repr__
 
 
-def _find(body: Any, sub: bytes, start: int, end: int | None = None) -> int:
+def _find(body: Buffer, sub: bytes, start: int, end: int | None = None) -> int:
     """body.find(sub, start, end), a window at a time: one C-speed search over a 100 MB mapping holds the GIL
     (and takes its page faults) for tens of milliseconds, which the event loop would wait out."""
     stop = len(body) if end is None else min(end, len(body))
@@ -103,7 +106,7 @@ def boundary_of(content_type: str) -> str:
     return boundary
 
 
-def iter_parts(body: Any, size: int, content_type: str) -> Iterator[Part]:
+def iter_parts(body: Buffer, size: int, content_type: str) -> Iterator[Part]:
     """The parts of multipart/form-data (RFC 7578) over `body` (bytes or a memory map), in order, found with
     C-speed searches for the boundary; nothing is copied but each part's headers."""
     delim = b"--" + boundary_of(content_type).encode("latin-1", "replace")
@@ -147,7 +150,7 @@ def _quote(s: str) -> str:
     return s.replace('"', "%22").replace("\r", "%0D").replace("\n", "%0A")
 
 
-def _text(v: Any) -> bytes:
+def _text(v: object) -> bytes:
     if isinstance(v, str):
         return v.encode()
     if isinstance(v, bool):
@@ -157,9 +160,9 @@ def _text(v: Any) -> bytes:
     return orjson.dumps(v)  # an object or nested array (vLLM reads e.g. vllm_xargs from a form as JSON text)
 
 
-def _form_parts(body: dict[str, Any]) -> list[tuple[bytes, Any]]:
+def _form_parts(body: Body) -> list[tuple[bytes, bytes | Upload]]:
     """(part headers, content) of each field; a list is the same name repeated, None is left out."""
-    out: list[tuple[bytes, Any]] = []
+    out: list[tuple[bytes, bytes | Upload]] = []
     for name, value in body.items():
         for v in value if isinstance(value, list) else (value,):
             if v is None:
@@ -173,7 +176,7 @@ def _form_parts(body: dict[str, Any]) -> list[tuple[bytes, Any]]:
     return out
 
 
-def encode_form(body: dict[str, Any]) -> bytes:
+def encode_form(body: Body) -> bytes:
     """A multipart/form-data body of these fields; the boundary (read back by `content_type`) is random and
     checked to occur in no part's content."""
     parts = _form_parts(body)
@@ -181,7 +184,7 @@ def encode_form(body: dict[str, Any]) -> bytes:
         boundary = ("gw-" + secrets.token_hex(16)).encode()
         if not any(boundary in c if isinstance(c, bytes) else c.contains(boundary) for _, c in parts):
             break
-    chunks: list[Any] = []
+    chunks: list[bytes | memoryview] = []
     for head, content in parts:
         chunks += [b"--", boundary, b"\r\n", head, content.data if isinstance(content, Upload) else content, b"\r\n"]
     chunks += [b"--", boundary, b"--\r\n"]
@@ -200,10 +203,10 @@ class Media:
     def refusal(self) -> GatewayError:
         return GatewayError(415, f"Content-Type must be {self.mime}.", code="unsupported_media_type")
 
-    def decode(self, raw: bytes, content_type: str) -> dict[str, Any]:
+    def decode(self, raw: bytes, content_type: str) -> Body:
         raise NotImplementedError
 
-    def encode(self, body: dict[str, Any]) -> bytes:
+    def encode(self, body: Body) -> bytes:
         raise NotImplementedError
 
     def content_type(self, encoded: bytes) -> str:
@@ -215,27 +218,27 @@ class JsonMedia(Media):
     mime = "application/json"
     bounds_prompt = True
 
-    def decode(self, raw: bytes, content_type: str) -> dict[str, Any]:
+    def decode(self, raw: bytes, content_type: str) -> Body:
         return decode_json(raw)
 
-    def encode(self, body: dict[str, Any]) -> bytes:
+    def encode(self, body: Body) -> bytes:
         return orjson.dumps(body)
 
 
 class FormMedia(Media):
     mime = "multipart/form-data"
 
-    def decode(self, raw: bytes, content_type: str) -> dict[str, Any]:
+    def decode(self, raw: bytes, content_type: str) -> Body:
         """The form's fields (see the module docstring); 400 naming what is wrong when it is not a form."""
         if not raw:
             raise bad_request("Request body is empty; expected multipart/form-data.", code="invalid_request")
-        out: dict[str, Any] = {}
+        out: Body = {}
         try:
             for p in iter_parts(raw, len(raw), content_type):
                 if not p.name:
                     raise MultipartError("a part without a name")
                 if p.filename is not None:
-                    value: Any = Upload(p.filename, p.content_type or "application/octet-stream", raw, p.start, p.end)
+                    value: str | Upload = Upload(p.filename, p.content_type or "application/octet-stream", raw, p.start, p.end)
                 else:
                     try:
                         value = raw[p.start:p.end].decode("utf-8")
@@ -248,7 +251,7 @@ class FormMedia(Media):
             raise bad_request(f"Request body is not valid multipart/form-data ({e}).", code="invalid_request") from None
         return out
 
-    def encode(self, body: dict[str, Any]) -> bytes:
+    def encode(self, body: Body) -> bytes:
         return encode_form(body)
 
     def content_type(self, encoded: bytes) -> str:

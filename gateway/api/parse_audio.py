@@ -12,9 +12,7 @@ counted (docs/budgets.md).
 from __future__ import annotations
 
 import math
-from typing import Any
-
-from gateway.api.media import Upload
+from gateway.api.media import Body, Upload
 from gateway.api.parse import Parsed, _model, _type_error
 from gateway.errors import GatewayError, bad_request
 
@@ -24,7 +22,7 @@ RESPONSE_FORMATS = ("json", "text", "verbose_json")
 _TRUE, _FALSE = ("true", "1"), ("false", "0")
 
 
-def _opt_text(body: dict[str, Any], name: str, most: int | None = None) -> str | None:
+def _opt_text(body: Body, name: str, most: int | None = None) -> str | None:
     v = body.get(name)
     if v is None:
         return None
@@ -35,7 +33,7 @@ def _opt_text(body: dict[str, Any], name: str, most: int | None = None) -> str |
     return v
 
 
-def _file(body: dict[str, Any]) -> Upload:
+def _file(body: Body) -> Upload:
     f = body.get("file")
     if f is None:
         raise bad_request("Missing required parameter: 'file'.", param="file", code="missing_required_parameter")
@@ -50,7 +48,7 @@ def _file(body: dict[str, Any]) -> Upload:
     return f
 
 
-def _temperature(body: dict[str, Any]) -> None:
+def _temperature(body: Body) -> None:
     t = _opt_text(body, "temperature")
     if t is None:
         return
@@ -64,7 +62,7 @@ def _temperature(body: dict[str, Any]) -> None:
                           code="invalid_value")
 
 
-def _max_tokens(body: dict[str, Any]) -> int | None:
+def _max_tokens(body: Body) -> int | None:
     t = _opt_text(body, "max_completion_tokens")
     if t is None:
         return None
@@ -74,7 +72,7 @@ def _max_tokens(body: dict[str, Any]) -> int | None:
     return int(t)
 
 
-def parse_transcription(body: dict[str, Any]) -> Parsed:
+def parse_transcription(body: Body) -> Parsed:
     model = _model(body)
     _file(body)
     _opt_text(body, "language", 32)
@@ -93,7 +91,7 @@ def parse_transcription(body: dict[str, Any]) -> Parsed:
     return Parsed(model, False, False, _max_tokens(body), len(prompt.encode()))
 
 
-def response_format(body: dict[str, Any]) -> str:
+def response_format(body: Body) -> str:
     """The format the client asked for (json when none)."""
     fmt = body.get("response_format")
     return fmt if isinstance(fmt, str) and fmt in RESPONSE_FORMATS else "json"

@@ -27,7 +27,10 @@ from gateway.types import Usage
 FOLDED = ("json", "text")  # the formats asked of the engine as a stream and folded into one JSON answer
 
 
-def _count(v: Any) -> int | None:
+_Json = dict[str, Any]  # a JSON object of an answer
+
+
+def _count(v: object) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
 
 
@@ -39,7 +42,7 @@ def fold(raw: bytes) -> bytes:
     """vLLM's transcription stream (`transcription.chunk` events, the usage chunk, [DONE]) as OpenAI's JSON
     transcription; a 502 when it carries an error or ends without [DONE]."""
     text: list[str] = []
-    usage: dict[str, Any] | None = None
+    usage: _Json | None = None
     done = False
     for ev in sse.split_events(raw.replace(b"\r\n", b"\n") + b"\n\n"):
         data = sse.event_data(ev)
@@ -62,7 +65,7 @@ def fold(raw: bytes) -> bytes:
             usage = chunk["usage"]
     if not done:
         raise _broken("stream ended early")
-    out: dict[str, Any] = {"text": "".join(text)}
+    out: _Json = {"text": "".join(text)}
     p = _count((usage or {}).get("prompt_tokens"))
     c = _count((usage or {}).get("completion_tokens"))
     if p is not None and c is not None:
@@ -70,7 +73,7 @@ def fold(raw: bytes) -> bytes:
     return orjson.dumps(out)
 
 
-def usage_from(obj: dict[str, Any]) -> Usage | None:
+def usage_from(obj: _Json) -> Usage | None:
     """Tokens of a transcription: OpenAI's `usage: {type: "tokens", ...}`; else a verbose_json's segment
     tokens; None for a duration (no tokens known)."""
     u = obj.get("usage")
@@ -90,10 +93,10 @@ class TranscriptionWire(ClientWire):
     name = "transcription"
     rewrites_upstream = True
 
-    def usage(self, obj: Any) -> Usage | None:
+    def usage(self, obj: object) -> Usage | None:
         return usage_from(obj) if isinstance(obj, dict) else None
 
-    def prepare(self, ctx: Any, body: dict[str, Any]) -> None:
+    def prepare(self, ctx: Any, body: _Json) -> None:
         if response_format(ctx.body) in FOLDED:
             body["response_format"] = "json"
             body["stream"] = True
@@ -102,7 +105,7 @@ class TranscriptionWire(ClientWire):
     def from_upstream(self, raw: bytes) -> bytes:
         return fold(raw) if raw.lstrip()[:5] == b"data:" else raw
 
-    def client_body(self, ctx: Any, obj: Any, body: bytes) -> tuple[bytes, bytes]:
+    def client_body(self, ctx: Any, obj: object, body: bytes) -> tuple[bytes, bytes]:
         if response_format(ctx.body) == "text" and isinstance(obj, dict) and isinstance(obj.get("text"), str):
             return obj["text"].encode(), b"text/plain; charset=utf-8"
         return body, b"application/json"
