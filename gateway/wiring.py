@@ -192,7 +192,8 @@ def _wire_rollouts(gw: Gateway) -> Any:
     gw.services.append(svc)  # after the identity service, which opens the store it uses
     gw.rollouts = svc
     gw.extra_routes.extend(alias_admin_routes(svc, gateway_guard(gw)))
-    svc.shadow_runner = ShadowRunner(gw)  # copies run through gw.pipeline as it is when they start
+    # a copy runs through the pipeline as it is when the copy starts (a reload may have replaced it)
+    svc.shadow_runner = ShadowRunner(gw, lambda caller: shadow_pipeline(gw.pipeline, caller))
     return RolloutStage(svc, svc.shadow_runner)
 
 
@@ -394,7 +395,7 @@ def _wire_batch(gw: Gateway) -> None:
     from gateway.batch.api import batch_routes
     from gateway.batch.service import BatchService
 
-    svc = BatchService(gw)
+    svc = BatchService(gw, pipeline_for=lambda restriction, zero: batch_pipeline(gw.pipeline, restriction, zero))
     gw.services.append(svc)
     gw.batch = svc
     gw.extra_routes.extend(batch_routes(svc))

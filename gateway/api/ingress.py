@@ -12,12 +12,11 @@ import logging
 import time
 from typing import Any
 
-import orjson
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
 
 from gateway.api.endpoints import Endpoint, prepare
-from gateway.api.reply import client_request_id, new_request_id, request_id, send_bytes, send_error
+from gateway.api.reply import client_request_id, complete_json, new_request_id, request_id, send_bytes, send_error
 from gateway.api.unserved import ON_SERVED_PATHS, answer as unserved_answer
 from gateway.errors import GatewayError
 from gateway.pipeline import Lifecycle, RequestContext, RequestHeaders
@@ -242,24 +241,11 @@ class InferenceEndpoint:
                            hdrs: dict[str, str]) -> None:
         """A whole answer: its usage and facts read (invalid JSON from the upstream is a 502), the request
         finished (settled, recorded) before the bytes go out."""
-        wire = self.wire
-        ctx.status = result.status
-        if result.status == 200:
-            try:
-                obj = orjson.loads(result.body)
-            except orjson.JSONDecodeError:
-                ctx.status, ctx.error = 502, "upstream_bad_json"
-                err = GatewayError(502, "Upstream answered with invalid JSON.", code="upstream_error")
-                await life.finish()
-                await send_error(send, err, ctx.request_id,
-                                 {**ctx.extra_headers, "server-timing": self._timing(ctx)}, wire)
-                return
-            ctx.usage = wire.usage(obj)
-            wire.facts(ctx, obj)
-            if ctx.cache is not None:
-                ctx.cache.capture.json(obj)
-            ctx.ttft_s = None
-        await life.finish()
+        _, err = await complete_json(life, result, self.wire)
+        if err is not None:
+            await send_error(send, err, ctx.request_id, {**ctx.extra_headers, "server-timing": self._timing(ctx)},
+                             self.wire)
+            return
         hdrs["server-timing"] = self._timing(ctx)
         await send_bytes(send, result.status, result.body, hdrs)
 

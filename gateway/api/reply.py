@@ -6,12 +6,18 @@ import os
 import random
 import re
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import orjson
 
 from gateway.api.wire.base import ClientWire
 from gateway.api.wire.openai import OPENAI
 from gateway.errors import GatewayError, retry_headers
 from gateway.server_protocol import write_response
+
+if TYPE_CHECKING:
+    from gateway.pipeline import Lifecycle
+    from gateway.proxy.forward import JsonResult
 
 _RID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
@@ -88,3 +94,31 @@ async def send_error(send, err: GatewayError, rid: str, extra: dict[str, str] | 
                      wire: ClientWire = OPENAI) -> None:
     """A refusal in the endpoint's own error shape (OpenAI's unless the endpoint's wire says otherwise)."""
     await send_bytes(send, err.status, wire.error_body(err), error_headers(err, rid, extra))
+
+
+async def complete_json(life: Lifecycle, result: JsonResult, wire: ClientWire,
+                        json_errors: bool = False) -> tuple[Any, GatewayError | None]:
+    """A whole JSON answer, for the HTTP ingress and the batch lane alike: its status, and for a 200 its usage,
+    its facts and the response cache's capture, read into the request, then the request completed (settled,
+    recorded) before its bytes go anywhere. Returns the parsed body (None: an error body that is not JSON, passed
+    on as it is) and, for a 200 that is not JSON, the 502 `upstream_bad_json` the request completed with; with
+    `json_errors` (a batch line's output is JSON), for any answer that is not JSON."""
+    ctx = life.ctx
+    ctx.status = result.status
+    try:
+        obj = orjson.loads(result.body)
+    except orjson.JSONDecodeError:
+        obj = None
+    if result.status == 200 or json_errors:
+        if obj is None:
+            ctx.status, ctx.error = 502, "upstream_bad_json"
+            await life.finish()
+            return None, GatewayError(502, "Upstream answered with invalid JSON.", code="upstream_error")
+    if result.status == 200:
+        ctx.usage = wire.usage(obj)
+        wire.facts(ctx, obj)
+        if ctx.cache is not None:
+            ctx.cache.capture.json(obj)
+        ctx.ttft_s = None  # a whole answer has no first token of its own
+    await life.finish()
+    return obj, None

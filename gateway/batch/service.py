@@ -26,7 +26,7 @@ from gateway.batch.scope import ALWAYS_RESTRICTED, owner_of, record_decisions
 from gateway.batch.store import BatchStore, Line, PostgresBatchStore, SqliteBatchStore
 from gateway.batch.upload import UploadSlots
 from gateway.errors import GatewayError
-from gateway.pipeline import Lifecycle, RequestContext, RequestHeaders
+from gateway.pipeline import Lifecycle, Pipeline, RequestContext, RequestHeaders
 
 log = logging.getLogger("gateway.batch")
 
@@ -83,8 +83,12 @@ class BatchPriorityStage:
 
 
 class BatchService:
-    def __init__(self, gw: Any, store: BatchStore | None = None) -> None:
+    def __init__(self, gw: Any, store: BatchStore | None = None,
+                 pipeline_for: Callable[[Any, bool], Pipeline] | None = None) -> None:
         self.gw = gw
+        # a line's pipeline by its input file's restriction and zero retention (gateway/wiring.py
+        # `batch_pipeline`); unset (unit tests of the lane): the gateway's own
+        self.pipeline_for = pipeline_for or (lambda restriction, zero: gw.pipeline)
         self.store = store or make_store(gw.config)
         self.worker = "w_" + os.urandom(6).hex()  # this replica's lease owner id
         self.pacer = Pacer(gw.config.raw.batch)
@@ -470,9 +474,8 @@ class BatchService:
         """Run one line through the realtime pipeline and dispatcher as its owner, at priority `batch`.
         Returns (status, response body, the gateway request id, the refusal if one)."""
         from gateway.api.endpoints import BY_NAME, prepare
-        from gateway.api.reply import new_request_id
+        from gateway.api.reply import complete_json, new_request_id
         from gateway.proxy.forward import JsonResult
-        from gateway.wiring import batch_pipeline
 
         gw = self.gw
         ep = BY_NAME[ENDPOINTS[job["endpoint"]]]
@@ -489,7 +492,7 @@ class BatchService:
         prepare(ctx, parsed, orjson.dumps(body), gw.config)
         ctx.stream = False
         # never looser than the input file's decision, nor than the batch's zero retention (gateway/wiring.py)
-        life = Lifecycle(batch_pipeline(gw.pipeline, job.get("restriction"), bool(job.get("zero_retention"))), ctx)
+        life = Lifecycle(self.pipeline_for(job.get("restriction"), bool(job.get("zero_retention"))), ctx)
         try:
             try:
                 result = await life.run()
@@ -501,16 +504,9 @@ class BatchService:
                     await result.response.aclose()
                 err = GatewayError(502, "The upstream answered a batch line with a stream.", code="upstream_error")
                 return 502, err.body(), ctx.request_id, None
-            ctx.status = result.status
-            try:
-                obj = orjson.loads(result.body)
-            except orjson.JSONDecodeError:
-                ctx.status, ctx.error = 502, "upstream_bad_json"
-                err = GatewayError(502, "Upstream answered with invalid JSON.", code="upstream_error")
+            obj, err = await complete_json(life, result, ep.wire, json_errors=True)
+            if err is not None:
                 return 502, err.body(), ctx.request_id, None
-            if result.status == 200:
-                ctx.usage = ep.wire.usage(obj)
-                ep.wire.facts(ctx, obj)
             return result.status, obj, ctx.request_id, None
         finally:
             await life.finish()

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -68,8 +69,9 @@ class ShadowDecisionStage:
 class ShadowRunner:
     """Starts copies as background tasks, at most `max_inflight` per shadow target at once."""
 
-    def __init__(self, gw: Any) -> None:
+    def __init__(self, gw: Any, pipeline_for: Callable[[Decision], Pipeline]) -> None:
         self.gw = gw
+        self.pipeline_for = pipeline_for  # a copy's pipeline (gateway/wiring.py `shadow_pipeline`)
         self.inflight: dict[str, int] = {}
         self.tasks: set[asyncio.Task] = set()
         self.stats = {"sent": 0, "skipped_full": 0, "refused": 0, "failed": 0}
@@ -93,9 +95,8 @@ class ShadowRunner:
         return out
 
     def pipeline(self, caller: Decision) -> Pipeline:
-        from gateway.wiring import shadow_pipeline
-
-        return shadow_pipeline(self.gw.pipeline, caller)
+        """A copy's pipeline, as gateway/wiring.py declares it (`shadow_pipeline`, set there as `pipeline_for`)."""
+        return self.pipeline_for(caller)
 
     async def _run(self, primary: RequestContext, alias: str, model: str, sh: ShadowConfig) -> None:
         from gateway.api.endpoints import prepare
