@@ -240,14 +240,19 @@ class InferenceEndpoint:
     async def _answer_json(self, ctx: RequestContext, send, life: Lifecycle, result: JsonResult,
                            hdrs: dict[str, str]) -> None:
         """A whole answer: its usage and facts read (invalid JSON from the upstream is a 502), the request
-        finished (settled, recorded) before the bytes go out."""
-        _, err = await complete_json(life, result, self.wire)
+        finished (settled, recorded) before the bytes go out, in the form the client asked for (the wire's
+        `client_body`: a transcription's `response_format: text` is the text itself)."""
+        obj, err = await complete_json(life, result, self.wire)
         if err is not None:
             await send_error(send, err, ctx.request_id, {**ctx.extra_headers, "server-timing": self._timing(ctx)},
                              self.wire)
             return
         hdrs["server-timing"] = self._timing(ctx)
-        await send_bytes(send, result.status, result.body, hdrs)
+        if result.status != 200:
+            await send_bytes(send, result.status, result.body, hdrs)
+            return
+        body, ctype = self.wire.client_body(ctx, obj, result.body)
+        await send_bytes(send, 200, body, hdrs, ctype)
 
     async def _answer_stream(self, ctx: RequestContext, send, life: Lifecycle, result: Any,
                              hdrs: dict[str, str]) -> None:

@@ -126,7 +126,8 @@ def _completion_op(op_id: str, summary: str, schema_ref: str, streams: bool) -> 
 
 
 def _transcription_op() -> _Json:
-    """POST /v1/audio/transcriptions: a multipart form in, JSON out."""
+    """POST /v1/audio/transcriptions: a multipart form in, JSON out (the transcript as text/plain for
+    response_format text)."""
     errors = _errors(*_POST_ERRORS)
     errors["413"]["description"] = "The file is over 25 MiB (or the form over 26 MiB)"
     errors["415"]["description"] = "Content-Type is not multipart/form-data"
@@ -139,7 +140,8 @@ def _transcription_op() -> _Json:
             "encoding": {"file": {"contentType": "audio/*, application/octet-stream"}}}}},
         "responses": {"200": {"description": "{text, usage: {type: tokens, input_tokens, output_tokens, "
                                              "total_tokens}}; verbose_json: {duration, language, text, segments}",
-                              "content": {"application/json": {"schema": {"type": "object"}}}},
+                              "content": {"application/json": {"schema": {"type": "object"}},
+                                          "text/plain": {"schema": {"type": "string"}}}},
                       **errors},
     }}
 

@@ -109,7 +109,7 @@ class ShadowRunner:
             body = shadow_body(primary.body, model)
             ctx = RequestContext(request_id=new_request_id(), endpoint=primary.endpoint, headers=RequestHeaders(),
                                  body=body, client_addr="shadow")
-            prepare(ctx, ctx.ep.parse(body), orjson.dumps(body), self.gw.config)
+            prepare(ctx, ctx.ep.parse(body), ctx.ep.media.encode(body), self.gw.config)
             ctx.stream = False
             ctx.principal = shadow_principal(primary.principal, alias, sh.budget_scope)
             ctx.rollout = ArmChoice(alias, model, shadow=True)

@@ -161,8 +161,6 @@ def test_verbose_json_is_served_and_charged_its_segment_tokens(stack):
     assert (row["prompt_tokens"], row["completion_tokens"]) == (0, len(v.segments[0].tokens))
 
 
-@pytest.mark.xfail(strict=True, reason="the answer path sends the JSON body as it is; it must send "
-                   "ClientWire.client_body's bytes and content type (text/plain for response_format text)")
 def test_text_format_is_the_transcript_alone(stack):
     r = sdk(stack).audio.transcriptions.with_raw_response.create(
         model="whisper-1", file=("talk.wav", AUDIO, "audio/wav"), response_format="text",

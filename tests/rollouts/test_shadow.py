@@ -76,3 +76,25 @@ def test_a_bad_shadow_names_its_key(shadow: dict, extra: dict, where: str) -> No
 def test_a_shadow_model_must_be_served() -> None:
     with pytest.raises(ConfigError, match=r"aliases\[0\]\.targets\[1\].*nope"):
         _cfg([{"model": "m1", "weight": 1}, {"model": "nope", "shadow": {"budget_scope": "ops"}}])
+
+
+def test_a_transcription_is_copied_as_the_same_form_to_the_shadow_model() -> None:
+    """A shadow copy of a multipart request is encoded by its endpoint's media type (it was JSON-encoded, which
+    failed on the uploaded file): the same audio bytes, the shadow model named in the form."""
+    import httpx
+
+    from gateway.api.endpoints import BY_NAME
+    from gateway.api.media import FORM
+
+    audio = bytes(range(256)) * 40
+    req = httpx.Request("POST", "http://x/v1/audio/transcriptions", data={"model": "stt-v1", "language": "en"},
+                        files={"file": ("talk.wav", audio, "audio/wav")})
+    raw = req.read()
+    body = FORM.decode(raw, req.headers["content-type"])
+    ep = BY_NAME["transcriptions"]
+    copy = shadow_body(body, "stt-v2")
+    ep.parse(copy)  # what the copy's request is prepared from
+    encoded = ep.media.encode(copy)
+    again = FORM.decode(encoded, ep.media.content_type(encoded))
+    assert again["model"] == "stt-v2" and again["language"] == "en"
+    assert bytes(again["file"].data) == audio

@@ -8,9 +8,8 @@ the gateway asks the engine for that stream (`prepare`) and folds it into OpenAI
 whose tokens budgets charge. verbose_json cannot stream in vLLM: it goes as asked, and its usage is the
 segments' token ids (output tokens; timestamp tokens are not in them). The client is never streamed to.
 
-For `text` OpenAI sends the transcript alone as `text/plain`: `client_body` says so, but the JSON answer path
-(gateway/api/ingress.py) does not call it yet, so a text request is answered the JSON above (what vLLM itself
-answers for text).
+For `text` OpenAI sends the transcript alone as `text/plain`: `client_body` gives it to the JSON answer path
+(gateway/api/ingress.py), after the usage was read from the folded JSON.
 """
 from __future__ import annotations
 
