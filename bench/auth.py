@@ -73,9 +73,9 @@ async def main(n: int) -> None:
     }), base_dir=tmp)
     svc = IdentityService(cfg)
     await svc.start()
-    await svc.create_tenant("acme", labels={"residency": "eea"})
-    await svc.create_team("acme", "search")
-    _, key = await svc.create_key("acme", team="search", models=["qwen*"])
+    await svc.directory.create_tenant("acme", labels={"residency": "eea"})
+    await svc.directory.create_team("acme", "search")
+    _, key = await svc.directory.create_key("acme", team="search", models=["qwen*"])
     now = int(time.time())
     claims = {"iss": ISS, "aud": "gw", "sub": "u", "exp": now + 3600, "tenant": "acme", "team": "search"}
     tok_r = jwt.encode(claims, rk, algorithm="RS256", headers={"kid": "r"})
@@ -141,14 +141,14 @@ async def revocation_latency(dsn: str, trials: int = 20) -> None:
     a, b = (IdentityService(parse_config(text, base_dir=tmp)) for _ in range(2))
     await a.start()
     await b.start()
-    await a.create_tenant("acme")
+    await a.directory.create_tenant("acme")
     res = []
     for _ in range(trials):
-        k, s = await a.create_key("acme")
+        k, s = await a.directory.create_key("acme")
         h = {"authorization": f"Bearer {s}"}
         await b.authenticate(h, "r")
         t0 = time.perf_counter()
-        await a.revoke_key(k.id)
+        await a.directory.revoke_key(k.id)
         while True:
             try:
                 await b.authenticate(h, "r")

@@ -23,7 +23,7 @@ from gateway.adapters.model import Adapter
 from gateway.adapters.service import AdapterService, bad, not_found
 from gateway.admin_guard import PLATFORM_ADMIN, TENANT_ADMIN, AdminGuard
 from gateway.identity.admin import _body, _deleted, _json, is_admin, require_tenant
-from gateway.identity.service import validate_id
+from gateway.identity.directory import validate_id
 from gateway.types import Principal
 
 

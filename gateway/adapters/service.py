@@ -13,7 +13,8 @@ from gateway.adapters.store import EDITABLE, AdapterStore, granted
 from gateway.config import Config
 from gateway.errors import GatewayError
 from gateway.identity.model import Conflict, NotFound
-from gateway.identity.service import IdentityService, validate_id
+from gateway.identity.directory import validate_id
+from gateway.identity.service import IdentityService
 from gateway.identity.store import SqlIdentityStore, Tx, _lock_row
 
 PREFIXES_MAX = 64

@@ -24,7 +24,8 @@ from starlette.routing import Route
 from gateway.admin_guard import PLATFORM_ADMIN, TENANT_ADMIN, AdminGuard
 from gateway.errors import GatewayError
 from gateway.identity.model import to_dict
-from gateway.identity.service import IdentityService, validate_id
+from gateway.identity.directory import Directory, validate_id
+from gateway.identity.service import IdentityService
 from gateway.types import Principal
 
 
@@ -91,7 +92,7 @@ _BOTH = (PLATFORM_ADMIN, TENANT_ADMIN)
 class _Tenants:
     """/admin/tenants: created, changed and deleted by platform admins; a tenant admin reads its own."""
 
-    def __init__(self, service: IdentityService) -> None:
+    def __init__(self, service: Directory) -> None:
         self.service = service
 
     async def list_tenants(self, req: Request, p: Principal) -> Any:
@@ -131,7 +132,7 @@ class _Tenants:
 
 
 def _tenant_routes(service: IdentityService, guard: AdminGuard) -> list[Route]:
-    h = _Tenants(service)
+    h = _Tenants(service.directory)
     return [
         guard.route("/admin/tenants", h.list_tenants, ["GET"], _BOTH),
         guard.route("/admin/tenants", h.create_tenant, ["POST"], _PLATFORM),
@@ -144,7 +145,7 @@ def _tenant_routes(service: IdentityService, guard: AdminGuard) -> list[Route]:
 class _Teams:
     """/admin/tenants/{tenant}/teams: managed by platform admins and the tenant's own admins."""
 
-    def __init__(self, service: IdentityService) -> None:
+    def __init__(self, service: Directory) -> None:
         self.service = service
 
     async def list_teams(self, req: Request, p: Principal) -> Any:
@@ -180,7 +181,7 @@ class _Teams:
 
 
 def _team_routes(service: IdentityService, guard: AdminGuard) -> list[Route]:
-    h = _Teams(service)
+    h = _Teams(service.directory)
     return [
         guard.route("/admin/tenants/{tenant}/teams", h.list_teams, ["GET"], _BOTH),
         guard.route("/admin/tenants/{tenant}/teams", h.create_team, ["POST"], _BOTH),
@@ -193,7 +194,7 @@ def _team_routes(service: IdentityService, guard: AdminGuard) -> list[Route]:
 class _Projects:
     """Projects: by path under their team, listed and created under /admin/projects."""
 
-    def __init__(self, service: IdentityService) -> None:
+    def __init__(self, service: Directory) -> None:
         self.service = service
 
     async def list_projects(self, req: Request, p: Principal) -> Any:
@@ -230,7 +231,7 @@ class _Projects:
 
 
 def _project_routes(service: IdentityService, guard: AdminGuard) -> list[Route]:
-    h = _Projects(service)
+    h = _Projects(service.directory)
     path = "/admin/tenants/{tenant}/teams/{team}/projects/{project}"
     return [
         guard.route(path, h.get_project, ["GET"], _BOTH),
@@ -244,7 +245,7 @@ def _project_routes(service: IdentityService, guard: AdminGuard) -> list[Route]:
 class _Partners:
     """/admin/partners: changed by platform admins; a tenant admin sees its own tenant's (others' are 404)."""
 
-    def __init__(self, service: IdentityService) -> None:
+    def __init__(self, service: Directory) -> None:
         self.service = service
 
     async def list_partners(self, req: Request, p: Principal) -> Any:
@@ -278,7 +279,7 @@ class _Partners:
 
 
 def _partner_routes(service: IdentityService, guard: AdminGuard) -> list[Route]:
-    h = _Partners(service)
+    h = _Partners(service.directory)
     return [
         guard.route("/admin/partners", h.list_partners, ["GET"], _BOTH),
         guard.route("/admin/partners", h.create_partner, ["POST"], _PLATFORM),
@@ -291,7 +292,7 @@ def _partner_routes(service: IdentityService, guard: AdminGuard) -> list[Route]:
 class _Keys:
     """/admin/keys: a tenant admin manages its own tenant's keys (another tenant's key id is 404)."""
 
-    def __init__(self, service: IdentityService) -> None:
+    def __init__(self, service: Directory) -> None:
         self.service = service
 
     async def list_keys(self, req: Request, p: Principal) -> Any:
@@ -351,7 +352,7 @@ class _Keys:
 
 
 def _key_routes(service: IdentityService, guard: AdminGuard) -> list[Route]:
-    h = _Keys(service)
+    h = _Keys(service.directory)
     return [
         guard.route("/admin/keys", h.list_keys, ["GET"], _BOTH),
         guard.route("/admin/keys", h.create_key, ["POST"], _BOTH),

@@ -97,7 +97,7 @@ async def _run(args: argparse.Namespace) -> int:
     try:
         await svc.start()
         fn = {"create": _create, "list": _list, "revoke": _revoke, "rotate": _rotate}[args.keys_cmd]
-        return await fn(svc, args)
+        return await fn(svc.directory, args)
     except GatewayError as e:
         print(f"error: {e.message}", file=sys.stderr)
         return 1

@@ -26,17 +26,17 @@ async def test_recheck_follows_revocation_expiry_and_config(tmp_path):
     svc = IdentityService(_cfg(tmp_path))
     await svc.start()
     try:
-        await svc.create_tenant("acme")
-        k, secret = await svc.create_key("acme", labels={"tier": "gold"})
+        await svc.directory.create_tenant("acme")
+        k, secret = await svc.directory.create_key("acme", labels={"tier": "gold"})
         p = await svc.authenticate({"authorization": f"Bearer {secret}"}, "c")
         assert (await svc.recheck(p)).labels["tier"] == "gold"
-        await svc.update_key(k.id, {"labels": {"tier": "silver"}})
+        await svc.directory.update_key(k.id, {"labels": {"tier": "silver"}})
         assert (await svc.recheck(p)).labels["tier"] == "silver"  # labels re-read, not the snapshot
-        await svc.revoke_key(k.id)
+        await svc.directory.revoke_key(k.id)
         with pytest.raises(GatewayError) as e:
             await svc.recheck(p)
         assert e.value.status == 401 and e.value.code == "revoked_api_key"
-        adm, _ = await svc.create_key("acme", purpose="admin")
+        adm, _ = await svc.directory.create_key("acme", purpose="admin")
         with pytest.raises(GatewayError) as e:
             await svc.recheck(Principal(id=f"key:{adm.id}", kind="api_key", tenant="acme", key_id=adm.id))
         assert e.value.status == 403

@@ -412,19 +412,19 @@ async def test_create_and_delete_race_leaves_no_orphan(service: IdentityService)
     (the create locks its parents, the delete locks the row and counts dependents, in one transaction each)."""
     for i in range(12):
         t = f"race{i}"
-        await service.create_tenant(t)
-        await service.create_team(t, "core")
-        delete = service.delete_team(t, "core") if i % 2 else service.delete_tenant(t)
+        await service.directory.create_tenant(t)
+        await service.directory.create_team(t, "core")
+        delete = service.directory.delete_team(t, "core") if i % 2 else service.directory.delete_tenant(t)
         if i % 2 == 0:
-            await service.delete_team(t, "core")
-        res = await asyncio.gather(delete, service.create_key(t, team="core" if i % 2 else None),
+            await service.directory.delete_team(t, "core")
+        res = await asyncio.gather(delete, service.directory.create_key(t, team="core" if i % 2 else None),
                                    return_exceptions=True)
         deleted, created = res[0] is True, isinstance(res[1], tuple)
         assert deleted != created, res
         for r in res:
             assert r is True or isinstance(r, tuple) or (isinstance(r, GatewayError) and r.status in (404, 409)), r
-        live = [k for k in await service.list_keys(t) if k.revoked_at is None]
+        live = [k for k in await service.directory.list_keys(t) if k.revoked_at is None]
         if deleted and i % 2 == 0:
-            assert await service.get_tenant(t) is None and live == []
+            assert await service.directory.get_tenant(t) is None and live == []
         if deleted and i % 2:
-            assert await service.get_team(t, "core") is None and live == []
+            assert await service.directory.get_team(t, "core") is None and live == []

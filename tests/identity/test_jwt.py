@@ -93,7 +93,7 @@ async def ok(svc: IdentityService, token: str, **headers: str) -> Any:
 async def test_rs256_and_es256_claims_mapping(jwt_service: IdentityService, jwks_server: JwksServer) -> None:
     r, e = rsa_key(), ec_key()
     jwks_server.jwks = {"keys": [jwk_of(r, "r1"), jwk_of(e, "e1")]}
-    await jwt_service.create_tenant("acme", labels={"tier": "standard", "residency": "none"})
+    await jwt_service.directory.create_tenant("acme", labels={"tier": "standard", "residency": "none"})
     p = await ok(jwt_service, sign(r, "r1"), **{"x-end-user-id": "eu-1"})
     assert (p.kind, p.tenant, p.team, p.id, p.end_user) == ("jwt", "acme", "search", f"jwt:{ISS}|user-1", "eu-1")
     assert dict(p.labels) == {"tier": "standard", "residency": "eea"}  # claim labels override stored tenant labels

@@ -6,7 +6,8 @@ import pytest
 from gateway.errors import GatewayError
 from gateway.identity import keys
 from gateway.identity.ratelimit import FailureLimiter
-from gateway.identity.service import clean_end_user, extract_credential, merge_labels
+from gateway.identity.directory import merge_labels
+from gateway.identity.service import clean_end_user, extract_credential
 from gateway.identity.stage import model_allowed
 from gateway.types import Principal
 

@@ -181,7 +181,7 @@ async def test_jwt_labels_claim_cannot_loosen_the_stored_tenant(jwt_service: Ide
                                                                 jwks_server: Any) -> None:
     r = rsa_key()
     jwks_server.jwks = {"keys": [jwk_of(r, "r1")]}
-    await jwt_service.create_tenant("acme", labels={"residency": "eea", "retention": "zero"})
+    await jwt_service.directory.create_tenant("acme", labels={"residency": "eea", "retention": "zero"})
     p = await jwt_service.authenticate({"authorization": "Bearer " + sign(
         r, "r1", labels={"residency": "none", "retention": "30d", "tier": "rt"})}, "1.1.1.1")
     assert dict(p.labels) == {"residency": "eea", "retention": "zero", "tier": "rt"}

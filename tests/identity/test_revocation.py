@@ -46,16 +46,16 @@ async def two(tmp_path: Path, store: str, schema: str | None, ttl: float) -> tup
 async def test_postgres_notify_propagates_revocation_fast(tmp_path: Path, pg_schema: str) -> None:
     a, b = await two(tmp_path, "postgres", pg_schema, ttl=60.0)  # TTL far above the bound: NOTIFY must do it
     try:
-        await a.create_tenant("acme")
-        k, secret = await a.create_key("acme")
+        await a.directory.create_tenant("acme")
+        k, secret = await a.directory.create_key("acme")
         assert (await b.authenticate({"authorization": f"Bearer {secret}"}, "r")).key_id == k.id  # cached in b
-        await a.revoke_key(k.id)
+        await a.directory.revoke_key(k.id)
         took = await until_rejected(b, secret, limit_s=2.0)
         assert took < 2.0
         # rotation with zero overlap also propagates (the old key expires right away everywhere)
-        k2, s2 = await a.create_key("acme")
+        k2, s2 = await a.directory.create_key("acme")
         await b.authenticate({"authorization": f"Bearer {s2}"}, "r")
-        await a.rotate_key(k2.id, overlap_s=0)
+        await a.directory.rotate_key(k2.id, overlap_s=0)
         t0 = time.monotonic()
         while True:
             try:
@@ -66,8 +66,8 @@ async def test_postgres_notify_propagates_revocation_fast(tmp_path: Path, pg_sch
             assert time.monotonic() - t0 < 2.0
             await asyncio.sleep(0.01)
         # label edits propagate too
-        await a.update_tenant_labels("acme", {"residency": "eea"})
-        _, s3 = await a.create_key("acme")
+        await a.directory.update_tenant_labels("acme", {"residency": "eea"})
+        _, s3 = await a.directory.create_key("acme")
         t0 = time.monotonic()
         while (await b.authenticate({"authorization": f"Bearer {s3}"}, "r")).labels.get("residency") != "eea":
             assert time.monotonic() - t0 < 2.0
@@ -91,35 +91,35 @@ async def test_postgres_notify_propagates_edits_and_deletes(tmp_path: Path, pg_s
     the 60 s TTL: only the NOTIFY published by the change can do that."""
     a, b = await two(tmp_path, "postgres", pg_schema, ttl=60.0)
     try:
-        await a.create_tenant("acme", labels={"residency": "eea"})
-        await a.create_team("acme", "search", labels={"tier": "batch"})
-        await a.create_project("acme", "search", "ranker", labels={"retention": "30d"})
-        await a.create_partner("opper", "acme")
-        k, secret = await a.create_key("acme", team="search", project="ranker")
-        pk, psecret = await a.create_key("acme", partner="opper")
+        await a.directory.create_tenant("acme", labels={"residency": "eea"})
+        await a.directory.create_team("acme", "search", labels={"tier": "batch"})
+        await a.directory.create_project("acme", "search", "ranker", labels={"retention": "30d"})
+        await a.directory.create_partner("opper", "acme")
+        k, secret = await a.directory.create_key("acme", team="search", project="ranker")
+        pk, psecret = await a.directory.create_key("acme", partner="opper")
         h, ph = {"authorization": f"Bearer {secret}"}, {"authorization": f"Bearer {psecret}"}
         assert (await b.authenticate(h, "r")).labels["tier"] == "batch"  # cached in b
         assert (await b.authenticate(ph, "r")).labels == {"residency": "eea"}
 
-        await a.update_team("acme", "search", {"labels": {"tier": "realtime"}})
+        await a.directory.update_team("acme", "search", {"labels": {"tier": "realtime"}})
         assert await until(lambda: _labels_has(b, h, "tier", "realtime"), 2.0) < 2.0
-        await a.update_project("acme", "search", "ranker", {"labels": {"retention": "zero"}})
+        await a.directory.update_project("acme", "search", "ranker", {"labels": {"retention": "zero"}})
         assert await until(lambda: _labels_has(b, h, "retention", "zero"), 2.0) < 2.0
-        await a.update_partner("opper", {"labels": {"residency": "de"}})  # narrower than the tenant's eea
+        await a.directory.update_partner("opper", {"labels": {"residency": "de"}})  # narrower than the tenant's eea
         assert await until(lambda: _labels_has(b, ph, "residency", "de"), 2.0) < 2.0
 
         async def models_restricted() -> bool:
             return (await b.authenticate(h, "r")).allowed_models == ("qwen*",)
 
-        await a.update_key(k.id, {"models": ["qwen*"]})
+        await a.directory.update_key(k.id, {"models": ["qwen*"]})
         assert await until(models_restricted, 2.0) < 2.0
 
         # DELETE of a key is revocation; then its project can go, and b forgets the project's labels (what a
         # JWT naming that project would be given)
-        await a.revoke_key(k.id)
+        await a.directory.revoke_key(k.id)
         assert await until_rejected(b, secret, limit_s=2.0) < 2.0
         assert (await b._hierarchy_labels("acme", "search", "ranker", None))["retention"] == "zero"
-        assert await a.delete_project("acme", "search", "ranker")
+        assert await a.directory.delete_project("acme", "search", "ranker")
 
         async def project_gone() -> bool:
             return "retention" not in await b._hierarchy_labels("acme", "search", "ranker", None)
@@ -141,8 +141,8 @@ async def test_postgres_ttl_bounds_staleness_without_notify(tmp_path: Path, pg_s
     await a.start()
     await b.start()
     try:
-        await a.create_tenant("acme")
-        k, secret = await a.create_key("acme")
+        await a.directory.create_tenant("acme")
+        k, secret = await a.directory.create_key("acme")
         await b.authenticate({"authorization": f"Bearer {secret}"}, "r")  # cached in b until clock + ttl
         conn = await asyncpg.connect(PG_DSN, server_settings={"search_path": pg_schema})
         try:  # revoke behind the services' backs (no NOTIFY is sent), as of b's now
@@ -165,8 +165,8 @@ async def test_postgres_ttl_bounds_staleness_without_notify(tmp_path: Path, pg_s
 async def test_postgres_listener_reconnects_and_flushes(tmp_path: Path, pg_schema: str) -> None:
     a, b = await two(tmp_path, "postgres", pg_schema, ttl=60.0)
     try:
-        await a.create_tenant("acme")
-        k, secret = await a.create_key("acme")
+        await a.directory.create_tenant("acme")
+        k, secret = await a.directory.create_key("acme")
         await b.authenticate({"authorization": f"Bearer {secret}"}, "r")
         store_b: Any = b.store
         pid = store_b._listen_conn.get_server_pid()
@@ -183,7 +183,7 @@ async def test_postgres_listener_reconnects_and_flushes(tmp_path: Path, pg_schem
                 raise AssertionError(f"listener backend {pid} still alive 5 s after pg_terminate_backend")
         finally:
             await admin.close()
-        await a.revoke_key(k.id)  # this NOTIFY is lost for b (its listener is gone)
+        await a.directory.revoke_key(k.id)  # this NOTIFY is lost for b (its listener is gone)
         took = await until_rejected(b, secret, limit_s=4.0)  # reconnect (1 s poll) flushes b's cache
         assert took < 4.0
         assert store_b._listen_conn.get_server_pid() != pid
@@ -195,10 +195,10 @@ async def test_postgres_listener_reconnects_and_flushes(tmp_path: Path, pg_schem
 async def test_sqlite_second_instance_bounded_by_ttl(tmp_path: Path) -> None:
     a, b = await two(tmp_path, "sqlite", None, ttl=0.3)
     try:
-        await a.create_tenant("acme")
-        k, secret = await a.create_key("acme")
+        await a.directory.create_tenant("acme")
+        k, secret = await a.directory.create_key("acme")
         await b.authenticate({"authorization": f"Bearer {secret}"}, "r")
-        await a.revoke_key(k.id)
+        await a.directory.revoke_key(k.id)
         took = await until_rejected(b, secret, limit_s=1.0)
         assert took <= 0.3 + 0.15
     finally:

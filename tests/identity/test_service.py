@@ -29,9 +29,9 @@ async def err(coro: Any) -> GatewayError:
 
 
 async def seed(svc: IdentityService) -> None:
-    await svc.create_tenant("acme", labels={"residency": "eea", "tier": "standard"})
-    await svc.create_team("acme", "search", labels={"tier": "realtime"})
-    await svc.create_project("acme", "search", "ranker", labels={"retention": "zero"})
+    await svc.directory.create_tenant("acme", labels={"residency": "eea", "tier": "standard"})
+    await svc.directory.create_team("acme", "search", labels={"tier": "realtime"})
+    await svc.directory.create_project("acme", "search", "ranker", labels={"retention": "zero"})
 
 
 async def test_migrations_versioned_and_idempotent(service: IdentityService) -> None:
@@ -42,10 +42,10 @@ async def test_migrations_versioned_and_idempotent(service: IdentityService) -> 
 
 async def test_key_principal_labels_merge_and_headers(service: IdentityService) -> None:
     await seed(service)
-    k, secret = await service.create_key("acme", team="search", project="ranker", labels={"owner": "bob"},
+    k, secret = await service.directory.create_key("acme", team="search", project="ranker", labels={"owner": "bob"},
                                          scopes=["intern"], models=["qwen*"])
     assert secret.startswith(f"gw_{k.id}_") and k.secret_hash not in secret
-    stored = await service.get_key(k.id)
+    stored = await service.directory.get_key(k.id)
     assert stored is not None and secret.split("_")[2] not in stored.secret_hash
     p = await service.authenticate(bearer(secret), "10.0.0.1")
     assert (p.kind, p.tenant, p.team, p.project, p.key_id) == ("api_key", "acme", "search", "ranker", k.id)
@@ -57,7 +57,7 @@ async def test_key_principal_labels_merge_and_headers(service: IdentityService) 
 
 async def test_wrong_secret_unknown_id_and_malformed(service: IdentityService) -> None:
     await seed(service)
-    k, secret = await service.create_key("acme")
+    k, secret = await service.directory.create_key("acme")
     wrong = secret[:-1] + ("A" if secret[-1] != "A" else "B")
     for tok in [wrong, "gw_" + "0" * 12 + "_" + "a" * 40, "gw_short", "nonsense"]:
         e = await err(service.authenticate(bearer(tok), "10.0.0.2"))
@@ -79,40 +79,40 @@ async def test_revoke_expire_and_rotate(config_factory: Any) -> None:
 
 async def _revoke_expire_and_rotate(service: IdentityService, clock: ManualClock) -> None:
     await seed(service)
-    k, secret = await service.create_key("acme", team="search")
+    k, secret = await service.directory.create_key("acme", team="search")
     await service.authenticate(bearer(secret), "a")
-    await service.revoke_key(k.id)
+    await service.directory.revoke_key(k.id)
     e = await err(service.authenticate(bearer(secret), "a"))
     assert (e.status, e.code) == (401, "revoked_api_key") and secret not in e.message
 
-    k2, s2 = await service.create_key("acme", expires_at=clock.time() + 0.3)
+    k2, s2 = await service.directory.create_key("acme", expires_at=clock.time() + 0.3)
     await service.authenticate(bearer(s2), "a")
     clock.advance(0.35)
     e = await err(service.authenticate(bearer(s2), "a"))
     assert (e.status, e.code) == (401, "expired_api_key")
 
-    k3, s3 = await service.create_key("acme", team="search", models=["m*"])
-    res = await service.rotate_key(k3.id, overlap_s=0.4)
+    k3, s3 = await service.directory.create_key("acme", team="search", models=["m*"])
+    res = await service.directory.rotate_key(k3.id, overlap_s=0.4)
     assert res is not None
     k4, s4 = res
     assert k4.id != k3.id and k4.rotated_from == k3.id and k4.models == ["m*"] and k4.team == "search"
     assert (await service.authenticate(bearer(s3), "a")).key_id == k3.id  # overlap: both work
     assert (await service.authenticate(bearer(s4), "a")).key_id == k4.id
-    assert await service.rotate_key(k3.id) is None  # already rotated
+    assert await service.directory.rotate_key(k3.id) is None  # already rotated
     clock.advance(0.45)
     e = await err(service.authenticate(bearer(s3), "a"))
     assert e.code == "expired_api_key"
     assert (await service.authenticate(bearer(s4), "a")).key_id == k4.id
-    old = await service.get_key(k3.id)
+    old = await service.directory.get_key(k3.id)
     assert old is not None and old.rotated_to == k4.id
 
 
 async def test_static_partner_and_planes(service: IdentityService) -> None:
     p = await service.authenticate(bearer(STATIC_KEY), "b")
     assert (p.kind, p.tenant, p.team, p.labels["tier"]) == ("static_key", "static-co", "ops", "batch")
-    await service.create_tenant("opper-t", labels={"residency": "eea"})
-    await service.create_partner("opper", "opper-t", labels={"retention": "zero"})
-    _, ps = await service.create_key("opper-t", partner="opper")
+    await service.directory.create_tenant("opper-t", labels={"residency": "eea"})
+    await service.directory.create_partner("opper", "opper-t", labels={"retention": "zero"})
+    _, ps = await service.directory.create_key("opper-t", partner="opper")
     pp = await service.authenticate({"authorization": f"Bearer {ps}", "x-end-user-id": "opper-user-1"}, "b")
     assert (pp.kind, pp.partner, pp.end_user) == ("partner", "opper", "opper-user-1")
     assert dict(pp.labels) == {"residency": "eea", "retention": "zero"}
@@ -120,7 +120,7 @@ async def test_static_partner_and_planes(service: IdentityService) -> None:
     # admin plane vs data plane
     e = await err(service.authenticate(bearer(ADMIN_KEY), "b"))
     assert (e.status, e.code) == (403, "wrong_plane")
-    _, adm = await service.create_key("opper-t", purpose="admin")
+    _, adm = await service.directory.create_key("opper-t", purpose="admin")
     e = await err(service.authenticate(bearer(adm), "b"))
     assert e.status == 403
     ap = await service.authenticate_admin(bearer(adm))
@@ -141,8 +141,8 @@ async def test_failed_auth_rate_limited_per_client(config_factory: Any) -> None:
     svc = IdentityService(config_factory(auth_fail_limit_per_minute=3), clock=clock)
     await svc.start()
     try:
-        await svc.create_tenant("acme")
-        _, good = await svc.create_key("acme")
+        await svc.directory.create_tenant("acme")
+        _, good = await svc.directory.create_key("acme")
         for _ in range(3):
             assert (await err(svc.authenticate(bearer("bad"), "6.6.6.6"))).status == 401
         e = await err(svc.authenticate(bearer(good), "6.6.6.6"))
@@ -159,7 +159,7 @@ async def test_failed_auth_rate_limited_per_client(config_factory: Any) -> None:
 
 async def test_auth_stage_sets_principal_evidence_and_model_limits(service: IdentityService) -> None:
     await seed(service)
-    _, secret = await service.create_key("acme", models=["qwen*"])
+    _, secret = await service.directory.create_key("acme", models=["qwen*"])
     stage = AuthStage(service)
     assert stage.name == "authenticate"
     ctx = RequestContext(request_id="r1", endpoint="chat", headers=bearer(secret), body={}, client_addr="c",
@@ -176,10 +176,10 @@ async def test_auth_stage_sets_principal_evidence_and_model_limits(service: Iden
 async def test_secrets_never_logged(service: IdentityService, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG)
     await seed(service)
-    k, secret = await service.create_key("acme")
+    k, secret = await service.directory.create_key("acme")
     await service.authenticate(bearer(secret), "x")
-    await service.rotate_key(k.id)
-    await service.revoke_key(k.id)
+    await service.directory.rotate_key(k.id)
+    await service.directory.revoke_key(k.id)
     await err(service.authenticate(bearer(secret), "x"))
     assert k.id in caplog.text
     assert secret not in caplog.text and secret.split("_")[2] not in caplog.text
@@ -187,25 +187,25 @@ async def test_secrets_never_logged(service: IdentityService, caplog: pytest.Log
 
 async def test_cache_revocation_same_process_immediate(service: IdentityService) -> None:
     await seed(service)
-    k, secret = await service.create_key("acme")
+    k, secret = await service.directory.create_key("acme")
     await service.authenticate(bearer(secret), "x")  # now cached
-    await service.revoke_key(k.id)
+    await service.directory.revoke_key(k.id)
     assert (await err(service.authenticate(bearer(secret), "x"))).code == "revoked_api_key"
 
 
 async def test_validation_and_conflicts(service: IdentityService) -> None:
     await seed(service)
-    e = await err(service.create_tenant("acme"))
+    e = await err(service.directory.create_tenant("acme"))
     assert e.status == 409
-    e = await err(service.create_tenant("Bad Id!"))
+    e = await err(service.directory.create_tenant("Bad Id!"))
     assert e.status == 400
-    e = await err(service.create_team("nope", "x"))
+    e = await err(service.directory.create_team("nope", "x"))
     assert e.status == 404
-    e = await err(service.create_key("acme", team="nope"))
+    e = await err(service.directory.create_key("acme", team="nope"))
     assert e.status == 404
-    e = await err(service.create_key("acme", expires_at=time.time() - 5))
+    e = await err(service.directory.create_key("acme", expires_at=time.time() - 5))
     assert e.status == 400
-    e = await err(service.create_key("acme", labels={"a": 1}))  # type: ignore[dict-item]
+    e = await err(service.directory.create_key("acme", labels={"a": 1}))  # type: ignore[dict-item]
     assert e.status == 400
 
 
@@ -220,14 +220,14 @@ async def test_migration_3_keeps_keys_and_lets_parents_go(config_factory: Any,
     await old.start()
     try:
         assert old.store is not None and await old.store.migrate() == 2
-        await old.create_tenant("acme", labels={"residency": "eea"})
-        await old.create_partner("opper", "acme")
-        dead, _ = await old.create_key("acme", partner="opper", labels={"owner": "x"}, models=["qwen*"])
-        await old.revoke_key(dead.id)
-        e = await err(old.delete_partner("opper"))  # v2: the foreign key refuses; answered as 409, not 500
+        await old.directory.create_tenant("acme", labels={"residency": "eea"})
+        await old.directory.create_partner("opper", "acme")
+        dead, _ = await old.directory.create_key("acme", partner="opper", labels={"owner": "x"}, models=["qwen*"])
+        await old.directory.revoke_key(dead.id)
+        e = await err(old.directory.delete_partner("opper"))  # v2: the foreign key refuses; answered as 409, not 500
         assert (e.status, e.code) == (409, "resource_in_use")
-        live, secret = await old.create_key("acme", expires_at=time.time() + 3600)
-        before = await old.list_keys()
+        live, secret = await old.directory.create_key("acme", expires_at=time.time() + 3600)
+        before = await old.directory.list_keys()
     finally:
         await old.close()
     monkeypatch.undo()
@@ -236,17 +236,17 @@ async def test_migration_3_keeps_keys_and_lets_parents_go(config_factory: Any,
     await new.start()
     try:
         assert new.store is not None and await new.store.migrate() == SCHEMA_VERSION >= 3
-        assert await new.list_keys() == before
+        assert await new.directory.list_keys() == before
         assert (await new.authenticate(bearer(secret), "c")).key_id == live.id
-        assert await new.delete_partner("opper")  # its only key is revoked: a v2 foreign key would refuse this
-        assert await new.get_partner("opper") is None
-        assert (await err(new.delete_tenant("acme"))).status == 409  # the live key
-        await new.revoke_key(live.id)
-        assert await new.delete_tenant("acme")
-        assert await new.get_tenant("acme") is None
-        after = await new.list_keys()
+        assert await new.directory.delete_partner("opper")  # its only key is revoked: a v2 foreign key would refuse this
+        assert await new.directory.get_partner("opper") is None
+        assert (await err(new.directory.delete_tenant("acme"))).status == 409  # the live key
+        await new.directory.revoke_key(live.id)
+        assert await new.directory.delete_tenant("acme")
+        assert await new.directory.get_tenant("acme") is None
+        after = await new.directory.list_keys()
         assert [k.id for k in after] == [k.id for k in before] and all(k.revoked_at for k in after)
         assert (await err(new.authenticate(bearer(secret), "c"))).code == "revoked_api_key"
-        assert (await err(new.create_key("acme"))).status == 404
+        assert (await err(new.directory.create_key("acme"))).status == 404
     finally:
         await new.close()
