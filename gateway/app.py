@@ -14,7 +14,7 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping, Protocol
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -36,6 +36,22 @@ from gateway.proxy.upstream import Upstreams
 from gateway.routing.plan import Candidate
 from gateway.routing.stage import RouteStage, residency_reason
 from gateway.types import Principal
+
+if TYPE_CHECKING:  # the subsystems' classes, for the types only: each of them imports the Gateway's modules
+    from gateway.adapters.service import AdapterService
+    from gateway.admin_guard import AdminGuard
+    from gateway.batch.service import BatchService
+    from gateway.budget.service import BudgetService
+    from gateway.cache.service import CacheService
+    from gateway.cost.meter import CostMeter
+    from gateway.evidence.recorder import EvidenceRecorder
+    from gateway.identity.service import IdentityService
+    from gateway.observability.hooks import RequestObserver
+    from gateway.observability.tracing import Tracing
+    from gateway.rollouts.service import RolloutService
+    from gateway.routing.stage import PredictiveRouteStage
+    from gateway.telemetry.service import TelemetryService
+    from gateway.wiring import PolicyHolder
 
 log = logging.getLogger("gateway")
 
@@ -141,6 +157,54 @@ def error_type(ctx: RequestContext) -> str:
     return str(status)
 
 
+class Service(Protocol):
+    """What the Gateway starts with itself and closes in reverse order (`Gateway.services`)."""
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class Reloadable(Protocol):
+    """What a reload asks of every service: `check_config` may refuse the new config (raising ConfigError) before
+    anything is swapped; `swap_config` then takes it (sync or async). A service with nothing to check or swap
+    implements them as no-ops."""
+
+    def check_config(self, config: Config) -> None: ...
+
+    def swap_config(self, config: Config) -> Awaitable[None] | None: ...
+
+
+class ManagedService(Service, Reloadable, Protocol):
+    """An entry of `Gateway.services`: started, reloaded and closed with the gateway."""
+
+
+class Reloading:
+    """A service whose class has start/close but not the reload pair (the budget and identity services, the
+    unbilled ledger) as a ManagedService: every config passes its check (load_config validated it) and the swap
+    is the class's own `swap_config` where it has one (`swap`), else nothing (a config read once, at start)."""
+
+    def __init__(self, service: Service, swap: Callable[[Config], None] | None = None) -> None:
+        self.service = service
+        self._swap = swap
+
+    async def start(self) -> None:
+        await self.service.start()
+
+    async def close(self) -> None:
+        await self.service.close()
+
+    def check_config(self, config: Config) -> None:
+        return None
+
+    def swap_config(self, config: Config) -> None:
+        if self._swap is not None:
+            self._swap(config)
+
+    def __repr__(self) -> str:
+        return type(self.service).__name__
+
+
 class Gateway:
     """Holds the current config snapshot and the services built from it. `reload` swaps the snapshot."""
 
@@ -151,7 +215,7 @@ class Gateway:
         self.health = Health(config)
         self.upstreams = Upstreams(config)
         self.dispatcher = Dispatcher(lambda: self.upstreams, self.health, self._residency_check)
-        self.services: list[Any] = []  # objects with async start()/close() and optional swap_config(config)
+        self.services: list[ManagedService] = []  # started in order, reloaded, closed in reverse
         self.auth: Any = NoIdentity()
         # (headers, client address) -> the admin principal (gateway.admin_guard.Authenticate); identity wiring sets it
         self.admin_auth: Callable[[Mapping[str, str], str], Awaitable[Principal]] = self._no_admin_auth
@@ -160,27 +224,28 @@ class Gateway:
         self.streams: dict[asyncio.Task, RequestContext] = {}  # streams being sent, cut at the drain deadline
         self.draining = False
         self.extra_routes: list[Route] = []
-        # subsystems attached by gateway.wiring.wire (None when not wired, e.g. in unit tests)
-        self.identity: Any = None  # gateway.identity.service.IdentityService
-        self.policy: Any = None  # gateway.wiring.PolicyHolder
-        self.budgets: Any = None  # gateway.budget.service.BudgetService
-        self.cache: Any = None  # gateway.cache.service.CacheService
-        self.telemetry: Any = None  # gateway.telemetry.service.TelemetryService
-        self.router: Any = None  # gateway.routing.stage.PredictiveRouteStage
-        self.evidence: Any = None  # gateway.evidence.recorder.EvidenceRecorder
-        self.cost: Any = None  # gateway.cost.meter.CostMeter (None when cost.enabled was false at startup)
-        self.observer: Any = None  # gateway.observability.hooks.RequestObserver
-        self.tracing: Any = None  # gateway.observability.tracing.Tracing (only with tracing on)
-        self.batch: Any = None  # gateway.batch.service.BatchService (only with batch.enabled)
-        self.rollouts: Any = None  # gateway.rollouts.service.RolloutService
-        self.adapters: Any = None  # gateway.adapters.service.AdapterService (tenant-owned LoRA adapters)
-        self.admin_guard: Any = None  # gateway.admin_guard.AdminGuard, built on first use (gateway_guard)
+        # subsystems attached by gateway.wiring.wire (None when not wired, e.g. in unit tests); the attribute
+        # always exists, so a consumer tests `is None`, never probes with getattr/hasattr
+        self.identity: IdentityService | None = None
+        self.policy: PolicyHolder | None = None
+        self.budgets: BudgetService | None = None
+        self.cache: CacheService | None = None
+        self.telemetry: TelemetryService | None = None
+        self.router: PredictiveRouteStage | None = None
+        self.evidence: EvidenceRecorder | None = None
+        self.cost: CostMeter | None = None  # None when cost.enabled was false at startup
+        self.observer: RequestObserver | None = None
+        self.tracing: Tracing | None = None  # only with tracing on
+        self.batch: BatchService | None = None  # only with batch.enabled
+        self.rollouts: RolloutService | None = None
+        self.adapters: AdapterService | None = None  # tenant-owned LoRA adapters
+        self.admin_guard: AdminGuard | None = None  # built on first use (gateway_guard)
         # unwired: fails closed (NoIdentity refuses every request); gateway.wiring.wire sets the real list
         self.pipeline = Pipeline([ObserveStage(self), self.auth, RouteStage(lambda: self.config, self.health)],
                                  DispatchStage(self.dispatcher))
 
     @property
-    def stages(self) -> list[Stage]:
+    def stages(self) -> tuple[Stage, ...]:
         """The pipeline's stages before dispatch, in order (gateway/pipeline.py)."""
         return self.pipeline.stages
 
@@ -206,7 +271,7 @@ class Gateway:
             try:
                 await s.close()
             except Exception:
-                log.exception("closing %s failed", type(s).__name__)
+                log.exception("closing %r failed", s)
         await self.upstreams.aclose()
         await self._probe_client.aclose()
 
@@ -220,20 +285,16 @@ class Gateway:
                 new = Config(raw=new.raw, path=new.path, base_dir=new.base_dir, models=new.models,
                              aliases=new.aliases, generation=self.config.generation + 1)
                 for s in self.services:
-                    check = getattr(s, "check_config", None)
-                    if check is not None:
-                        check(new)  # may raise ConfigError (e.g. a broken policy file)
+                    s.check_config(new)  # may raise ConfigError (e.g. a broken policy file)
             except ConfigError:
                 self.metrics.reloads.labels("refused").inc()
                 raise
             self.upstreams.swap_config(new)
             self.health.swap_config(new)
             for s in self.services:
-                swap = getattr(s, "swap_config", None)
-                if swap is not None:
-                    res = swap(new)
-                    if asyncio.iscoroutine(res):
-                        await res
+                res = s.swap_config(new)
+                if res is not None:
+                    await res
             self.config = new
             self.metrics.reloads.labels("ok").inc()
             log.info("config reloaded (generation %d)", new.generation)

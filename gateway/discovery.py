@@ -24,7 +24,7 @@ from urllib.parse import urlsplit, urlunsplit
 from gateway.errors import ConfigError
 
 if TYPE_CHECKING:
-    from gateway.config import BackendConfig, DnsDiscovery
+    from gateway.config import BackendConfig, Config, DnsDiscovery
 
 log = logging.getLogger("gateway.discovery")
 
@@ -132,6 +132,12 @@ class DiscoveryService:
                 await self._task
             except (asyncio.CancelledError, Exception):
                 pass
+
+    def check_config(self, config: Config) -> None:
+        """A reload (gateway.app.Reloadable): nothing to check; the templates are read per refresh."""
+
+    def swap_config(self, config: Config) -> None:
+        """Nothing to swap: the next refresh reads `gw.config`'s templates."""
 
     async def refresh(self, force: bool = False) -> bool:
         """Resolve the names that are due; reload when any address set changed. Returns whether it did."""

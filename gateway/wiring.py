@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.admin_guard import PLATFORM_ADMIN, TENANT_ADMIN, gateway_guard
-from gateway.app import Gateway, ObserveStage
+from gateway.app import Gateway, ObserveStage, Reloading
 from gateway.config import Config, ConfigError
 from gateway.completion import Completion, Step, finish_of
 from gateway.observability.tracing import UpstreamTraceStage
@@ -21,9 +21,11 @@ from gateway.pipeline import Pipeline
 from gateway.proxy.forward import DispatchStage
 
 
-def wire(gw: Gateway, span_exporter: Any = None) -> None:
-    """Attach every subsystem to the gateway (called once, before the app starts). `span_exporter`: tracing on
-    with this exporter besides the configured OTLP one (tests pass an in-memory exporter)."""
+def wire(gw: Gateway, span_exporter: Any = None) -> Gateway:
+    """Attach every subsystem to the gateway (called once, before the app starts) and return it, built: each
+    subsystem attribute (`gw.identity`, `gw.router`, ...) holds its concrete service, typed on Gateway.
+    `span_exporter`: tracing on with this exporter besides the configured OTLP one (tests pass an in-memory
+    exporter)."""
     authenticate = _wire_identity(gw)
     adapters = _wire_adapters(gw)
     placement = _wire_placement(gw)
@@ -78,6 +80,7 @@ def wire(gw: Gateway, span_exporter: Any = None) -> None:
     gw.pipeline = Pipeline(stages, DispatchStage(gw.dispatcher), completion)
     _wire_batch(gw)
     _wire_discovery(gw)  # last: its first resolution reloads the config into services already started
+    return gw
 
 
 def batch_pipeline(base: Pipeline, restriction: Any, zero: bool) -> Pipeline:
@@ -125,7 +128,7 @@ def _wire_identity(gw: Gateway) -> Any:
     from gateway.identity.stage import AuthStage
 
     svc = IdentityService(gw.config)
-    gw.services.append(svc)
+    gw.services.append(Reloading(svc, svc.swap_config))  # its config is validated by load_config
     gw.identity = svc
     gw.auth = AuthStage(svc)
 
@@ -140,6 +143,7 @@ def _wire_adapters(gw: Gateway) -> Any:
     from gateway.adapters.service import AdapterService
     from gateway.adapters.stage import AdapterStage
 
+    assert gw.identity is not None, "the identity layer is wired first"
     svc = AdapterService(gw.identity)
     gw.services.append(svc)  # after the identity service, which opens the store it uses
     gw.adapters = svc
@@ -156,7 +160,7 @@ def _shared_holds(gw: Gateway) -> Any:
     from gateway.identity.store import SqlIdentityStore
     from gateway.stores.identity_sqlite import SqliteIdentityStore
 
-    store = getattr(gw.identity, "store", None)
+    store = gw.identity.store if gw.identity is not None else None
     if not isinstance(store, SqlIdentityStore):
         return None
     workers = max(int(os.environ.get("GATEWAY_WORKERS") or 1), gw.config.raw.server.workers)
@@ -172,12 +176,14 @@ def _wire_placement(gw: Gateway) -> Any:
     def auth(b: Any) -> dict[str, str]:
         return dialect_for(b.kind).auth_headers(gw.upstreams.auth(b.name))
 
-    pl = Placement(lambda: gw.config, auth, gw.adapters.registry, registry=gw.metrics.registry)
+    adapters = gw.adapters
+    assert adapters is not None, "the adapter registry is wired first"
+    pl = Placement(lambda: gw.config, auth, adapters.registry, registry=gw.metrics.registry)
     pl.engine_load = lambda name: gw.telemetry.load(name) if gw.telemetry is not None else None
     pl.shared = lambda: _shared_holds(gw)
     gw.services.append(pl)
     gw.dispatcher.placement = pl
-    gw.adapters.placement = pl  # DELETE unloads its copies once their requests finish
+    adapters.placement = pl  # DELETE unloads its copies once their requests finish
     return pl
 
 
@@ -202,6 +208,7 @@ class PolicyHolder:
 
     def __init__(self, config: Config) -> None:
         self.current = self._compile(config)
+        self._pending: Any = None  # the policy check_config compiled, taken by the swap that follows
         self.on_swap: list[Any] = []  # called with each newly compiled policy (identity's restriction labels)
         self.opa = None
         if config.raw.policy.opa is not None:
@@ -226,7 +233,7 @@ class PolicyHolder:
         self._pending = self._compile(config)
 
     async def swap_config(self, config: Config) -> None:
-        pending = getattr(self, "_pending", None)
+        pending = self._pending
         self.current = pending if pending is not None else self._compile(config)
         self._pending = None
         for cb in self.on_swap:
@@ -351,7 +358,7 @@ def _wire_budgets(gw: Gateway) -> Any:
     from gateway.budget.stage import BudgetStage
 
     svc = BudgetService(gw.config)
-    gw.services.append(svc)
+    gw.services.append(Reloading(svc, svc.swap_config))  # its config is validated by load_config
     gw.budgets = svc
     return BudgetStage(svc)
 

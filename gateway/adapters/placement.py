@@ -208,6 +208,12 @@ class Placement:
         self._engine_max: dict[str, int] = {}  # engine -> the max_lora it exports (vllm:lora_requests_info)
 
     # ---- lifecycle (a gateway service)
+    def check_config(self, config: Config) -> None:
+        """A reload (gateway.app.Reloadable): nothing to check."""
+
+    def swap_config(self, config: Config) -> None:
+        """Nothing to swap: the dynamic backends are read from `config()` per request."""
+
     async def start(self) -> None:
         self._http = httpx.AsyncClient(timeout=LOAD_TIMEOUT_S)
         self.holds = self.shared() if self.shared is not None else None

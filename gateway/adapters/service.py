@@ -107,6 +107,12 @@ class AdapterService:
     async def close(self) -> None:
         return None
 
+    def check_config(self, config: Config) -> None:
+        """A reload (gateway.app.Reloadable): nothing to check; the registry lives in the identity store."""
+
+    def swap_config(self, config: Config) -> None:
+        """Nothing to swap: `config()` reads the identity service's current config."""
+
     def _on_event(self, event: str) -> None:
         if event == "*" or event.startswith("adapter:"):
             self._gen += 1

@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import orjson
 
@@ -27,6 +27,9 @@ from gateway.batch.store import BatchStore, Line, PostgresBatchStore, SqliteBatc
 from gateway.batch.upload import UploadSlots
 from gateway.errors import GatewayError
 from gateway.pipeline import Lifecycle, Pipeline, RequestContext, RequestHeaders
+
+if TYPE_CHECKING:
+    from gateway.config import Config
 
 log = logging.getLogger("gateway.batch")
 
@@ -107,6 +110,12 @@ class BatchService:
                       "jobs_failed": 0}
 
     # ------------------------------------------------------------------ lifecycle
+    def check_config(self, config: Config) -> None:
+        """A reload (gateway.app.Reloadable): nothing to check."""
+
+    def swap_config(self, config: Config) -> None:
+        """Nothing to swap: every tick reads `gw.config.raw.batch`."""
+
     async def start(self) -> None:
         await self.store.open()
         await self.store.migrate()
@@ -502,8 +511,8 @@ class BatchService:
                 ctx.status, ctx.error = 502, "upstream_stream"
                 with contextlib.suppress(Exception):
                     await result.response.aclose()
-                err = GatewayError(502, "The upstream answered a batch line with a stream.", code="upstream_error")
-                return 502, err.body(), ctx.request_id, None
+                refusal = GatewayError(502, "The upstream answered a batch line with a stream.", code="upstream_error")
+                return 502, refusal.body(), ctx.request_id, None
             obj, err = await complete_json(life, result, ep.wire, json_errors=True)
             if err is not None:
                 return 502, err.body(), ctx.request_id, None

@@ -7,17 +7,21 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.admin_guard import PLATFORM_ADMIN, gateway_guard
+from gateway.app import Reloading
 from gateway.budget.ledger import Ledger, PostgresSink, SqliteSink
-from gateway.config import ConfigError
+from gateway.config import Config, ConfigError
 from gateway.cost.dims import DimCounters
 from gateway.cost.meter import CostMeter
+
+if TYPE_CHECKING:
+    from gateway.app import Gateway
 
 
 class EngineCostCollector:
@@ -44,13 +48,6 @@ class EngineCostCollector:
         yield busy
         yield charged
         yield share
-
-
-def _service(gw: Any, cls_name: str) -> Any:
-    for s in gw.services:
-        if type(s).__name__ == cls_name:
-            return s
-    return None
 
 
 UNBILLED_TABLE = "cost_unbilled"
@@ -81,25 +78,27 @@ class MeterOff:
     async def close(self) -> None:
         return None
 
-    def check_config(self, new: Any) -> None:
+    def check_config(self, new: Config) -> None:
         if new.raw.cost.enabled:
             raise ConfigError("cost.enabled: true needs a restart: the cost meter was off at startup, and it is "
                               "assembled (its stage, engine clocks, ledger) only when the gateway starts")
 
+    def swap_config(self, new: Config) -> None:
+        """Nothing to swap: the meter stays off until a restart (check_config refused turning it on)."""
 
-def wire_cost(gw: Any) -> CostMeter | None:
+
+def wire_cost(gw: Gateway) -> CostMeter | None:
     if not gw.config.raw.cost.enabled:
         gw.services.append(MeterOff())
         return None
-    budgets = _service(gw, "BudgetService")
+    budgets = gw.budgets
     unbilled = unbilled_ledger(gw.config)
-    gw.services.append(unbilled)
+    gw.services.append(Reloading(unbilled))  # its config is read once: the ledger's sink and spool
     meter = CostMeter(lambda: gw.config,
-                      predictor=lambda: getattr(getattr(gw, "router", None), "predictor", None),
+                      predictor=lambda: gw.router.predictor if gw.router is not None else None,
                       ledger=lambda: unbilled, metrics=gw.metrics)
     gw.cost = meter
-    if getattr(gw.metrics, "registry", None) is not None:
-        meter.dims = DimCounters(gw.metrics.registry)  # GPU-seconds per adapter and per arm
+    meter.dims = DimCounters(gw.metrics.registry)  # GPU-seconds per adapter and per arm
     gw.dispatcher.attempts = meter  # engine time per attempt: a failed attempt's is retry waste
     if budgets is not None:
         budgets.ledger.enrichers.append(meter.enrich)

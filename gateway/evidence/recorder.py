@@ -17,11 +17,14 @@ import sys
 from collections import OrderedDict, deque
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import orjson
 
 from gateway.pipeline import RequestContext
+
+if TYPE_CHECKING:
+    from gateway.config import Config
 
 log = logging.getLogger("gateway.evidence")
 
@@ -309,6 +312,12 @@ class EvidenceRecorder:
         self._sink_backlog: deque[dict[str, Any]] = deque(maxlen=sink_backlog)
         self._sink_started = False
         self.sink_dropped = 0
+
+    def check_config(self, config: Config) -> None:
+        """A reload (gateway.app.Reloadable): nothing to check."""
+
+    def swap_config(self, config: Config) -> None:
+        """Nothing to swap: the audit path, its rotation and its sink are read once, at startup."""
 
     async def start(self) -> None:
         if self.path is not None:

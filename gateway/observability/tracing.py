@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 from urllib.parse import urlsplit
 
 import orjson
@@ -34,6 +34,9 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from gateway.observability.semconv import operation_name, provider_name  # shared with gateway.metrics
 from gateway.pipeline import RequestContext
+
+if TYPE_CHECKING:
+    from gateway.config import Config
 
 log = logging.getLogger("gateway.tracing")
 
@@ -202,6 +205,12 @@ class Tracing:
         self._backend = backend_lookup
         self._capture = capture_content
         self._live: dict[int, _Live] = {}
+
+    def check_config(self, config: Config) -> None:
+        """A reload (gateway.app.Reloadable): nothing to check."""
+
+    def swap_config(self, config: Config) -> None:
+        """Nothing to swap: the exporter is chosen at startup; capture_content is read per request."""
 
     async def start(self) -> None:
         return None

@@ -90,6 +90,9 @@ class RolloutService:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await t
 
+    def check_config(self, config: Config) -> None:
+        """A reload (gateway.app.Reloadable): the weighted aliases were validated by load_config."""
+
     def swap_config(self, config: Config) -> None:
         self.rollouts = rollouts_of(config)
 

@@ -23,12 +23,15 @@ import socket
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Union
+from typing import TYPE_CHECKING, Any, Callable, Union
 
 import msgspec
 
 from gateway.routing.inflight import Flight, InFlight, RemoteFlight
 from gateway.routing.predictor import Features, Predictor
+
+if TYPE_CHECKING:
+    from gateway.config import Config
 
 log = logging.getLogger("gateway.routing.peers")
 MAX_QUEUED = 10_000  # events waiting for the sender (a stuck transport): past it new ones are dropped, counted
@@ -483,6 +486,12 @@ class PeerBus:
         while True:
             await asyncio.sleep(self.heartbeat_s)
             self.state.expire()
+
+    def check_config(self, config: Config) -> None:
+        """A reload (gateway.app.Reloadable): nothing to check."""
+
+    def swap_config(self, config: Config) -> None:
+        """Nothing to swap: the transport and its intervals are chosen at startup."""
 
     async def start(self) -> None:
         await self.transport.start(self.on_data)

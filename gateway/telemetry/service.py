@@ -159,6 +159,9 @@ class TelemetryService:
         await self._client.aclose()
         await self.tokens.close()
 
+    def check_config(self, config: Config) -> None:
+        """A reload (gateway.app.Reloadable): nothing beyond load_config's checks."""
+
     async def swap_config(self, config: Config) -> None:
         """Hot reload: start new engines, stop removed ones, restart those whose endpoints or kind (its formats)
         changed."""
