@@ -21,35 +21,59 @@ engine without batch prefill for the realtime request that arrives next.
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
-from gateway.proxy.dialects import publishes_kv_events
+if TYPE_CHECKING:
+    from gateway.app import Gateway
+    from gateway.batch.config import BatchConfig
+    from gateway.config import BackendConfig
 
 HALVE_COOLDOWN_S = 0.5
 
 
-def realtime_prediction(gw: Any) -> float | None:
+class FlightView(Protocol):
+    """What the pacer reads of a request in flight (gateway/routing/inflight.py Flight)."""
+
+    @property
+    def started(self) -> float: ...
+
+    @property
+    def predicted_s(self) -> float: ...
+
+    @property
+    def is_batch(self) -> bool: ...
+
+    def prefilling(self, now: float) -> bool: ...
+
+
+class RouterView(Protocol):
+    """What the pacer reads of the router (gateway/routing/stage.py PredictiveRouteStage), never driving it:
+    its clock, its flights per engine and the TTFT bound a typical realtime request would get on an engine."""
+
+    def clock(self) -> float: ...
+
+    @property
+    def flights(self) -> Mapping[str, Mapping[str, FlightView]]: ...
+
+    def typical_ttft_upper_s(self, backend: BackendConfig, now: float) -> float: ...
+
+
+def realtime_prediction(gw: Gateway) -> float | None:
     """The lowest upper-bound TTFT (ms) over own healthy engines for a typical realtime request, or None
     when there is no predictive router (then only max_concurrency bounds the lane)."""
-    router = gw.router
-    if router is None or not hasattr(router, "predictor") or not hasattr(router, "_view"):
+    router: RouterView | None = gw.router
+    if router is None:
         return None
-    from gateway.routing.predictor import Features
-
     now = router.clock()
-    tel = router.telemetry
     best: float | None = None
-    for name, b in own_engines(gw):
-        v = router._view(name, now, tel is not None and publishes_kv_events(b))
-        f = Features(ahead_tokens=v.ahead_tokens, uncached_tokens=router.avg_uncached.get(name, 512.0),
-                     running=v.running)
-        _, upper = router.predictor.predict(name, f)
-        ms = upper * 1000.0
+    for _name, b in own_engines(gw):
+        ms = router.typical_ttft_upper_s(b, now) * 1000.0
         best = ms if best is None else min(best, ms)
     return best
 
 
-def own_engines(gw: Any) -> Any:
+def own_engines(gw: Gateway) -> Iterator[tuple[str, BackendConfig]]:
     """(name, backend) of every healthy own (non-partner) backend of the config, each once: where batch lines
     may run and whose realtime load they must leave room for."""
     cfg = gw.config
@@ -84,17 +108,17 @@ def fleet_room(rooms: int, clear: int, engines: int, keep_clear: int, unplaced: 
     return max(0, min(rooms - unplaced, clear - unplaced - keep))
 
 
-def engine_loads(router: Any, now: float) -> dict[str, tuple[int, int, float | None, float]]:
+def engine_loads(router: RouterView, now: float) -> dict[str, tuple[int, int, float | None, float]]:
     """Per engine with flights of this replica: (realtime before first token, batch lines before first
     token, start time of the newest batch line, its predicted prefill s). A non-streamed line counts as
     prefilling until its predicted TTFT has passed (the router's own rule, Flight.prefilling)."""
     out: dict[str, tuple[int, int, float | None, float]] = {}
-    for name, fls in getattr(router, "flights", {}).items():
+    for name, fls in router.flights.items():
         rt = bt = 0
         last: float | None = None
         last_s = 0.0
         for f in list(fls.values()):
-            is_batch = getattr(f.ctx, "batch", None) is not None
+            is_batch = f.is_batch
             if f.prefilling(now):
                 if is_batch:
                     bt += 1
@@ -155,14 +179,13 @@ class Pacer:
         """How many lines may start for prefill room now: own healthy engines with room (engine_room), less
         the lines already started that routing has not placed yet (they will take a room); None without a
         router that tracks flights (then concurrency alone bounds the lane)."""
-        router = gw.router
-        if router is None or not hasattr(router, "flights") or not hasattr(router, "clock"):
+        router: RouterView | None = gw.router
+        if router is None:
             return None
         bc = self._bc
         now = router.clock()
         loads = engine_loads(router, now)
-        placed = sum(1 for fls in getattr(router, "flights", {}).values() for f in list(fls.values())
-                     if getattr(f.ctx, "batch", None) is not None)
+        placed = sum(1 for fls in router.flights.values() for f in list(fls.values()) if f.is_batch)
         n = clear = engines = 0
         for name, _b in own_engines(gw):
             rt, bt, last, last_s = loads.get(name, (0, 0, None, 0.0))

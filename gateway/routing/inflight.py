@@ -37,6 +37,11 @@ class Flight:
             return True
         return now - self.started < self.predicted_s  # non-streamed: the prediction says when prefill ends
 
+    @property
+    def is_batch(self) -> bool:
+        """A line of the batch lane (gateway/batch), not realtime traffic."""
+        return self.ctx.batch is not None
+
 
 @dataclass(slots=True)
 class RemoteFlight:

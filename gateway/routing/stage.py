@@ -22,10 +22,10 @@ from typing import Any, Callable, Mapping, NoReturn
 
 import msgspec
 
-from gateway.config import Config
+from gateway.config import BackendConfig, Config
 from gateway.errors import GatewayError, retry_headers
 from gateway.pipeline import RequestContext
-from gateway.proxy.dialects import TELEMETRY_KINDS
+from gateway.proxy.dialects import TELEMETRY_KINDS, publishes_kv_events
 from gateway.proxy.health import Health
 from gateway.routing.admission import Admission, BatchQueue, QueueFull, decide, slo_ms
 from gateway.routing.affinity import Affinity, affinity_key, session_id
@@ -219,6 +219,16 @@ class PredictiveRouteStage:
         """engine -> request id -> Flight (read by the batch lane's pacer)."""
         return self.inflight.by_engine
 
+    def typical_ttft_upper_s(self, backend: BackendConfig, now: float) -> float:
+        """The upper-bound TTFT (s) a typical realtime request would get on `backend` now: the engine's view
+        (own and the peers' flights) and its mean uncached prompt, predicted without dispatching anything (the
+        batch lane's pacer, gateway/batch/scheduler.py)."""
+        name = backend.name
+        v = self.engines.view(name, now, self.telemetry is not None and publishes_kv_events(backend))
+        f = Features(ahead_tokens=v.ahead_tokens, uncached_tokens=self.avg_uncached.get(name, 512.0),
+                     running=v.running)
+        return self.predictor.predict(name, f)[1]
+
     @property
     def _by_rid(self) -> dict[str, Flight]:
         return self.inflight.by_rid
@@ -256,7 +266,7 @@ class PredictiveRouteStage:
         return self.engines.has_telemetry_name(name)
 
     def _view(self, name: str, now: float, has_tel: bool) -> EngineView:
-        """The engine's view now (engines.EngineModel.view; also read by the batch lane's pacer)."""
+        """The engine's view now (engines.EngineModel.view)."""
         return self.engines.view(name, now, has_tel)
 
     def _engine_state(self, name: str, now: float) -> tuple[float, float, float, Any]:

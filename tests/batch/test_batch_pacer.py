@@ -106,10 +106,10 @@ def test_engine_room_duty_spaces_line_starts_by_predicted_prefill_over_duty():
 
 
 class _Fl:
-    def __init__(self, batch: bool, started: float, prefilling: bool, predicted_s: float = 0.1):
-        from types import SimpleNamespace
+    """A flight as the pacer reads it (gateway/batch/scheduler.py FlightView)."""
 
-        self.ctx = SimpleNamespace(batch={"batch_id": "b"} if batch else None)
+    def __init__(self, batch: bool, started: float, prefilling: bool, predicted_s: float = 0.1):
+        self.is_batch = batch
         self.started, self.predicted_s, self._p = started, predicted_s, prefilling
 
     def prefilling(self, now: float) -> bool:
