@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping, Protocol
 
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -359,7 +360,7 @@ def readiness(gw: Gateway) -> dict[str, Any]:
 
 
 async def _not_found(request: Request, exc: Exception) -> Response:
-    status = getattr(exc, "status_code", 404)
+    status = exc.status_code if isinstance(exc, HTTPException) else 404
     err = GatewayError(status, f"No route for {request.method} {request.url.path}.",
                        code="not_found" if status == 404 else "method_not_allowed")
     return JSONResponse(err.body(), status_code=status, headers={"x-request-id": request_id(request.headers)})
@@ -393,7 +394,7 @@ def build_app(gw: Gateway) -> GatewayApp:
         for name, st in gw.health.snapshot().items():
             gw.metrics.backend_up.labels(name).set(1.0 if st["state"] == "closed" else 0.0)
         gw.metrics.event_loop_tasks.set(len(asyncio.all_tasks()))
-        if gw.telemetry is not None and hasattr(gw.telemetry, "refresh_block_counts"):
+        if gw.telemetry is not None:
             await gw.telemetry.refresh_block_counts()  # the KV index counts, off the event loop
         return Response(gw.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 

@@ -7,18 +7,60 @@ names and tiers only (bounded by the config). Every source is optional: a subsys
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from gateway.proxy.health import Health
+    from gateway.routing.gate import FlowGate
+    from gateway.routing.mode import ModeBook
+    from gateway.routing.peers import PeerBus
+    from gateway.routing.predictor import Predictor
 
 log = logging.getLogger("gateway.metrics")
 CIRCUIT_STATES = ("closed", "open", "half_open")
 STREAM_REASONS = ("no_events", "wrong_topic", "decode", "gap")  # gateway/telemetry/stream_health.py + gap
 
 
+class FleetSource(Protocol):
+    """The engines as telemetry last saw them (gateway/telemetry/service.py TelemetryService)."""
+
+    def fleet_snapshot(self) -> Mapping[str, Any]: ...
+
+
+class RouterParts(Protocol):
+    """The router's parts whose snapshots /metrics shows (gateway/routing/stage.py PredictiveRouteStage)."""
+
+    @property
+    def predictor(self) -> Predictor: ...
+
+    @property
+    def flow(self) -> FlowGate: ...
+
+    @property
+    def modes(self) -> ModeBook: ...
+
+    @property
+    def peers(self) -> PeerBus | None: ...
+
+
+class StateSource(Protocol):
+    """What the collector reads at scrape time (gateway/app.py Gateway): snapshots, never a request path."""
+
+    @property
+    def health(self) -> Health: ...
+
+    @property
+    def telemetry(self) -> FleetSource | None: ...
+
+    @property
+    def router(self) -> RouterParts | None: ...
+
+
 class GatewayStateCollector(Collector):
-    def __init__(self, gw: Any) -> None:
+    def __init__(self, gw: StateSource) -> None:
         self.gw = gw
 
     def describe(self) -> list:  # names are dynamic per source; skip the registry's duplicate check
@@ -49,8 +91,8 @@ class GatewayStateCollector(Collector):
         yield fails
 
     def _telemetry(self) -> Iterator[Metric]:
-        tel = getattr(self.gw, "telemetry", None)
-        if tel is None or not hasattr(tel, "fleet_snapshot"):
+        tel = self.gw.telemetry
+        if tel is None:
             return
         engines = tel.fleet_snapshot().get("engines", {})
         running = GaugeMetricFamily("gateway_engine_requests_running", "Engine's running requests (last scrape)",
@@ -129,10 +171,10 @@ class GatewayStateCollector(Collector):
                     err, apred, aact, aagr, aerr, areq)
 
     def _router(self) -> Iterator[Metric]:
-        router = getattr(self.gw, "router", None)
-        pred = getattr(router, "predictor", None)
-        if pred is None or not hasattr(pred, "snapshot"):
+        router = self.gw.router
+        if router is None:
             return
+        pred = router.predictor
         rate = GaugeMetricFamily("gateway_predictor_prefill_tokens_per_second", "Learned prefill rate per engine",
                                  labels=["engine"])
         over = GaugeMetricFamily("gateway_predictor_overhead_seconds", "Learned fixed TTFT overhead per engine",
@@ -153,10 +195,10 @@ class GatewayStateCollector(Collector):
     def _flow(self) -> Iterator[Metric]:
         """Flow control (gateway/routing/gate.py): per flow (tenant, team, project, key or partner: at most 200
         of them, the snapshot's bound) tokens served, requests waiting per priority class and refusals."""
-        gate = getattr(getattr(self.gw, "router", None), "flow", None)
-        if gate is None or not hasattr(gate, "snapshot"):
+        router = self.gw.router
+        if router is None:
             return
-        snap = gate.snapshot()
+        snap = router.flow.snapshot()
         served = CounterMetricFamily("gateway_flow_served_tokens", "Tokens served per flow since start (prompt "
                                      "tokens dispatched, completion tokens finished)", labels=["flow", "kind"])
         depth = GaugeMetricFamily("gateway_flow_queue_depth", "Requests waiting in the gateway's fair queue",
@@ -185,10 +227,10 @@ class GatewayStateCollector(Collector):
 
     def _modes(self) -> Iterator[Metric]:
         """Each upstream's mode (gateway/routing/mode.py): 1 for the mode it is in, 0 for the other."""
-        router = getattr(self.gw, "router", None)
-        book = getattr(router, "modes", None)
-        if book is None:
+        router = self.gw.router
+        if router is None:
             return
+        book = router.modes
         g = GaugeMetricFamily("gateway_upstream_mode", "1 for the mode each upstream is in: modelled (prediction, "
                               "admission, flow control act on it) or pass_through", labels=["backend", "mode"])
         for name, m in book.snapshot().items():
@@ -201,8 +243,9 @@ class GatewayStateCollector(Collector):
     def _peers(self) -> Iterator[Metric]:
         """The peer bus (gateway/routing/peers.py): replicas heard, the other replicas' flights per engine, events
         in/out/dropped. Labels: engine names and a fixed direction only (never replica ids)."""
-        bus = getattr(getattr(self.gw, "router", None), "peers", None)
-        if bus is None or not hasattr(bus, "snapshot"):
+        router = self.gw.router
+        bus = router.peers if router is not None else None
+        if bus is None:
             return
         snap = bus.snapshot()
         peers = GaugeMetricFamily("gateway_peers_heard", "Other gateway replicas heard within peer_timeout_s")

@@ -15,14 +15,71 @@ from __future__ import annotations
 
 import time
 from importlib import resources
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
+if TYPE_CHECKING:
+    from gateway.adapters.service import AdapterService
+    from gateway.admin_guard import AdminGuard
+    from gateway.config import Config
+    from gateway.cost.meter import CostMeter
+    from gateway.proxy.health import Health
+    from gateway.rollouts.service import RolloutService
+
 PAGE = resources.files("gateway.observability") / "dashboard.html"  # package data (pyproject package-data)
 _DROP = ("content",)  # records never show captured content on the dashboard
+
+
+class FleetSource(Protocol):
+    """The engines as telemetry sees them (gateway/telemetry/service.py TelemetryService)."""
+
+    async def refresh_block_counts(self) -> None: ...
+
+    def fleet_snapshot(self) -> Mapping[str, Any]: ...
+
+
+class RoutingSource(Protocol):
+    """The router's /admin/routing snapshot (gateway/routing/stage.py PredictiveRouteStage)."""
+
+    def snapshot(self) -> dict[str, Any]: ...
+
+
+class RecordSource(Protocol):
+    """Audit records by request id (gateway/evidence/recorder.py EvidenceRecorder)."""
+
+    async def get(self, request_id: str) -> dict[str, Any] | None: ...
+
+
+class SnapshotSource(Protocol):
+    """What the page reads (gateway/app.py Gateway): the config and the subsystems' public snapshots; a
+    subsystem that is not wired (None) gives an empty part."""
+
+    @property
+    def config(self) -> Config: ...
+
+    @property
+    def health(self) -> Health: ...
+
+    @property
+    def telemetry(self) -> FleetSource | None: ...
+
+    @property
+    def router(self) -> RoutingSource | None: ...
+
+    @property
+    def evidence(self) -> RecordSource | None: ...
+
+    @property
+    def cost(self) -> CostMeter | None: ...
+
+    @property
+    def rollouts(self) -> RolloutService | None: ...
+
+    @property
+    def adapters(self) -> AdapterService | None: ...
 
 
 def _obj(rec: dict[str, Any], key: str) -> dict[str, Any]:
@@ -79,18 +136,19 @@ def _budgets(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(latest.values(), key=lambda x: (str(x["tenant"]), x["scope"], x["id"], x["window"]))
 
 
-async def dashboard_data(gw: Any, recent_ids: Callable[[], list[str]], limit: int = 100) -> dict[str, Any]:
+async def dashboard_data(gw: SnapshotSource, recent_ids: Callable[[], list[str]],
+                         limit: int = 100) -> dict[str, Any]:
     """Everything the page shows, from the subsystems' public snapshots; missing subsystems give empty parts."""
     cfg = gw.config
     health = gw.health.snapshot()
-    tel = getattr(gw, "telemetry", None)
-    if tel is not None and hasattr(tel, "refresh_block_counts"):
+    tel = gw.telemetry
+    fleet: Mapping[str, Any] = {}
+    if tel is not None:
         await tel.refresh_block_counts()  # the KV index counts, off the event loop
-    fleet = tel.fleet_snapshot() if tel is not None and hasattr(tel, "fleet_snapshot") else {}
-    router = getattr(gw, "router", None)
-    routing = router.snapshot() if router is not None and hasattr(router, "snapshot") else {}
+        fleet = tel.fleet_snapshot()
+    routing = gw.router.snapshot() if gw.router is not None else {}
     learned = routing.get("engines", {}) if isinstance(routing, dict) else {}
-    rec_src = getattr(gw, "evidence", None)
+    rec_src = gw.evidence
     records: list[dict[str, Any]] = []
     if rec_src is not None:
         seen: set[str] = set()
@@ -154,19 +212,19 @@ async def dashboard_data(gw: Any, recent_ids: Callable[[], list[str]], limit: in
             "rollouts": _rollouts(gw), "adapters": await _adapters(gw)}
 
 
-async def _adapters(gw: Any) -> list[dict[str, Any]]:
+async def _adapters(gw: SnapshotSource) -> list[dict[str, Any]]:
     """Per dynamic engine, the adapters this process has resident (in flight, idle time, owner) and the learned
     load time: GET /admin/adapters/placement as the platform admin sees it (gateway/adapters)."""
-    svc = getattr(gw, "adapters", None)
-    if svc is None or getattr(svc, "store", None) is None:
+    svc = gw.adapters
+    if svc is None or svc.store is None:
         return []
     view: list[dict[str, Any]] = await svc.placement_view(None)
     return view
 
 
-def _rollouts(gw: Any) -> dict[str, Any]:
+def _rollouts(gw: SnapshotSource) -> dict[str, Any]:
     """Each weighted alias's arms side by side (gateway/rollouts) and the latest rollback alarms."""
-    ro = getattr(gw, "rollouts", None)
+    ro = gw.rollouts
     if ro is None:
         return {"aliases": [], "alarms": []}
     views = [ro.view(a) for a in sorted(ro.rollouts)]
@@ -176,7 +234,7 @@ def _rollouts(gw: Any) -> dict[str, Any]:
     return {"aliases": views, "alarms": alarms}
 
 
-def dashboard_routes(gw: Any, guard: Any, recent_ids: Callable[[], list[str]]) -> list[Route]:
+def dashboard_routes(gw: SnapshotSource, guard: AdminGuard, recent_ids: Callable[[], list[str]]) -> list[Route]:
     """The page (public shell, no data) and its data (platform admins only: every tenant's decisions and
     spend), both declared through the gateway's admin guard (gateway/admin_guard.py)."""
     from gateway.admin_guard import PLATFORM_ADMIN, PUBLIC

@@ -3,7 +3,7 @@ access log), the dashboard routes and, when configured, tracing. Called by gatew
 trace stage and the observer's and the tracing's completion steps."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry.sdk.trace.export import SpanExporter
 
@@ -12,8 +12,11 @@ from gateway.observability.dashboard import dashboard_routes
 from gateway.observability.hooks import RequestObserver
 from gateway.observability.tracing import Tracing, build_provider
 
+if TYPE_CHECKING:
+    from gateway.app import Gateway
 
-def wire_observability(gw: Any, exporter: SpanExporter | None = None) -> tuple[RequestObserver, Tracing | None]:
+
+def wire_observability(gw: Gateway, exporter: SpanExporter | None = None) -> tuple[RequestObserver, Tracing | None]:
     """Everything but tracing is always on (cheap); tracing only with `observability.otlp_endpoint` or an
     `exporter` (tests inject an InMemorySpanExporter). Returns the request observer and the tracing (None: off):
     gateway/wiring.py puts the trace stage and both completion steps in their lists."""
@@ -29,7 +32,7 @@ def wire_observability(gw: Any, exporter: SpanExporter | None = None) -> tuple[R
     return observer, gw.tracing
 
 
-def _tracing(gw: Any, exporter: SpanExporter | None) -> Tracing:
+def _tracing(gw: Gateway, exporter: SpanExporter | None) -> Tracing:
     """OTLP/HTTP from the config and/or `exporter`; its service is started and closed with the gateway."""
     obs = gw.config.raw.observability
     provider = build_provider(obs.service_name, obs.otlp_endpoint, exporter)
