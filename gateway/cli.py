@@ -19,9 +19,8 @@ def _setup_logging(level: str = "info", json_logs: bool = True) -> None:
 
 def tune_gc(threshold: tuple[int, int, int] | None) -> None:
     """Once the server is up: move everything allocated so far (modules, config, policy, tokenizers) out of
-    the cyclic collector's reach, so its full collections scan only what requests leave behind (they scanned
-    the whole startup heap: GC went from ~15% to ~9.5% of the gateway's CPU at saturation); optionally set
-    the thresholds (`server.gc_threshold`)."""
+    the cyclic collector's reach, so its full collections scan only what requests leave behind, not the whole
+    startup heap (docs/benchmarks.md, "Hot path choices"); optionally set the thresholds (`server.gc_threshold`)."""
     import gc
 
     gc.collect()
