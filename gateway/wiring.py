@@ -7,7 +7,7 @@ observe -> authenticate -> decide -> cache -> reserve -> route (predict, admit) 
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -19,6 +19,9 @@ from gateway.completion import Completion, Step, finish_of
 from gateway.observability.tracing import UpstreamTraceStage
 from gateway.pipeline import Pipeline
 from gateway.proxy.forward import DispatchStage
+
+if TYPE_CHECKING:
+    from gateway.routing.stage import PredictiveRouteStage
 
 
 def wire(gw: Gateway, span_exporter: Any = None) -> Gateway:
@@ -375,7 +378,7 @@ def _wire_routing(gw: Gateway) -> Any:
     return stage
 
 
-def _wire_peers(gw: Gateway, stage: Any) -> None:
+def _wire_peers(gw: Gateway, stage: PredictiveRouteStage) -> None:
     """The peer bus (gateway/routing/peers.py) when `routing.peers` resolves to a transport: Redis (the store
     the budgets already use, or routing.peers.redis_url) or the workers' Unix-datagram directory; else nothing."""
     from gateway.routing.peers import PeerBus, PeerState, replica_id, resolve_transport

@@ -133,7 +133,7 @@ def engine_loads(router: RouterView, now: float) -> dict[str, tuple[int, int, fl
 class Pacer:
     """Additive-increase / multiplicative-decrease concurrency of batch lines on this replica."""
 
-    def __init__(self, bc: Any) -> None:
+    def __init__(self, bc: BatchConfig) -> None:
         self.conc = float(max(1, bc.min_concurrency))
         self._halved_at = 0.0
         self.last_prediction_ms: float | None = None
@@ -143,12 +143,12 @@ class Pacer:
         self._last: dict[str, tuple[float, float]] = {}  # engine -> (newest batch start, its predicted prefill s)
         self.engines_with_room: int | None = None
 
-    def target_ms(self, gw: Any) -> float:
+    def target_ms(self, gw: Gateway) -> float:
         bc = gw.config.raw.batch
         t = bc.realtime_ttft_target_ms or gw.config.raw.routing.default_ttft_slo_ms or 1000.0
         return float(t)
 
-    def _halve(self, bc: Any) -> None:
+    def _halve(self, bc: BatchConfig) -> None:
         now = time.monotonic()
         if now - self._halved_at >= HALVE_COOLDOWN_S:
             self._halved_at = now
@@ -158,7 +158,7 @@ class Pacer:
         """Routing refused a line for lack of room: back off."""
         self._halve(self._bc)
 
-    def allowance(self, gw: Any, jobs: list[dict[str, Any]], inflight: int) -> int:
+    def allowance(self, gw: Gateway, jobs: list[dict[str, Any]], inflight: int) -> int:
         bc = self._bc = gw.config.raw.batch
         target = self.target_ms(gw)
         pred = realtime_prediction(gw)
@@ -175,7 +175,7 @@ class Pacer:
         self.engines_with_room = rooms
         return free if rooms is None else min(free, rooms)
 
-    def rooms(self, gw: Any, inflight: int = 0) -> int | None:
+    def rooms(self, gw: Gateway, inflight: int = 0) -> int | None:
         """How many lines may start for prefill room now: own healthy engines with room (engine_room), less
         the lines already started that routing has not placed yet (they will take a room); None without a
         router that tracks flights (then concurrency alone bounds the lane)."""

@@ -8,7 +8,7 @@ full prediction could only be higher and admission would refuse too.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 from gateway.errors import GatewayError, retry_headers
 from gateway.pipeline import RequestContext
@@ -20,6 +20,9 @@ from gateway.routing.plugin import EngineView
 from gateway.routing.predictor import Features, Predictor
 from gateway.routing.prompt import lora_name, routing_body
 from gateway.telemetry.index import RequestKeys
+
+if TYPE_CHECKING:
+    from gateway.telemetry.service import TelemetryService
 
 MAX_LEARNING = 64  # background /tokenize of message prefixes at once
 
@@ -80,24 +83,25 @@ def refuse_early(own: list[Candidate], target: float, elapsed_s: float, bounds: 
     return EarlyRefusal(sorted(own, key=lambda c: c.predicted_ttft_upper_ms or 0), adm, bounds)
 
 
-def uncached_lower_bounds(ctx: RequestContext, own: list[Candidate], salt: str | None, now: float, tel: Any,
+def uncached_lower_bounds(ctx: RequestContext, own: list[Candidate], salt: str | None, now: float,
+                          tel: TelemetryService | None,
                           has_telemetry: Callable[[Candidate], bool], pending: PendingCache) -> dict[str, int]:
     """Per engine, a lower bound on the request's uncached prompt tokens without tokenizing it, where one is
     known (else the caller assumes 1): when the ids of the chat's earlier messages are cached
     (TokenSource.cached_prefix) and an engine's chain of blocks (index, then own pending prefill) breaks
     inside that prefix, nothing past the break can be cached there (block keys are chained), so the request
     has at least len(prefix) + tail lower bound - cached-before-the-break uncached tokens there."""
-    ts = getattr(tel, "tokens", None) if tel is not None else None
     tc = [c for c in own if has_telemetry(c)]
-    if ts is None or not tc or ctx.zero_retention or not hasattr(ts, "cached_prefix"):
+    if tel is None or not tc or ctx.zero_retention:
         return {}
+    ts = tel.tokens
     try:
         hit = ts.cached_prefix(tc[0].backend.server_root, routing_body(ctx), salt)
         if hit is None:
             return {}
         ids, tail_lb = hit
         n_lb = len(ids) + tail_lb
-        index = getattr(tel, "index", None)
+        index = tel.index
         by_lora: dict[str | None, list[str]] = {}
         for c in tc:
             by_lora.setdefault(lora_name(c), []).append(c.backend.name)
@@ -106,7 +110,7 @@ def uncached_lower_bounds(ctx: RequestContext, own: list[Candidate], salt: str |
             rk = RequestKeys(list(ids), salt, lora)
             found = tel.lookup(names, rk, salt=salt, lora=lora)
             for name in names:
-                bs = index.block_size(name) if index is not None else None
+                bs = index.block_size(name)
                 if not bs:
                     continue
                 full = len(ids) // bs
@@ -121,17 +125,17 @@ def uncached_lower_bounds(ctx: RequestContext, own: list[Candidate], salt: str |
         return {}
 
 
-def learn_prefix(ctx: RequestContext, cand: Candidate, toks: list[int], salt: str | None, tel: Any,
+def learn_prefix(ctx: RequestContext, cand: Candidate, toks: list[int], salt: str | None, tel: TelemetryService | None,
                  tasks: set[asyncio.Task]) -> None:
     """Cache the ids of the chat's earlier messages off the request's path (one /tokenize of the prefix,
     once per distinct prefix), for the refusal before tokenizing of later requests sharing it. `tasks` holds
     the running ones (bounded by MAX_LEARNING)."""
-    ts = getattr(tel, "tokens", None)
     body = routing_body(ctx)
     msgs = body.get("messages")
-    if ts is None or ctx.zero_retention or not isinstance(msgs, list) or len(msgs) < 2 \
-            or not hasattr(ts, "learn_prefix") or len(tasks) >= MAX_LEARNING:
+    if tel is None or ctx.zero_retention or not isinstance(msgs, list) or len(msgs) < 2 \
+            or len(tasks) >= MAX_LEARNING:
         return
+    ts = tel.tokens
     try:
         form = telemetry_form(cand.backend.kind) or "vllm"
         t = asyncio.get_running_loop().create_task(ts.learn_prefix(cand.backend.server_root, body, toks, salt,

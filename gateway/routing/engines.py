@@ -3,7 +3,7 @@ rate, plus its last fresh scrape), its chunked-prefill budget and the facts /adm
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from gateway.config import Config
 from gateway.proxy.dialects import TELEMETRY_KINDS
@@ -13,6 +13,9 @@ from gateway.routing.plan import Candidate
 from gateway.routing.plugin import EngineView
 from gateway.routing.predictor import Predictor
 from gateway.routing.view import Drain, Scrape, queue_view
+
+if TYPE_CHECKING:
+    from gateway.telemetry.service import TelemetryService
 
 DEFAULT_UNCACHED = 512.0  # what one waiting request weighs until the engine's mean uncached prompt is observed
 _ASK = object()  # "the telemetry service was not resolved by the caller: ask for it"
@@ -31,7 +34,8 @@ def no_telemetry(cand: Candidate) -> bool:
 class EngineModel:
     """Views, budgets and facts per engine over the stage's shared state (passed in, not owned)."""
 
-    def __init__(self, config: Callable[[], Config], telemetry: Callable[[], Any], predictor: Predictor,
+    def __init__(self, config: Callable[[], Config], telemetry: Callable[[], TelemetryService | None],
+                 predictor: Predictor,
                  inflight: InFlight, pending: PendingCache, avg_uncached: dict[str, float]) -> None:
         self._config = config
         self._telemetry = telemetry
@@ -66,9 +70,10 @@ class EngineModel:
         `drain` and `tel`: the engine's drain and the telemetry service where the caller has them already."""
         scrape = None
         if has_tel:
-            load = (self._telemetry() if tel is _ASK else tel).load(name)
+            t = self._telemetry() if tel is _ASK else tel
+            load = t.load(name) if t is not None else None
             age = time.time() - load.scraped_at if load is not None else 1e9
-            if load is not None and getattr(load, "healthy", False) and age < 5.0:
+            if load is not None and load.healthy and age < 5.0:
                 scrape = Scrape(float(load.running), float(load.waiting), float(load.kv_usage), max(0.0, age))
         if drain is None:
             drain = self.drain(name, tel)
@@ -86,8 +91,7 @@ class EngineModel:
             return b, "configured"
         if tel is _ASK:
             tel = self._telemetry()
-        index = getattr(tel, "index", None) if tel is not None else None
-        learned = index.chunk_budget(name) if index is not None and hasattr(index, "chunk_budget") else None
+        learned = tel.index.chunk_budget(name) if tel is not None else None
         if learned:
             return learned, "learned"
         return rc.prefill_token_budget, "assumed"
@@ -96,10 +100,9 @@ class EngineModel:
         """What the router models about one engine, with the source of each fact (for /admin/routing)."""
         budget, src = self.chunk_budget(name)
         tel = self._telemetry()
-        index = getattr(tel, "index", None) if tel is not None else None
-        bs = index.block_size(name) if index is not None else None
-        load = tel.load(name) if tel is not None and hasattr(tel, "load") else None
-        cap = getattr(load, "num_gpu_blocks", None) if load is not None else None
+        bs = tel.index.block_size(name) if tel is not None else None
+        load = tel.load(name) if tel is not None else None
+        cap = load.num_gpu_blocks if load is not None else None
         return {"chunk_budget": budget, "chunk_budget_source": src,
                 "block_size": bs, "block_size_source": "kv events / metrics" if bs else "unknown",
                 "kv_capacity_blocks": cap, "kv_capacity_source": "metrics (cache_config_info)" if cap else "unknown",

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from gateway.pipeline import RequestContext
 from gateway.routing.plan import Candidate
+
+if TYPE_CHECKING:
+    from gateway.telemetry.service import TelemetryService
 
 
 def kv_view_evidence(stale: list[str], kv_view: Callable[[str], dict | None] | None) -> dict[str, dict]:
@@ -21,7 +24,7 @@ def kv_view_evidence(stale: list[str], kv_view: Callable[[str], dict | None] | N
 
 
 def route_evidence(ctx: RequestContext, cands: list[Candidate], target: float | None, action: str, source: str,
-                   t_start: float, salt: str | None, strategy: str, tel: Any,
+                   t_start: float, salt: str | None, strategy: str, tel: TelemetryService | None,
                    has_telemetry: Callable[[Candidate], bool]) -> None:
     ctx.evidence["candidates"] = [c.to_evidence() for c in cands]
     if cands:
@@ -36,4 +39,4 @@ def route_evidence(ctx: RequestContext, cands: list[Candidate], target: float | 
         stale = [c.backend.name for c in cands if has_telemetry(c) and tel.is_stale(c.backend.name)]
         if stale:
             ctx.evidence["route"]["stale_kv_views"] = stale
-            ctx.evidence["route"]["kv_views"] = kv_view_evidence(stale, getattr(tel, "kv_view", None))
+            ctx.evidence["route"]["kv_views"] = kv_view_evidence(stale, tel.kv_view)

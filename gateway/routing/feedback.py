@@ -4,12 +4,15 @@ evidence of predicted vs actual."""
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from gateway.pipeline import RequestContext
 from gateway.routing.approx import ApproxPrefixIndex
 from gateway.routing.inflight import Flight
 from gateway.routing.predictor import Predictor
+
+if TYPE_CHECKING:
+    from gateway.telemetry.service import TelemetryService
 
 
 def engine_part(ttft_s: float, elapsed_s: float) -> float:
@@ -21,7 +24,8 @@ def engine_part(ttft_s: float, elapsed_s: float) -> float:
 
 
 def feed_back(ctx: RequestContext, fl: Flight, *, predictor: Predictor, approx: ApproxPrefixIndex,
-              avg_uncached: dict[str, float], telemetry: Any, has_telemetry_name: Callable[[str], bool]) -> None:
+              avg_uncached: dict[str, float], telemetry: TelemetryService | None,
+              has_telemetry_name: Callable[[str], bool]) -> None:
     """Evidence of predicted vs actual for a finished flight; when it was served (200), train the serving
     engine's learners on it (the sample is the request's `outcome.learned`). A request that failed over from another engine is not a sample (its TTFT holds
     the failed attempt)."""

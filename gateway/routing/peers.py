@@ -23,7 +23,7 @@ import socket
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Union
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Union
 
 import msgspec
 
@@ -177,10 +177,27 @@ class PeerState:
 
 
 # ---------------------------------------------------------------- transports
+class Transport(Protocol):
+    """How batches reach the other replicas: `send` one encoded batch of at most `max_events` events (False:
+    not delivered), `on_data` called with each batch heard; `status` what /admin/routing shows of its health."""
+
+    name: str
+    max_events: int
+
+    async def start(self, on_data: Callable[[bytes], None]) -> None: ...
+
+    async def send(self, data: bytes) -> bool: ...
+
+    async def close(self) -> None: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+
 class RedisTransport:
     """Redis pub/sub on one channel: every replica (and worker) publishes there and hears the others."""
 
     name = "redis"
+    max_events = MAX_EVENTS_PER_BATCH
 
     def __init__(self, url: str, channel: str) -> None:
         self.url = url
@@ -190,6 +207,9 @@ class RedisTransport:
         self._task: asyncio.Task | None = None
         self.connected = False
         self._warned = False
+
+    def status(self) -> dict[str, Any]:
+        return {"connected": self.connected}
 
     async def start(self, on_data: Callable[[bytes], None]) -> None:
         import redis.asyncio as aioredis
@@ -252,6 +272,9 @@ class PostgresTransport:
         self.connected = False
         self._warned = False
 
+    def status(self) -> dict[str, Any]:
+        return {"connected": self.connected}
+
     async def start(self, on_data: Callable[[bytes], None]) -> None:
         self._task = asyncio.create_task(self._run(on_data))
 
@@ -310,6 +333,7 @@ class UnixTransport:
     misses the batch: its flights are rebuilt from the next ones and lapse by heartbeat."""
 
     name = "unix"
+    max_events = MAX_EVENTS_PER_BATCH
 
     def __init__(self, directory: str | Path, worker_id: str) -> None:
         self.dir = Path(directory)
@@ -318,6 +342,9 @@ class UnixTransport:
         self._peers: list[str] = []
         self._listed = 0.0
         self.dropped = 0
+
+    def status(self) -> dict[str, Any]:
+        return {"send_failures": self.dropped}
 
     async def start(self, on_data: Callable[[bytes], None]) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -383,7 +410,7 @@ class UnixTransport:
 class PeerBus:
     """A gateway service: publishes this replica's events and applies the others' (PeerState)."""
 
-    def __init__(self, transport: Any, state: PeerState, replica: str, *, flush_ms: float = 2.0,
+    def __init__(self, transport: Transport, state: PeerState, replica: str, *, flush_ms: float = 2.0,
                  heartbeat_s: float = 0.5, share_learning: bool = True, share_affinity: bool = True,
                  first_token_poll_ms: float = 10.0) -> None:
         self.transport = transport
@@ -475,7 +502,7 @@ class PeerBus:
                 continue
             out, self._out = self._out, []
             last = now
-            k = getattr(self.transport, "max_events", MAX_EVENTS_PER_BATCH)
+            k = self.transport.max_events
             chunks = [out[i:i + k] for i in range(0, len(out), k)] or [[]]
             for evs in chunks:
                 ok = await self.transport.send(encode(Batch(self.replica, time.time(), evs)))
@@ -508,10 +535,8 @@ class PeerBus:
 
     def snapshot(self) -> dict[str, Any]:
         s = self.state.snapshot()
-        dropped = getattr(self.transport, "dropped", None)
         return {"transport": self.transport.name, "replica": self.replica, **s, **self.counts,
-                **({"send_failures": dropped} if dropped is not None else {}),
-                **({"connected": self.transport.connected} if hasattr(self.transport, "connected") else {})}
+                **self.transport.status()}
 
 
 def _wake(fut: asyncio.Future) -> None:
@@ -527,7 +552,7 @@ def replica_id() -> str:
     return f"{base}/{uuid.uuid4().hex[:6]}"
 
 
-def resolve_transport(cfg: Any, env: dict[str, str] | None = None) -> Any:
+def resolve_transport(cfg: Any, env: dict[str, str] | None = None) -> Transport | None:
     """The transport `routing.peers` asks for, or None (no shared store and no worker directory: each replica
     routes on its own view, as before). auto: Redis when a URL is configured or the budgets already use Redis,
     else Postgres LISTEN/NOTIFY when the identity store is Postgres, else the local Unix-datagram bus when a

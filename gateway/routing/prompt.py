@@ -2,7 +2,7 @@
 each candidate engine already holds (KV index through the pending cache, else the approximate prefix tree)."""
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 from gateway.pipeline import RequestContext
 from gateway.proxy.dialects import DIALECTS
@@ -11,6 +11,9 @@ from gateway.routing.pending import PendingCache
 from gateway.routing.plan import Candidate
 from gateway.telemetry.index import RequestKeys
 from gateway.telemetry.tokens import render_messages_plain
+
+if TYPE_CHECKING:
+    from gateway.telemetry.service import TelemetryService
 
 APPROX_BLOCK_CHARS = 256
 CHARS_PER_TOKEN = 4
@@ -54,8 +57,9 @@ class PromptFacts(NamedTuple):
     unstored: dict[str, tuple[int, list[int]]]
 
 
-async def prompt_facts(ctx: RequestContext, cands: list[Candidate], salt: str | None, *, telemetry: Any,
-                       has_telemetry: Callable[[Candidate], bool], pending: PendingCache, approx: ApproxPrefixIndex,
+async def prompt_facts(ctx: RequestContext, cands: list[Candidate], salt: str | None, *,
+                       telemetry: TelemetryService | None, has_telemetry: Callable[[Candidate], bool],
+                       pending: PendingCache, approx: ApproxPrefixIndex,
                        clock: Callable[[], float], learn: Callable[[Candidate, list[int]], None]) -> PromptFacts:
     """Tokenize once (the first candidate with telemetry), look the tokens up in the KV index per LoRA key and
     extend through own pending prefill; candidates without telemetry get the approximate tree's estimate.
@@ -68,7 +72,7 @@ async def prompt_facts(ctx: RequestContext, cands: list[Candidate], salt: str | 
     unstored: dict[str, tuple[int, list[int]]] = {}
     source = "estimate"
     tel = [c for c in cands if has_telemetry(c)]
-    if tel:
+    if tel and telemetry is not None:
         try:
             toks, source = await telemetry.tokens_for(tel[0].backend.name, None, body,
                                                       retain=not ctx.zero_retention)
@@ -78,13 +82,13 @@ async def prompt_facts(ctx: RequestContext, cands: list[Candidate], salt: str | 
             by_lora: dict[str | None, list[str]] = {}
             for c in tel:  # engines serving the model as a LoRA adapter key their blocks by its name
                 by_lora.setdefault(lora_name(c), []).append(c.backend.name)
-            index = getattr(telemetry, "index", None)
+            index = telemetry.index
             for lora, names in by_lora.items():
                 rk = RequestKeys(toks, salt, lora)
                 found = telemetry.lookup(names, rk, salt=salt, lora=lora)
                 for k, v in found.items():
                     cached[k] = int(v.tokens)
-                    bs = index.block_size(k) if index is not None else None
+                    bs = index.block_size(k)
                     if bs:  # extend through blocks an earlier dispatch there is still prefilling
                         keys = rk.keys(bs)
                         limit = min(len(keys), (n_tokens - 1) // bs)

@@ -18,7 +18,7 @@ import asyncio
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, NoReturn
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NoReturn
 
 import msgspec
 
@@ -55,6 +55,10 @@ from gateway.routing.registry import build_strategy, strategy_label
 from gateway.routing.room import Room
 from gateway.routing.scorers.target_fit import target_fit_score
 from gateway.routing.salts import _SALT_DEFAULT_SECRET, engine_cache_salt, tenant_cache_salt
+from gateway.telemetry.service import TelemetryService
+
+if TYPE_CHECKING:
+    from gateway.routing.peers import PeerBus
 
 # the names other modules import from here (kept when the stage was split into its concerns)
 __all__ = ["APPROX_BLOCK_CHARS", "CHARS_PER_TOKEN", "PredictiveRouteStage", "RouteStage", "_SALT_DEFAULT_SECRET",
@@ -121,7 +125,7 @@ class _Attempt:
     # set by each pass of the decision
     prev_engine: str | None = None
     elapsed: float = 0.0
-    tel: Any = None
+    tel: TelemetryService | None = None
     has_tel: Callable[[Candidate], bool] = lambda c: False
     feats: dict[str, Features] = field(default_factory=dict)
 
@@ -166,12 +170,17 @@ class PredictiveRouteStage:
 
     name = "route"
 
-    def __init__(self, config: Callable[[], Config], health: Health, telemetry: Any = None,
+    def __init__(self, config: Callable[[], Config], health: Health,
+                 telemetry: TelemetryService | Callable[[], TelemetryService | None] | None = None,
                  clock: Callable[[], float] = time.perf_counter, predictor: Predictor | None = None) -> None:
         self._config = config
         self._health = health
         # the telemetry service, or a getter for it (wiring order: telemetry may be attached after routing)
-        self._telemetry = telemetry
+        if telemetry is None or isinstance(telemetry, TelemetryService):
+            svc = telemetry
+            self._telemetry: Callable[[], TelemetryService | None] = lambda: svc
+        else:
+            self._telemetry = telemetry
         self.clock = clock
         rc = config().raw.routing
         self.predictor = predictor or Predictor(PredictorParams(quantile=rc.admission_quantile,
@@ -186,12 +195,12 @@ class PredictiveRouteStage:
         self.engines = EngineModel(config, lambda: self.telemetry, self.predictor, self.inflight, self.pending,
                                    self.avg_uncached)
         self.affinity = Affinity()  # session/trace header value -> engine last used
-        self.peers: Any = None  # the peer bus (peers.PeerBus) when replicas route as one; wired by gateway.wiring
+        self.peers: PeerBus | None = None  # the peer bus when replicas route as one; wired by gateway.wiring
         self.batch = BatchQueue(rc.batch_queue_size)
         self.stats = {"admitted": 0, "rejected": 0, "rejected_before_tokenize": 0,
                       "rejected_on_cached_prefix": 0, "spilled": 0, "queued": 0, "shed": 0,
                       "refused_after_wait": 0, "served_late": 0, "pass_through": 0, "released_to_pass_through": 0,
-                      "rejected_inflight_limit": 0}
+                      "rejected_inflight_limit": 0, "target_not_held": 0}
         self.modes = ModeBook()  # each upstream's mode: modelled or pass-through (mode.py)
         self._mode_memo: dict[str, tuple[float, Mode, Any]] = {}
         self.room = Room()  # the harmful-hold check's samples (room.py)
@@ -208,11 +217,8 @@ class PredictiveRouteStage:
         self.inflight.long_threshold = lambda name: self.flow.limits(name).long_prompt_tokens  # the peers' longs
 
     @property
-    def telemetry(self) -> Any:
-        t = self._telemetry
-        if t is not None and not hasattr(t, "lookup") and callable(t):
-            return t()
-        return t
+    def telemetry(self) -> TelemetryService | None:
+        return self._telemetry()
 
     @property
     def flights(self) -> dict[str, dict[str, Flight]]:
@@ -285,7 +291,7 @@ class PredictiveRouteStage:
         return n, self.room.peak(name, now)
 
     # ---------------------------------------------------------------- modes (mode.py)
-    def mode(self, backend: Any, tel: Any, now: float) -> Mode:
+    def mode(self, backend: BackendConfig, tel: TelemetryService | None, now: float) -> Mode:
         """The upstream's mode now (memoised for 0.25 s: read once per candidate per request)."""
         memo = self._mode_memo.get(backend.name)
         if memo is not None and now - memo[0] < 0.25 and memo[2] is backend:
@@ -295,7 +301,7 @@ class PredictiveRouteStage:
         self._mode_memo[backend.name] = (now, m, backend)
         return m
 
-    def _observed(self, b: Any, tel: Any) -> Observed:
+    def _observed(self, b: BackendConfig, tel: TelemetryService | None) -> Observed:
         """What the gateway observes about upstream `b`: its kind, its telemetry's freshness, its fit."""
         if b.kind not in MODELLED_KINDS or tel is None:
             return Observed(b.kind, tel is not None)
@@ -337,14 +343,14 @@ class PredictiveRouteStage:
         """What the router models about one engine, with the source of each fact (for /admin/routing)."""
         return self.engines.facts(name)
 
-    async def _prompt(self, ctx: RequestContext, cands: list[Candidate], salt: str | None, tel: Any,
+    async def _prompt(self, ctx: RequestContext, cands: list[Candidate], salt: str | None, tel: TelemetryService | None,
                       has_tel: Callable[[Candidate], bool]) -> PromptFacts:
         return await prompt_facts(ctx, cands, salt, telemetry=tel, has_telemetry=has_tel,
                                   pending=self.pending, approx=self.approx, clock=self.clock,
                                   learn=lambda c, toks: self._learn_prefix(ctx, c, toks, salt))
 
     def _score(self, cands: list[Candidate], n_tokens: int, cached: dict[str, int], blocks: list[int],
-               affinity_engine: str | None, elapsed_s: float, target: float | None, tel: Any,
+               affinity_engine: str | None, elapsed_s: float, target: float | None, tel: TelemetryService | None,
                has_tel: Callable[[Candidate], bool], setup_s: Mapping[str, float] | None = None
                ) -> tuple[list[Scored], dict[str, Features], dict[str, Drain]]:
         """Predictions per candidate (prediction.predict_candidates) on the engines' views now, and each
@@ -635,7 +641,7 @@ class PredictiveRouteStage:
                      "x-predicted-ttft-ms": f"{best_ms:.0f}", "x-ttft-slo-ms": f"{target:g}"},
             extra={"predicted_ttft_ms": round(best_ms, 3), "ttft_slo_ms": target})
 
-    def _modes_of(self, cands: list[Candidate], tel: Any) -> set[str]:
+    def _modes_of(self, cands: list[Candidate], tel: TelemetryService | None) -> set[str]:
         """The names of the modelled upstreams among `cands`; each candidate's mode and why go to its evidence."""
         now = self.clock()
         out: set[str] = set()
@@ -754,6 +760,12 @@ class PredictiveRouteStage:
                                                           LONG_FIT))
             return False, first + [c for c in own_ord if c.backend.name not in go], goal
         fs.go = frozenset()
+        if budget is not None and not go and not fs.long and fs.waiter is None:
+            # one flow alone and no engine's queue drains within its target: waiting in the gateway could only
+            # spend the target (the engines serve their queues in order), so admission judges it now on the
+            # engines' own predictions, full queues included (refused on arrival, or sent where it fits)
+            self.stats["target_not_held"] += 1
+            return False, own_ord, goal
         wait_s, ahead = self.flow.predicted_wait(fs.qcls, fs.flow, fs.weight, unc, now)
         fs.predicted_wait_s, fs.ahead_tokens = wait_s, ahead
         fs.wait_upper_s = wait_up = wait_s + self.flow.wait_margin()  # the bound counts the wait's own error
@@ -783,7 +795,7 @@ class PredictiveRouteStage:
         if hdr and slo_ms(hdr, None, None) is not None:
             return target
         d = ctx.decision
-        v = getattr(d, "long_ttft_slo_ms", None) if d is not None else None
+        v = d.long_ttft_slo_ms if d is not None else None
         if v:
             return float(v)
         if fc.long_ttft_slo_ms:
@@ -856,7 +868,7 @@ class PredictiveRouteStage:
 
     def _dispatched(self, ctx: RequestContext, pick: Candidate, final: list[Candidate], n_tokens: int,
                     elapsed: float, feats: dict[str, Features], blocks: list[int],
-                    unstored: dict[str, tuple[int, list[int]]], tel: Any, has_tel: bool) -> Flight:
+                    unstored: dict[str, tuple[int, list[int]]], tel: TelemetryService | None, has_tel: bool) -> Flight:
         """Account the routed request as in flight on its pick: own prefill work ahead there until its first
         token, and its blocks the index does not hold yet as pending (with the last chunk's tail)."""
         name = pick.backend.name
@@ -865,7 +877,7 @@ class PredictiveRouteStage:
                     {c.backend.name: c.cached_tokens or 0 for c in final}, blocks, has_tel,
                     {c.backend.name: max(0.0, (c.predicted_ttft_upper_ms or 0) / 1000 - elapsed) for c in final},
                     elapsed)
-        if name in unstored:
+        if name in unstored and tel is not None:  # unstored blocks come from the KV index's lookup
             held, keys = unstored[name]
             bs = tel.index.block_size(name)
             budget = self.engines.chunk_budget(name, tel)[0]
@@ -880,7 +892,7 @@ class PredictiveRouteStage:
             self.peers.dispatched(fl)
         if fl.uncached >= self.flow.limits(name).long_prompt_tokens:  # the prefill guard's index
             self._longs.setdefault(name, {})[ctx.request_id] = fl
-        if fl.telemetry:
+        if fl.telemetry and tel is not None:
             tel.begin(name, fl.uncached)
         return fl
 
@@ -937,7 +949,7 @@ class PredictiveRouteStage:
             u = ctx.usage
             self.flow.finished(fl.flow, (u.completion_tokens or 0) if u is not None else ctx.delivered_completion_tokens)
         tel = self.telemetry
-        if fl.telemetry:
+        if fl.telemetry and tel is not None:
             tel.end(fl.engine, fl.uncached)
         feed_back(ctx, fl, predictor=self.predictor, approx=self.approx, avg_uncached=self.avg_uncached,
                   telemetry=tel, has_telemetry_name=lambda name: self.engines.has_telemetry_name(name, tel))

@@ -145,6 +145,7 @@ def test_the_peers_learner_samples_and_affinity_are_taken():
 
 class FakeTransport:
     name = "fake"
+    max_events = 64
 
     def __init__(self) -> None:
         self.sent: list[bytes] = []
@@ -158,6 +159,9 @@ class FakeTransport:
 
     async def close(self) -> None:
         pass
+
+    def status(self) -> dict:
+        return {}
 
 
 def test_the_bus_batches_events_off_the_request_path_and_reports_first_tokens():
