@@ -21,11 +21,15 @@ from __future__ import annotations
 import logging
 import re
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from gateway.cache.store import VectorCache, Entry, entry_body, entry_from, location_allows, ranked, vector_bytes
+
+if TYPE_CHECKING:
+    from gateway.cache.config import CacheConfig
+    from gateway.types import Decision
 
 log = logging.getLogger("gateway.cache")
 _GLOB = re.compile(r"([*?\[\]\\])")
@@ -66,8 +70,14 @@ class RedisStore:
     def _e(self, key: str) -> str:
         return f"{self._p}:e:{key}"
 
-    def allows(self, decision: Any) -> bool:
-        return location_allows(self.location, getattr(decision, "allowed_countries", None))
+    def allows(self, decision: Decision | None) -> bool:
+        return location_allows(self.location, decision.allowed_countries if decision is not None else None)
+
+    def retune(self, cc: CacheConfig, namespace: str) -> None:
+        self.max_entries = cc.max_entries
+        self.location = cc.location
+        self.max_partition_entries = cc.max_partition_entries
+        self.set_namespace(namespace)
 
     async def start(self) -> None:
         try:

@@ -146,13 +146,7 @@ class CacheService:
             self.stage.store = new
             await prev.close()
         else:
-            s: Any = self.store
-            s.max_entries = cc.max_entries
-            s.location = cc.location
-            if hasattr(s, "max_partition_entries"):
-                s.max_partition_entries = cc.max_partition_entries
-            if hasattr(s, "set_namespace"):
-                s.set_namespace(namespace(config))
+            self.store.retune(cc, namespace(config))
         if cc != old:
             self.stage.embedder = build_embedder(self.gw, cc)
 

@@ -16,13 +16,17 @@ from __future__ import annotations
 import sqlite3
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import orjson
 
 from gateway.stores.sql import enable_wal
 from gateway.cache.store import VectorCache, Entry, entry_body, entry_from, location_allows, ranked, vector_bytes
+
+if TYPE_CHECKING:
+    from gateway.cache.config import CacheConfig
+    from gateway.types import Decision
 
 SCHEMA = """
 create table if not exists cache_entries (
@@ -80,8 +84,14 @@ class SqliteStore:
             self._db = db
         return self._db
 
-    def allows(self, decision: Any) -> bool:
-        return location_allows(self.location, getattr(decision, "allowed_countries", None))
+    def allows(self, decision: Decision | None) -> bool:
+        return location_allows(self.location, decision.allowed_countries if decision is not None else None)
+
+    def retune(self, cc: CacheConfig, namespace: str) -> None:
+        self.max_entries = cc.max_entries
+        self.location = cc.location
+        self.max_partition_entries = cc.max_partition_entries
+        self.set_namespace(namespace)
 
     async def start(self) -> None:
         # rows of another config (a restart after a change) are never served: drop them now

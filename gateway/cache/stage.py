@@ -84,7 +84,7 @@ class CacheStage:
 
     async def run(self, ctx: RequestContext) -> None:
         d = ctx.decision
-        spec = getattr(d, "cache", None) if d is not None else None
+        spec = d.cache if d is not None else None
         if spec is None or spec.mode == "off":
             return
         cc = self.config().raw.cache

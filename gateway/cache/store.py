@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Protocol
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, Iterable, Protocol
 
 import numpy as np
 import orjson
+
+if TYPE_CHECKING:
+    from gateway.cache.config import CacheConfig
+    from gateway.types import Decision
 
 
 @dataclass(slots=True)
@@ -41,13 +45,11 @@ class Entry:
     residency: list[str] | None = None  # the creating decision's allowed countries (None: unrestricted)
 
 
-# what a persistent store serialises besides key / partition / tenant / model / params / times / vector
-_BODY_FIELDS = ("response", "created_by", "prompt_tokens", "completion_tokens", "cost", "currency", "guards",
-                "hits", "residency")
-
-
 def entry_body(e: Entry) -> bytes:
-    return orjson.dumps({f: getattr(e, f) for f in _BODY_FIELDS})
+    """What a persistent store serialises besides key / partition / tenant / model / params / times / vector."""
+    return orjson.dumps({"response": e.response, "created_by": e.created_by, "prompt_tokens": e.prompt_tokens,
+                         "completion_tokens": e.completion_tokens, "cost": e.cost, "currency": e.currency,
+                         "guards": e.guards, "hits": e.hits, "residency": e.residency})
 
 
 def entry_from(key: str, partition: str, tenant: str, model: str, params: str, created_at: float,
@@ -131,7 +133,10 @@ class CacheStore(Protocol):
     location: Any
     max_entries: int
 
-    def allows(self, decision: Any) -> bool: ...
+    def allows(self, decision: Decision | None) -> bool: ...
+
+    def retune(self, cc: CacheConfig, namespace: str) -> None:
+        """A reload that keeps the store: its bounds, location and (shared stores) namespace from `cc`."""
 
     async def start(self) -> None: ...
 
@@ -170,9 +175,14 @@ class MemoryStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def allows(self, decision: Any) -> bool:
+    def allows(self, decision: Decision | None) -> bool:
         """May an entry created under this decision live here (residency of the store's location)?"""
-        return location_allows(self.location, getattr(decision, "allowed_countries", None))
+        return location_allows(self.location, decision.allowed_countries if decision is not None else None)
+
+    def retune(self, cc: CacheConfig, namespace: str) -> None:
+        """In process, one config at a time (a reload purges it): no namespace of its own."""
+        self.max_entries = cc.max_entries
+        self.location = cc.location
 
     async def start(self) -> None:
         return None
@@ -262,6 +272,5 @@ class MemoryStore:
 
     async def dump(self) -> bytes:
         """Every byte the store holds, serialised (tests grep it for canaries)."""
-        return orjson.dumps([{k: (v.tolist() if isinstance(v, np.ndarray) else v)
-                              for k, v in ((f, getattr(e, f)) for f in Entry.__slots__)}
+        return orjson.dumps([{k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in asdict(e).items()}
                              for e in self._entries.values()])

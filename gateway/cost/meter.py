@@ -15,7 +15,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gateway.cost.apportion import EngineClock
 from gateway.cost.config import CostConfig
@@ -30,6 +30,11 @@ from gateway.cost.model import (
     token_cost,
 )
 
+if TYPE_CHECKING:
+    from gateway.metrics import Metrics
+    from gateway.pipeline import RequestContext
+    from gateway.routing.plan import Candidate
+
 log = logging.getLogger("gateway.cost")
 
 PRIOR_S_PER_TOKEN = 0.125 / 1000.0  # the router's cold-start prefill prior (8k tokens/s) until it learned one
@@ -38,6 +43,20 @@ DECODE_MIN_TOKENS = 8  # a request teaches the decode cost per completion token 
 DECODE_WINDOW = 64  # per engine: the decode cost per completion token of its last this many requests
 _NO_HIT_SAVINGS: dict[str, Any] = {"saved_tokens": 0, "saved_cost": 0.0}
 _RECENT = ("t", "backend", "model", "category", "gpu_seconds", "cost", "charged", "tokens", "saved", "wasted")
+
+
+class LearnedFacts(Protocol):
+    """What the meter prices with of one engine's learner (gateway/routing/predictor.py EngineLearner)."""
+
+    def s_per_token(self) -> float: ...
+
+    def step(self) -> float: ...
+
+
+class Learners(Protocol):
+    """The router's learner per engine (gateway/routing/predictor.py Predictor)."""
+
+    def learner(self, engine: str) -> LearnedFacts: ...
 
 
 class CostStage:
@@ -59,9 +78,9 @@ class CostStage:
 class CostMeter:
     """Per-engine clocks and running totals. `config` and `predictor` are callables (hot reload, late wiring)."""
 
-    def __init__(self, config: Callable[[], Any], predictor: Callable[[], Any] | None = None,
+    def __init__(self, config: Callable[[], Any], predictor: Callable[[], Learners | None] | None = None,
                  clock: Callable[[], float] = time.perf_counter, ledger: Callable[[], Any] | None = None,
-                 metrics: Any = None) -> None:
+                 metrics: Metrics | None = None) -> None:
         self._config = config
         self._predictor = predictor or (lambda: None)
         self._ledger = ledger or (lambda: None)
@@ -101,21 +120,21 @@ class CostMeter:
             c = self.engines[engine] = EngineClock()
         return c
 
-    def _learned(self, engine: str, fact: str, prior: float) -> float:
-        """A fact the router's learner of this engine has learned (its public learner), else the prior."""
-        learner = getattr(self._predictor(), "learner", None)
-        if learner is None:
+    def _learned(self, engine: str, fact: Callable[[LearnedFacts], float], prior: float) -> float:
+        """A fact the router's learner of this engine has learned, else the prior (no router, nothing learned)."""
+        learners = self._predictor()
+        if learners is None:
             return prior
-        v = float(getattr(learner(engine), fact)())
+        v = float(fact(learners.learner(engine)))
         return v if v > 0 else prior
 
     def s_per_token(self, engine: str) -> float:
         """The router's learned prefill cost per token on this engine, else the prior."""
-        return self._learned(engine, "s_per_token", PRIOR_S_PER_TOKEN)
+        return self._learned(engine, lambda lr: lr.s_per_token(), PRIOR_S_PER_TOKEN)
 
     def step_s(self, engine: str) -> float:
         """The router's learned engine step (EWMA of mean inter-token time) on this engine, else its prior."""
-        return self._learned(engine, "step", PRIOR_STEP_S)
+        return self._learned(engine, lambda lr: lr.step(), PRIOR_STEP_S)
 
     def gpu_worst_case(self, backends: tuple[str, ...] = ()) -> tuple[float, float]:
         """The learned worst case of a request's apportioned GPU-seconds over `backends` (empty: every
@@ -147,15 +166,15 @@ class CostMeter:
             b = self._config().backend(name)
         except KeyError:
             return False
-        return getattr(b, "operator", "self") != "partner"
+        return b.operator != "partner"
 
-    def open(self, ctx: Any) -> None:
+    def open(self, ctx: RequestContext) -> None:
         """A span on the engine the route plan tries first (what the dispatcher's first attempt does)."""
-        cands = getattr(ctx.route, "candidates", None) or ()
+        cands = ctx.route.candidates if ctx.route is not None else ()
         if cands:
             self.attempt_begin(ctx, cands[0])
 
-    def attempt_begin(self, ctx: Any, cand: Any) -> None:
+    def attempt_begin(self, ctx: RequestContext, cand: Candidate) -> None:
         """The dispatcher sends the request to `cand`: its span begins on that engine (ours only)."""
         b = cand.backend
         if b.operator == "partner" or ctx.request_id in self._open or not self._config().raw.cost.enabled:
@@ -165,12 +184,12 @@ class CostMeter:
         # count on this engine lately (chars/4 counted 2x the sim's tokens), less the cached tokens routing
         # predicted (the KV index counts engine tokens), times the learned cost per token
         est = ctx.prompt_tokens_est
-        expected = max(0.0, est * self._est_ratio.get(engine, 1.0) - (getattr(cand, "cached_tokens", None) or 0))
+        expected = max(0.0, est * self._est_ratio.get(engine, 1.0) - (cand.cached_tokens or 0))
         spt = self.s_per_token(engine)
         token = self.clock_of(engine).begin(self.clock(), expected * spt)
         self._open[ctx.request_id] = (engine, token, est, spt)
 
-    def attempt_failed(self, ctx: Any, cand: Any) -> None:
+    def attempt_failed(self, ctx: RequestContext, cand: Candidate) -> None:
         """The attempt on `cand` failed (the dispatcher tries the next candidate or gives up): its engine time
         ends now and is the request's retry waste (`wasted_gpu_seconds.retry`), not part of what it is charged."""
         span = self._open.pop(ctx.request_id, None)
@@ -236,7 +255,7 @@ class CostMeter:
         `charged=False` before the budget settled (the charge and margin are added by the finish hook)."""
         raw = self._config().raw
         cfg = raw.cost
-        fx = getattr(raw.budgets, "fx_rates", {})
+        fx = raw.budgets.fx_rates
         uc = ctx.outcome.unit_cost or {}  # read only: `out` below is a new dict
         o = self.outcome(ctx)
         cat = category(o)
@@ -326,7 +345,7 @@ class CostMeter:
         from gateway.observability.logs import current_request
 
         ctx = current_request.get()
-        if ctx is None or getattr(ctx, "request_id", None) != rid:
+        if ctx is None or ctx.request_id != rid:
             return {"adapter": None, "arm": None}
         return ledger_dims(ctx)
 
@@ -411,7 +430,7 @@ class CostMeter:
         self.recent.append((time.time(), backend, model, cat, gpu_s, cost, charged, tokens, saved, wasted))
         self._observe_dims(ctx, gpu_s, cost, tokens)
         m = self.metrics
-        if m is None or not hasattr(m, "cost_gpu_seconds"):
+        if m is None:
             return
         ch = self._children.get(key)
         if ch is None:
