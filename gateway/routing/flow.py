@@ -74,6 +74,18 @@ class Waiter:
     fut: asyncio.Future[frozenset[str]] | None = None  # resolved with the engines open for it at release
     seq: int = 0
     predicted_s: float = 0.0  # the wait predicted for it when it queued (the wait's error is learned from it)
+    # a request with a TTFT target: when (gate clock) its first token is due, and per own engine the upper bound
+    # of its own prefill there with nothing queued; what is left between them is what it may wait in that
+    # engine's queue (FlowGate.may_start's `budget`). None: no target
+    first_token_by: float | None = None
+    own_upper_s: dict[str, float] = field(default_factory=dict)
+
+    def budget(self, now: float) -> dict[str, float] | None:
+        """Per engine, the seconds it may still spend in that engine's queue and meet its target."""
+        if self.first_token_by is None:
+            return None
+        left = self.first_token_by - now
+        return {e: left - own for e, own in self.own_upper_s.items()}
 
 
 @dataclass(slots=True)

@@ -120,6 +120,13 @@ class FlowGate:
             return False
         return len(active | {f for qs in self.queue.queues.values() for f, q in qs.items() if q}) > 1
 
+    def alone(self, flow: str, now: float) -> bool:
+        """No flow but `flow` was served within the last `CONTENTION_S` or is waiting: nobody to be fair to."""
+        for f, t in self.last_served.items():
+            if f != flow and now - t <= CONTENTION_S:
+                return False
+        return not any(q for qs in self.queue.queues.values() for f, q in qs.items() if q and f != flow)
+
     def long_on(self, uncached: dict[str, int]) -> dict[str, bool]:
         """Per engine: whether the prompt (its uncached tokens there) is long on it."""
         return {e: u >= self.limits(e).long_prompt_tokens for e, u in uncached.items()}
@@ -131,14 +138,20 @@ class FlowGate:
         return flights
 
     def may_start(self, uncached: dict[str, int], now: float, _cache: dict[str, Any] | None = None,
-                  longs: dict[str, bool] | None = None) -> frozenset[str]:
+                  longs: dict[str, bool] | None = None, budget: dict[str, float] | None = None) -> frozenset[str]:
         """The engines that may start this request now: for a short prompt, those without a long prefill in
         progress (the drain model's estimate of a long prefill's end is not trusted with a short prompt's TTFT);
         for a long prompt, those with a long-prefill slot for it. Of those, the open ones (`engine_open`); while
         some are closed, only the open ones whose predicted TTFT for it is within `engine_queue_ms` of waiting
         for the best closed one (until it opens, then its prediction with nothing queued): a slow engine under
         many decodes opens first, but waiting a moment for a fast one is the shorter way. `_cache` may hold
-        the engines' states already taken ({"state": {engine: state}}) and is filled for reuse."""
+        the engines' states already taken ({"state": {engine: state}}) and is filled for reuse.
+
+        `budget` (a request with a TTFT target): per engine, how long it may wait in that engine's queue and
+        still meet its target. While one flow alone is served (not `strict`: nobody to be fair to) an engine is
+        open for it while its queue drains within that budget, not only within `engine_queue_ms`: holding it in
+        the gateway would only spend its target (the early refusal on arrival sheds what cannot meet it). With
+        several flows the engines' queues stay short, so the fair queue decides who goes first."""
         queue_s = self.cfg.engine_queue_ms / 1000.0
         cache = _cache if _cache is not None else {}
         opened = cache.setdefault("open", {})
@@ -167,6 +180,9 @@ class FlowGate:
                 ahead, unfirst, _, drain = self._st(e, now, states)
                 o = engine_open(ahead, unfirst, drain, queue_s, strict)
                 o = opened[e] = self._room_check(e, now, o)
+            if not o and not strict and budget is not None and budget.get(e, 0.0) > queue_s:
+                ahead, unfirst, _, drain = self._st(e, now, states)  # the target's own budget (see above)
+                o = engine_open(ahead, unfirst, drain, budget[e], True)
             if o:
                 opens.append(e)
         predict = self._predict
@@ -332,7 +348,8 @@ class FlowGate:
         picked: list[frozenset[str]] = []
 
         def may_go(w: Waiter) -> bool:
-            go = self.may_start(w.uncached, now, cache) & w.engines
+            budget = w.budget(now) if w.first_token_by is not None and self.alone(w.flow, now) else None
+            go = self.may_start(w.uncached, now, cache, budget=budget) & w.engines
             if go:
                 picked.append(go)
             return bool(go)

@@ -90,6 +90,9 @@ class _FlowState:
     predicted_wait_s: float = 0.0
     wait_upper_s: float = 0.0  # the predicted wait plus the upper quantile of the recent waits' error
     ahead_tokens: float = 0.0
+    unheld: bool = False  # no engine opened within its target, and it was not held for one (_flow_plan)
+    first_token_by: float | None = None  # a target's due time (clock) and per engine its own prefill's upper
+    own_upper_s: dict[str, float] = field(default_factory=dict)  # bound unqueued: its budget in engine queues
     # dispatched past flow control: it waited past its target's slack (served, never refused after its wait), or
     # it has no target and its flow's queue is full (a plain proxy would serve it)
     late: bool = False
@@ -684,12 +687,14 @@ class PredictiveRouteStage:
                                                       items, drains)
         if len(mod) == len(own_ord):
             return must_wait, mod_sorted, goal
-        if must_wait:  # load-aware: a pass-through upstream takes it while it has fewer in flight than every
-            inflight = {it.cand.backend.name: it.view.inflight for it in items}  # modelled one (a cold engine
-            least = min(inflight.get(c.backend.name, 0) for c in mod)  # is not flooded with their overflow)
+        if must_wait or fs.unheld:  # load-aware: a pass-through upstream takes it while it has fewer in flight than
+            inflight = {it.cand.backend.name: it.view.inflight for it in items}  # every modelled one (a cold
+            least = min(inflight.get(c.backend.name, 0) for c in mod)  # engine is not flooded with their overflow)
             pt = [c for c in own_ord if c.backend.name not in modelled and inflight.get(c.backend.name, 0) < least]
-            if not pt:
-                return True, mod_sorted, goal
+            if not pt and must_wait:
+                return True, mod_sorted, goal  # it waits for a modelled engine
+            if not pt:  # not held: the best modelled engine, the pass-through ones after it
+                return False, mod_sorted + [c for c in own_ord if c.backend.name not in modelled], goal
             self.stats["released_to_pass_through"] += 1
             fs.go, fs.predicted_wait_s, fs.ahead_tokens = frozenset(), 0.0, 0.0
             return False, pt + [c for c in own_ord if c.backend.name not in modelled and c not in pt] + mod_sorted, \
@@ -739,6 +744,7 @@ class PredictiveRouteStage:
         that may start it now go first; with none (or others ahead of it in fair order) it waits, and its
         predictions are made to include the wait."""
         now = self.clock()
+        fs.unheld = False
         unc = {c.backend.name: n_tokens - (c.cached_tokens or 0) for c in own_ord}
         fs.uncached = unc
         longs = self.flow.long_on(unc)
@@ -751,7 +757,8 @@ class PredictiveRouteStage:
             if name in unc:
                 v = it.view
                 states[name] = (v.ahead_tokens, float(v.prefilling_tokens), v.running, drains[name])
-        go = self.flow.may_start(unc, now, {"state": states}, longs)
+        budget = self._queue_budget(fs, own_ord, feats, goal, elapsed, now)
+        go = self.flow.may_start(unc, now, {"state": states}, longs, budget)
         if go and (fs.released or self.flow.first_in_line(fs.qcls, fs.flow)):
             fs.go = go
             first = [c for c in own_ord if c.backend.name in go]
@@ -765,6 +772,7 @@ class PredictiveRouteStage:
             # spend the target (the engines serve their queues in order), so admission judges it now on the
             # engines' own predictions, full queues included (refused on arrival, or sent where it fits)
             self.stats["target_not_held"] += 1
+            fs.unheld = True
             return False, own_ord, goal
         wait_s, ahead = self.flow.predicted_wait(fs.qcls, fs.flow, fs.weight, unc, now)
         fs.predicted_wait_s, fs.ahead_tokens = wait_s, ahead
@@ -787,6 +795,28 @@ class PredictiveRouteStage:
             c.info["queue_wait_upper_ms"] = round(wait_up * 1000, 3)
         own_ord.sort(key=lambda c: c.predicted_ttft_upper_ms or 0.0)
         return True, own_ord, goal
+
+    def _queue_budget(self, fs: "_FlowState", own_ord: list[Candidate], feats: dict[str, Features],
+                      goal: float | None, elapsed: float, now: float) -> dict[str, float] | None:
+        """A request with a target: per engine, how long it may wait in that engine's queue and still meet it (its
+        due time less its own prefill's upper bound there with nothing queued, and an adapter's load): the gate
+        opens an engine for it within that while one flow alone is served (FlowGate.may_start)."""
+        if goal is None:
+            fs.first_token_by = None
+            return None
+        fs.first_token_by = now + goal / 1000.0 - elapsed
+        own: dict[str, float] = {}
+        for c in own_ord:
+            f = feats.get(c.backend.name)
+            if f is None:
+                continue
+            upper = self.predictor.predict(c.backend.name, Features(0.0, f.uncached_tokens, f.running))[1]
+            own[c.backend.name] = upper + c.info.get("adapter_load_ms", 0.0) / 1000.0
+        fs.own_upper_s = own  # kept for its waiter, if it waits: the gate may release it on them later
+        if not self.flow.alone(fs.flow, now):
+            return None  # others to be fair to: the engines' queues stay short, the fair queue decides
+        left = fs.first_token_by - now
+        return {e: left - u for e, u in own.items()}
 
     def _long_target(self, ctx: RequestContext, fc: Any, own_ord: list[Candidate], feats: dict[str, Features],
                      target: float | None, hdr: str | None) -> float | None:
@@ -817,7 +847,9 @@ class PredictiveRouteStage:
             slack = fc.max_wait_s if goal is None else (goal / 1000.0) - (best - fs.wait_upper_s)
             fs.waiter = Waiter(fs.flow, fs.qcls, float(min(fs.uncached.values())), fs.long,
                                frozenset(fs.uncached), now, now + max(0.0, min(fc.max_wait_s, slack)),
-                               uncached=fs.uncached, predicted_s=fs.predicted_wait_s)
+                               uncached=fs.uncached, predicted_s=fs.predicted_wait_s,
+                               first_token_by=fs.first_token_by if goal is not None else None,
+                               own_upper_s=fs.own_upper_s)
             fs.enqueued = now
             front = False
         else:  # released, but the engines closed again before it dispatched: back to the head of its flow

@@ -221,3 +221,36 @@ def test_the_waits_upper_bound_adds_the_recent_waits_error():
     for _ in range(64):  # waits shorter than predicted: never a negative margin
         g.observe_wait(Waiter("a", "standard", 1.0, False, frozenset({"e1"}), 0.0, 1.0, predicted_s=0.5), 0.1)
     assert g.wait_margin() == 0.0
+
+
+def test_a_target_opens_an_engine_within_its_budget_while_one_flow_alone_is_served():
+    """Issue 34 (burst goodput): a request with a TTFT target may wait in an engine's queue as long as its target
+    allows, not only `engine_queue_ms`, while nobody else is being served (holding it in the gateway would only
+    spend its target); with two flows served the engines' queues stay short and the fair queue decides."""
+    fleet = Fleet(["e1"])
+    fleet.ahead["e1"] = 3000  # ~0.5 s of prefill queued: closed for engine_queue_ms 100
+    g = gate(fleet)
+    unc = {"e1": 300}
+    assert g.may_start(unc, 0.0) == frozenset()  # no target: held
+    assert g.may_start(unc, 0.0, budget={"e1": 0.3}) == frozenset()  # its target leaves 0.3 s: held
+    assert g.may_start(unc, 0.0, budget={"e1": 1.0}) == {"e1"}  # 1.0 s: it goes
+    g.started("a", 1.0, 300.0, None, 0.0, "standard")
+    g.started("b", 1.0, 300.0, None, 0.0, "standard")  # two flows served: strict
+    assert g.contended(0.0)
+    assert g.may_start(unc, 0.0, budget={"e1": 1.0}) == frozenset()
+
+
+async def test_a_waiting_request_is_released_when_its_remaining_budget_covers_the_engine_queue():
+    """The release side of the same rule: a queued request carries its due time and own prefill bound, so the
+    gate releases it once the engine's queue drains within what is left of its target."""
+    fleet = Fleet(["e1"])
+    fleet.ahead["e1"] = 30_000  # ~5 s queued
+    g = gate(fleet)
+    x = w("a")
+    x.first_token_by, x.own_upper_s = 2.5, {"e1": 0.2}  # due at t=2.5, 0.2 s of its own prefill: 2.3 s to wait
+    t = asyncio.create_task(g.wait(x, 1.0))
+    await _settle()
+    assert not t.done()
+    fleet.ahead["e1"] = 9000  # ~1.5 s queued: within its budget, not within engine_queue_ms
+    await _settle()
+    assert await t == {"e1"}

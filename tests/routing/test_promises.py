@@ -86,6 +86,24 @@ async def test_a_request_with_a_target_that_waited_is_served_not_refused(rig):
     await st.finish(c)
 
 
+async def test_a_target_is_not_held_in_the_gateway_when_its_flow_is_alone(rig):
+    """Issue 34 (burst goodput): with nobody else to be fair to, a request with a target that no engine opens for
+    within what its target allows is not queued in the gateway (the wait could only spend its target: the engines
+    serve in order): admission judges it on arrival against the engines' own predictions, full queues included."""
+    st, engines = rig
+    st.flow.may_start = lambda *a, **k: frozenset()  # type: ignore[method-assign]  # no engine opens
+    c = _ctx("fits", slo=60_000)
+    await asyncio.wait_for(st.run(c), 10)
+    q = c.evidence["route"]["queue"]
+    assert not q["queued"] and q["outcome"] == "dispatched", q
+    assert st.stats["target_not_held"] == 1 and st.flow.stats["queued"] == 0
+    await st.finish(c)
+    c = _ctx("cannot-fit", slo=1)
+    with pytest.raises(GatewayError) as ei:
+        await asyncio.wait_for(st.run(c), 10)
+    assert ei.value.code == "ttft_slo_unattainable" and st.flow.stats["queued"] == 0
+
+
 async def test_a_request_without_a_target_is_refused_after_max_wait_and_counted_apart(rig):
     st, engines = rig
     _close_engines(st, engines)
