@@ -21,7 +21,10 @@ from gateway.pipeline import Pipeline
 from gateway.proxy.forward import DispatchStage
 
 if TYPE_CHECKING:
+    from gateway.config import BackendConfig
+    from gateway.policy.model import RequestAttrs
     from gateway.routing.stage import PredictiveRouteStage
+    from gateway.types import Decision, Principal
 
 
 def wire(gw: Gateway, span_exporter: Any = None) -> Gateway:
@@ -232,6 +235,14 @@ class PolicyHolder:
     def provider(self) -> Any:
         return self.opa if self.opa is not None else self.current
 
+    async def adecide(self, principal: Principal, request: RequestAttrs) -> Decision:
+        """A decision outside the request path (the batch lane's uploads): OPA's where it is configured, else
+        the compiled policy's."""
+        if self.opa is not None:
+            return await self.opa.adecide(principal, request)
+        decision: Decision = self.current.decide(principal, request)
+        return decision
+
     def check_config(self, config: Config) -> None:
         self._pending = self._compile(config)
 
@@ -348,7 +359,7 @@ def _wire_observability(gw: Gateway, span_exporter: Any) -> tuple[Any, Any]:
     return wire_observability(gw, span_exporter)
 
 
-def _backend_or_none(gw: Gateway, name: str) -> Any:
+def _backend_or_none(gw: Gateway, name: str) -> BackendConfig | None:
     try:
         return gw.config.backend(name)
     except KeyError:

@@ -110,7 +110,10 @@ def _guarded(svc: "BatchService", handler: _BatchHandler) -> Callable[[Request],
     async def run(request: Request) -> Response:
         try:
             client = request.client.host if request.client else ""
-            p = await svc.gw.identity.authenticate(request.headers, client)
+            identity = svc.gw.identity
+            if identity is None:  # the lane is wired only with an identity layer (gateway/wiring.py _wire_batch)
+                raise GatewayError(503, "No identity layer is configured.", code="identity_unavailable")
+            p = await identity.authenticate(request.headers, client)
             return await handler(request, p)
         except GatewayError as e:
             return _err(e)

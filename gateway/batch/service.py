@@ -29,6 +29,7 @@ from gateway.errors import GatewayError
 from gateway.pipeline import Lifecycle, Pipeline, RequestContext, RequestHeaders
 
 if TYPE_CHECKING:
+    from gateway.app import Gateway
     from gateway.config import Config
 
 log = logging.getLogger("gateway.batch")
@@ -86,7 +87,7 @@ class BatchPriorityStage:
 
 
 class BatchService:
-    def __init__(self, gw: Any, store: BatchStore | None = None,
+    def __init__(self, gw: Gateway, store: BatchStore | None = None,
                  pipeline_for: Callable[[Any, bool], Pipeline] | None = None) -> None:
         self.gw = gw
         # a line's pipeline by its input file's restriction and zero retention (gateway/wiring.py
@@ -160,8 +161,8 @@ class BatchService:
     def owner(self, p: Any) -> str:
         """The owner scope of what `p` creates or may see: tenant, team, project, partner and its restriction
         labels under the loaded policy (gateway/batch/scope.py)."""
-        restrictions = getattr(self.gw.identity, "restrictions", None)
-        return owner_of(p, restrictions.labels if restrictions is not None else ALWAYS_RESTRICTED)
+        identity = self.gw.identity
+        return owner_of(p, identity.restrictions.labels if identity is not None else ALWAYS_RESTRICTED)
 
     async def file_restriction(self, p: Any, models: Any, headers: Any) -> dict[str, Any]:
         """What policy decides for the uploader and this upload request (its headers) for every model the file
@@ -170,15 +171,13 @@ class BatchService:
         from gateway.batch.scope import upload_headers
         from gateway.policy.model import RequestAttrs
 
-        policy = getattr(self.gw, "policy", None)
+        policy = self.gw.policy
         decisions = {}
         if policy is not None:
-            prov = policy.provider()
-            adecide = getattr(prov, "adecide", None)
             hdrs = upload_headers(headers)
             for model in sorted(set(models)):
                 attrs = RequestAttrs(model=model, headers=hdrs, max_tokens=None, stream=False, now=time.time())
-                d = await adecide(p, attrs) if adecide is not None else prov.decide(p, attrs)
+                d = await policy.adecide(p, attrs)
                 if not d.allow and d.deny_status != 403:
                     raise GatewayError(d.deny_status, f"policy decision unavailable ({d.deny_rule}): {d.reason}",
                                        code="policy_unavailable", headers={"retry-after": "1"})
@@ -205,16 +204,14 @@ class BatchService:
     async def zero_retention(self, p: Any, file_id: str, owner: str) -> bool:
         """Whether policy says zero retention for this owner and any model the input file names."""
         models = await self.input_models(file_id, owner)
-        policy = getattr(self.gw, "policy", None)
+        policy = self.gw.policy
         if models is None or policy is None:
             return False
         from gateway.policy.model import RequestAttrs
 
-        prov = policy.provider()
         for model in models:
             attrs = RequestAttrs(model=model, headers={}, max_tokens=None, stream=False, now=time.time())
-            adecide = getattr(prov, "adecide", None)
-            d = await adecide(p, attrs) if adecide is not None else prov.decide(p, attrs)
+            d = await policy.adecide(p, attrs)
             if d.retention == "zero":
                 return True
         return p.labels.get("retention") == "zero"
@@ -356,10 +353,10 @@ class BatchService:
             log.info("batch %s in progress: %d lines", job["id"], len(rows))
 
     async def _dispatch(self) -> None:
-        if getattr(self.gw, "draining", False):  # shutting down: start nothing new
+        if self.gw.draining:  # shutting down: start nothing new
             return
         mono = time.monotonic()
-        jobs = [j for j in getattr(self, "jobs", []) if self._hold.get(j["id"], 0.0) <= mono]
+        jobs = [j for j in self.jobs if self._hold.get(j["id"], 0.0) <= mono]
         if not jobs:
             return
         room = self.pacer.allowance(self.gw, jobs, len(self.inflight))

@@ -24,12 +24,12 @@ import orjson
 from gateway.pipeline import RequestContext
 
 if TYPE_CHECKING:
-    from gateway.config import Config
+    from gateway.config import BackendConfig, Config
 
 log = logging.getLogger("gateway.evidence")
 
 _Record = dict[str, Any]  # one audit record, JSON-able
-_BackendLookup = Callable[[str], Any]  # backend name -> its config (location, retention, operator) or None
+_BackendLookup = Callable[[str], "BackendConfig | None"]  # backend name -> its config, or None (removed)
 
 # Keys whose values are request or response content. Never recorded unless capture_content is on and the
 # request is not zero-retention; stripped from every nested evidence entry otherwise.
@@ -227,12 +227,11 @@ def _backend_location(ctx: RequestContext, backend_lookup: _BackendLookup | None
     location = None
     if ctx.backend and backend_lookup is not None:
         b = backend_lookup(ctx.backend)
-        loc = getattr(b, "location", None)
-        if loc is not None:
-            location = {"country": loc.country, "storage_country": loc.storage, "region": loc.region}
         if b is not None:
-            location = {**(location or {}), "retention": getattr(b, "retention", None),
-                        "operator": getattr(b, "operator", None)}
+            loc = b.location
+            location = {"country": loc.country, "storage_country": loc.storage, "region": loc.region} \
+                if loc is not None else {}
+            location = {**location, "retention": b.retention, "operator": b.operator}
     return location
 
 

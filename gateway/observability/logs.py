@@ -7,9 +7,12 @@ import logging
 import re
 import sys
 import time
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import orjson
+
+if TYPE_CHECKING:
+    from gateway.pipeline import RequestContext
 
 _SECRET = re.compile(r"(gw_[A-Za-z0-9]+_[A-Za-z0-9_\-]{8,}|Bearer\s+[A-Za-z0-9._\-~+/=]{8,}|eyJ[A-Za-z0-9_\-]+\.[A-Za-z0-9_\-]+\.[A-Za-z0-9_\-]*)")
 
@@ -47,7 +50,8 @@ def redact_value(v: Any) -> Any:
 
 
 # The request being served by the current task (set by ObserveStage.run: one ContextVar.set per request).
-current_request: contextvars.ContextVar[Any] = contextvars.ContextVar("gateway_request", default=None)
+current_request: contextvars.ContextVar[RequestContext | None] = contextvars.ContextVar("gateway_request",
+                                                                                       default=None)
 _ZR_REDACTED = "[redacted: zero retention]"
 
 
@@ -63,12 +67,12 @@ def _content_strings(value: Any, out: list[str]) -> None:
             _content_strings(v, out)
 
 
-def zero_retention_content(ctx: Any) -> list[str]:
+def zero_retention_content(ctx: RequestContext | None) -> list[str]:
     """The text a request whose content may not be kept carried (messages/prompt/input, rerank/score texts): zero
     retention, or retention not known yet (no decision: refused or still before the policy stage); [] for others."""
-    if ctx is None or getattr(ctx, "content_retainable", True):
+    if ctx is None or ctx.content_retainable:
         return []
-    body = getattr(ctx, "body", None) or {}
+    body = ctx.body or {}
     out: list[str] = []
     for k in ("messages", "prompt", "input", "suffix", "instructions", "tools", "query", "documents", "text_1",
               "text_2"):

@@ -36,7 +36,7 @@ from gateway.observability.semconv import operation_name, provider_name  # share
 from gateway.pipeline import RequestContext
 
 if TYPE_CHECKING:
-    from gateway.config import Config
+    from gateway.config import BackendConfig, Config
 
 log = logging.getLogger("gateway.tracing")
 
@@ -98,14 +98,14 @@ def request_attributes(ctx: RequestContext) -> dict[str, Any]:
     d = ctx.decision
     if d is not None:
         a["gateway.decision.retention"] = d.retention or "any"
-        if getattr(d, "matched_rules", None):
+        if d.matched_rules:
             a["gateway.decision.matched_rules"] = list(d.matched_rules)
-        if getattr(d, "priority", None):
+        if d.priority:
             a["gateway.decision.priority"] = str(d.priority)
     return a
 
 
-def response_attributes(ctx: RequestContext, backend: Any) -> dict[str, Any]:
+def response_attributes(ctx: RequestContext, backend: BackendConfig | None) -> dict[str, Any]:
     """gen_ai.response.*, gen_ai.usage.*, server.* and outcome attributes, from the finished ctx. Pure."""
     a: dict[str, Any] = {}
     status = ctx.status or 200
@@ -124,7 +124,7 @@ def response_attributes(ctx: RequestContext, backend: Any) -> dict[str, Any]:
         a["gen_ai.response.id"] = ctx.response_id
     if ctx.finish_reasons:
         a["gen_ai.response.finish_reasons"] = list(ctx.finish_reasons)
-        loc = getattr(backend, "location", None)
+        loc = backend.location if backend is not None else None
         if loc is not None:
             a["gateway.backend.country"] = loc.country
     u = ctx.usage
@@ -198,7 +198,7 @@ class Tracing:
     """Builds the spans of a request; a gateway service (shutdown flushes the exporter)."""
 
     def __init__(self, provider: TracerProvider, stage_names: Callable[[], Iterable[str]],
-                 backend_lookup: Callable[[str], Any], capture_content: Callable[[], bool]) -> None:
+                 backend_lookup: Callable[[str], BackendConfig | None], capture_content: Callable[[], bool]) -> None:
         self.provider = provider
         self.tracer = provider.get_tracer("gateway", schema_url="https://opentelemetry.io/schemas/1.37.0")
         self._stage_names = stage_names

@@ -8,13 +8,20 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from gateway.config import Config
+from gateway.identity.store import SqlIdentityStore
 from gateway.rollouts import arms
 from gateway.rollouts.config import AliasTarget, RollbackConfig, ShadowConfig, is_weighted
 from gateway.rollouts.rollback import ArmStats, Window, verdict
 from gateway.rollouts.store import LiveState, RolloutStore
+
+if TYPE_CHECKING:
+    from gateway.identity.service import IdentityService
+    from gateway.metrics import Metrics
 
 log = logging.getLogger("gateway.rollouts")
 REFRESH_S = 2.0  # a replica reads the store this often: a PATCH or rollback elsewhere applies within it
@@ -60,7 +67,7 @@ def effective(r: Rollout, live: LiveState | None) -> LiveState:
 
 
 class RolloutService:
-    def __init__(self, config: Config, identity: Any, metrics: Any = None) -> None:
+    def __init__(self, config: Config, identity: IdentityService | None, metrics: Metrics | None = None) -> None:
         self.rollouts = rollouts_of(config)
         self.identity = identity
         self.metrics = metrics
@@ -74,9 +81,11 @@ class RolloutService:
 
     # ---- lifecycle
     async def start(self) -> None:
-        if self.identity is None or getattr(self.identity, "store", None) is None:
+        store = self.identity.store if self.identity is not None else None
+        if store is None:
             return
-        self.store = RolloutStore(self.identity.store)
+        assert isinstance(store, SqlIdentityStore), "the live rollout state needs a SQL identity store"
+        self.store = RolloutStore(store)
         await self.store.migrate()
         await self.refresh()
         self._task = asyncio.create_task(self._poll())
@@ -124,7 +133,7 @@ class RolloutService:
                         "window": {"requests": s.requests, "errors": s.errors, "error_rate": s.error_rate,
                                    "ttft_p90_s": s.ttft_p90_s}})
         return {"alias": alias, "arms": out, "sticky_header": r.sticky_header,
-                "rollback": {f: getattr(r.rollback, f) for f in r.rollback.__struct_fields__},
+                "rollback": msgspec.structs.asdict(r.rollback),
                 "live": alias in self.live, "updated_at": st.updated_at or None}
 
     # ---- writes (admin)
@@ -179,7 +188,7 @@ class RolloutService:
         self.live[alias] = new  # at once in this process; the store write follows
         log.warning("rollout %s: arm %s rolled back (weight 0): %s", alias, arm, why)
         self.alarms = [*self.alarms[-19:], {"alias": alias, "arm": arm, "reason": why, "ts": time.time()}]
-        if self.metrics is not None and hasattr(self.metrics, "rollout_rollbacks"):
+        if self.metrics is not None:
             self.metrics.rollout_rollbacks.labels(alias, arm).inc()
         if self.store is not None:
             t = asyncio.get_running_loop().create_task(self._persist(alias, arm, why, st))
