@@ -323,10 +323,11 @@ def load_yaml_with_lines(text: str, source: str) -> tuple[Any, dict[str, int]]:
     """Parse YAML safely, returning the data and a map from key path ("a.b[0].c") to line number."""
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.MarkedYAMLError as e:  # a scanner, parser or composer error: where and what
+        line = f":{e.problem_mark.line + 1}" if e.problem_mark else ""
+        raise ConfigError(f"{source}{line}: invalid YAML: {e.problem or e}") from None
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = f":{mark.line + 1}" if mark else ""
-        raise ConfigError(f"{source}{line}: invalid YAML: {getattr(e, 'problem', None) or e}") from None
+        raise ConfigError(f"{source}: invalid YAML: {e}") from None
     except RecursionError:
         raise ConfigError(f"{source}: invalid YAML: nested too deeply") from None
     marks: dict[str, int] = {}
@@ -414,8 +415,7 @@ def _backend_kind_problem(k: str, b: BackendConfig) -> _Problem | None:
 
 def _location_problem(k: str, location: Location | None) -> _Problem | None:
     if location is not None:
-        for attr in ("country", "storage_country"):
-            v = getattr(location, attr)
+        for attr, v in (("country", location.country), ("storage_country", location.storage_country)):
             if v is not None and not _COUNTRY.fullmatch(v):
                 return f"{k}.location.{attr}", f"must be an ISO 3166 alpha-2 code like DE, got {v!r}"
             why = country_error(v) if v is not None else None
@@ -453,8 +453,10 @@ def _backend_secret_problem(k: str, b: BackendConfig, environ: Mapping[str, str]
 
 def _backend_transport_problem(k: str, b: BackendConfig) -> _Problem | None:
     """timeouts, proxy and discovery of one backend."""
-    for tname in ("connect_s", "first_token_s", "idle_s", "total_s"):
-        if getattr(b.timeouts, tname) <= 0:
+    t = b.timeouts
+    for tname, v in (("connect_s", t.connect_s), ("first_token_s", t.first_token_s), ("idle_s", t.idle_s),
+                     ("total_s", t.total_s)):
+        if v <= 0:
             return f"{k}.timeouts.{tname}", "must be > 0"
     if b.proxy is not None:
         if not re.match(r"^https?://[^/\s]+", b.proxy):

@@ -535,9 +535,8 @@ async def _end_stream(ctx: RequestContext, st: "StreamState", start: StreamStart
     left mid-stream, so the engine stops generating for nobody); then the request finishes."""
     if ctx.usage is None:
         ctx.usage = Usage(prompt_tokens=ctx.prompt_tokens_est, completion_tokens=st.delivered_tokens)
-    aclose = getattr(it, "aclose", None)
-    if aclose is not None:
-        await aclose()
+    if isinstance(it, AsyncGenerator):  # a transport's aiter_raw: closed, so its finally blocks run now
+        await it.aclose()
     task = asyncio.current_task()
     if task is not None and task.cancelling():  # the client left mid-stream: the upstream request ends now
         await abort(start.response)

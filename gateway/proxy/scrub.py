@@ -29,12 +29,15 @@ from __future__ import annotations
 
 import base64
 import re
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 from urllib.parse import urlsplit
 
 import orjson
 
 from gateway.proxy import sse
+
+if TYPE_CHECKING:
+    from gateway.config import BackendConfig
 
 MASK = "[redacted]"
 MAX_MESSAGE = 500
@@ -141,15 +144,14 @@ class Scrubber:
                                     + r")(?::\d{1,5})?(?![\w\-]|\.\w)") if hs else None)
 
     @classmethod
-    def for_backends(cls, backends: Iterable[Any], secrets: Iterable[str | None]) -> "Scrubber":
+    def for_backends(cls, backends: Iterable[BackendConfig], secrets: Iterable[str | None]) -> "Scrubber":
         """Every secret given (the backends' credentials) and every host a backend's config names."""
         hosts: set[str] = set()
         for b in backends:
-            for field in ("url", "proxy", "kv_events", "replay", "metrics"):
-                hosts |= _hosts(getattr(b, field, None))
-            disc = getattr(b, "discovery", None)
-            if disc is not None and getattr(disc, "dns", None):
-                hosts.add(disc.dns)
+            for value in (b.url, b.proxy, b.kv_events, b.replay, b.metrics):
+                hosts |= _hosts(value)
+            if b.discovery is not None and b.discovery.dns:
+                hosts.add(b.discovery.dns)
         return cls(secrets, hosts)
 
     # -- text

@@ -16,6 +16,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
+import msgspec
 import numpy as np
 import xxhash
 
@@ -313,8 +314,8 @@ class KVIndex:
         chunks: list[tuple[int | None, int, int, int]] = []  # one engine step's stored chunks (budget learner)
         seen = e.fields_seen
         for ev in batch.events:
-            for f in ev.__struct_fields__:
-                if f not in seen and getattr(ev, f) is not None:
+            for f, v in zip(ev.__struct_fields__, msgspec.structs.astuple(ev)):
+                if v is not None and f not in seen:
                     seen.add(f)
             if isinstance(ev, BlockStored):
                 n += self._stored(e, ev)

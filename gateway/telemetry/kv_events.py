@@ -198,10 +198,10 @@ def encode_batch(batch: KVEventBatch, array_events: bool = False) -> bytes:
         return _ENC.encode(batch)
     evs: list[Any] = []
     for e in batch.events:
-        if isinstance(e, BlockStored):
-            evs.append(_BlockStoredA(*(getattr(e, f) for f in _BlockStoredA.__struct_fields__)))
+        if isinstance(e, BlockStored):  # the array form's fields are a prefix of the map form's (no cache_salt)
+            evs.append(_BlockStoredA(*msgspec.structs.astuple(e)[:len(_BlockStoredA.__struct_fields__)]))
         elif isinstance(e, BlockRemoved):
-            evs.append(_BlockRemovedA(*(getattr(e, f) for f in e.__struct_fields__)))
+            evs.append(_BlockRemovedA(*msgspec.structs.astuple(e)))
         else:
             evs.append(_AllBlocksClearedA())
     return _ENC.encode(_BatchArray(batch.ts, evs, batch.data_parallel_rank))

@@ -356,7 +356,8 @@ def test_messages_on_vllm_go_native_unless_a_salt_or_priority_must_reach_the_eng
         return c
 
     def cand(prio: bool):
-        b = SimpleNamespace(upstream_model=lambda m: "up-" + m, priority_scheduling=prio)
+        b = SimpleNamespace(upstream_model=lambda m: "up-" + m, priority_scheduling=prio,
+                            kv_cache_report_mode="incremental")  # the BackendConfig fields the dialect reads
         return SimpleNamespace(backend=b, model="claude")
 
     ex = vllm.exchange(BY_NAME["messages"])

@@ -5,11 +5,16 @@ Everything that depends on what a kind can do is read from here: config validati
 and its modes) and in which formats (`telemetry_form`)."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from gateway.proxy.dialects.anthropic import AnthropicDialect
 from gateway.proxy.dialects.base import Dialect, Exchange, StreamTranslator
 from gateway.proxy.dialects.openai import OpenAIDialect
 from gateway.proxy.dialects.sglang import SGLangDialect
 from gateway.proxy.dialects.vllm import VLLMDialect
+
+if TYPE_CHECKING:
+    from gateway.config import BackendConfig
 
 DIALECTS: dict[str, Dialect] = {d.kind: d for d in (
     VLLMDialect("vllm"),
@@ -28,9 +33,9 @@ def dialect_for(kind: str) -> Dialect:
     return DIALECTS[kind]
 
 
-def publishes_kv_events(backend: object) -> bool:
+def publishes_kv_events(backend: BackendConfig) -> bool:
     """Does this backend's kind publish KV-cache events and engine metrics (the router's telemetry)?"""
-    d = DIALECTS.get(getattr(backend, "kind", ""))
+    d = DIALECTS.get(backend.kind)
     return d is not None and d.kv_events
 
 

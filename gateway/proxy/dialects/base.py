@@ -18,11 +18,15 @@ one file plus one registry line.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import orjson
 
 from gateway.api.endpoints import Endpoint
+
+if TYPE_CHECKING:
+    from gateway.pipeline import RequestContext
+    from gateway.routing.plan import Candidate
 
 
 class StreamTranslator:
@@ -98,7 +102,7 @@ class Dialect:
     def serves(self, ep: Endpoint) -> bool:
         return self.exchange(ep) is not None
 
-    def adjust(self, ctx: Any, cand: Any, body: dict[str, Any]) -> None:
+    def adjust(self, ctx: RequestContext | None, cand: Candidate, body: dict[str, Any]) -> None:
         for f in self.drop_fields:
             body.pop(f, None)
         if not cand.backend.priority_scheduling:

@@ -25,13 +25,17 @@ protocol.py, serving_base.py, managers/scheduler.py; no code taken from it):
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from gateway.api.endpoints import Endpoint
 from gateway.proxy.dialects.anthropic import MessagesOnVLLM
 from gateway.proxy.dialects.base import Dialect, Exchange
+
+if TYPE_CHECKING:
+    from gateway.pipeline import RequestContext
+    from gateway.routing.plan import Candidate
 
 
 class SGLangDialect(Dialect):
@@ -43,12 +47,12 @@ class SGLangDialect(Dialect):
     native = frozenset({"chat", "completions", "embeddings", "responses", "rerank", "tokenize", "messages"})
     retryable_statuses = frozenset({503})  # queue full, aborted by a higher priority, waiting timeout
 
-    def adjust(self, ctx: Any, cand: Any, body: dict[str, Any]) -> None:
+    def adjust(self, ctx: RequestContext | None, cand: Candidate, body: dict[str, Any]) -> None:
         super().adjust(ctx, cand, body)
-        over = getattr(ctx, "body_overrides", None) or {}
+        over = ctx.body_overrides if ctx is not None else {}
         p = body.get("priority")
         if "priority" in over and isinstance(p, int) and not isinstance(p, bool) \
-                and not getattr(cand.backend, "priority_low_values_first", None):
+                and not cand.backend.priority_low_values_first:
             body["priority"] = -p  # the gateway's values run lower first; SGLang's default runs higher first
 
     def exchange(self, ep: Endpoint) -> Exchange | None:

@@ -4,11 +4,15 @@ priority, which vLLM's /v1/messages drops: gateway/proxy/dialects/anthropic.py M
 publish KV-cache events and Prometheus metrics."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway.api.endpoints import BY_NAME, Endpoint
 from gateway.proxy.dialects.anthropic import MessagesOnVLLM
 from gateway.proxy.dialects.base import Dialect, Exchange
+
+if TYPE_CHECKING:
+    from gateway.pipeline import RequestContext
+    from gateway.routing.plan import Candidate
 
 
 class VLLMDialect(Dialect):
@@ -22,9 +26,9 @@ class VLLMDialect(Dialect):
         self.kind = kind
         self.native = frozenset(BY_NAME)
 
-    def adjust(self, ctx: Any, cand: Any, body: dict[str, Any]) -> None:
+    def adjust(self, ctx: RequestContext | None, cand: Candidate, body: dict[str, Any]) -> None:
         super().adjust(ctx, cand, body)
-        if getattr(cand.backend, "kv_cache_report_mode", "incremental") == "full":
+        if cand.backend.kv_cache_report_mode == "full":
             # vLLM 0.32: vllm_xargs becomes SamplingParams.extra_args, read by v1/request.py as the request's
             # kv_cache_report_mode; the client's own vllm_xargs are kept
             xa = body.get("vllm_xargs")
