@@ -217,7 +217,7 @@ class Gateway:
         self.upstreams = Upstreams(config)
         self.dispatcher = Dispatcher(lambda: self.upstreams, self.health, self._residency_check)
         self.services: list[ManagedService] = []  # started in order, reloaded, closed in reverse
-        self.auth: Any = NoIdentity()
+        self.auth: Stage = NoIdentity()  # the authenticate stage (gateway.identity.stage.AuthStage when wired)
         # (headers, client address) -> the admin principal (gateway.admin_guard.Authenticate); identity wiring sets it
         self.admin_auth: Callable[[Mapping[str, str], str], Awaitable[Principal]] = self._no_admin_auth
         self._tasks: list[asyncio.Task] = []

@@ -7,7 +7,7 @@ observe -> authenticate -> decide -> cache -> reserve -> route (predict, admit) 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -21,13 +21,29 @@ from gateway.pipeline import Pipeline
 from gateway.proxy.forward import DispatchStage
 
 if TYPE_CHECKING:
+    from opentelemetry.sdk.trace.export import SpanExporter
+
+    from gateway.adapters.holds import SharedHolds
+    from gateway.adapters.placement import Placement
+    from gateway.adapters.stage import AdapterStage
+    from gateway.budget.stage import BudgetStage
+    from gateway.cache.stage import CacheStage
     from gateway.config import BackendConfig
+    from gateway.cost.meter import CostMeter
+    from gateway.identity.stage import AuthStage
+    from gateway.observability.hooks import RequestObserver
+    from gateway.observability.tracing import Tracing
+    from gateway.pipeline import RequestContext
+    from gateway.policy.engine import CompiledPolicy
+    from gateway.policy.opa import OPAPolicy
+    from gateway.policy.stage import PolicyStage
+    from gateway.rollouts.stage import RolloutStage
     from gateway.policy.model import RequestAttrs
     from gateway.routing.stage import PredictiveRouteStage
     from gateway.types import Decision, Principal
 
 
-def wire(gw: Gateway, span_exporter: Any = None) -> Gateway:
+def wire(gw: Gateway, span_exporter: SpanExporter | None = None) -> Gateway:
     """Attach every subsystem to the gateway (called once, before the app starts) and return it, built: each
     subsystem attribute (`gw.identity`, `gw.router`, ...) holds its concrete service, typed on Gateway.
     `span_exporter`: tracing on with this exporter besides the configured OTLP one (tests pass an in-memory
@@ -103,7 +119,7 @@ def batch_pipeline(base: Pipeline, restriction: Any, zero: bool) -> Pipeline:
     return pipe
 
 
-def shadow_pipeline(base: Pipeline, caller: Any) -> Pipeline:
+def shadow_pipeline(base: Pipeline, caller: Decision) -> Pipeline:
     """A shadow copy's pipeline (gateway/rollouts/shadow.py): no authentication or arm choice of its own (it runs as
     the primary's caller, on the arm it copies), the caller's decision tightened after `decide`."""
     from gateway.rollouts.shadow import SKIPPED_STAGES, ShadowDecisionStage
@@ -111,7 +127,7 @@ def shadow_pipeline(base: Pipeline, caller: Any) -> Pipeline:
     return base.without(SKIPPED_STAGES).with_stage_after("decide", ShadowDecisionStage(caller))
 
 
-def _wire_cost(gw: Gateway) -> Any:
+def _wire_cost(gw: Gateway) -> CostMeter | None:
     """Engine time apportioned to requests, priced per backend, on audit records, ledger rows and /metrics;
     the meter (its stage goes in the stage list), or None with `cost.enabled: false`."""
     from gateway.cost.wiring import wire_cost
@@ -127,7 +143,7 @@ def _wire_discovery(gw: Gateway) -> None:
     gw.services.append(DiscoveryService(gw))
 
 
-def _wire_identity(gw: Gateway) -> Any:
+def _wire_identity(gw: Gateway) -> AuthStage:
     """API keys, JWT/OIDC, partners and the admin CRUD plane (SQLite by default, Postgres for replicas)."""
     from gateway.identity.admin import admin_routes
     from gateway.identity.service import IdentityService
@@ -143,7 +159,7 @@ def _wire_identity(gw: Gateway) -> Any:
     return gw.auth
 
 
-def _wire_adapters(gw: Gateway) -> Any:
+def _wire_adapters(gw: Gateway) -> AdapterStage:
     """Tenant-owned LoRA adapters: the registry in the identity store, its admin routes, the ownership stage."""
     from gateway.adapters.admin import adapter_routes
     from gateway.adapters.service import AdapterService
@@ -157,7 +173,7 @@ def _wire_adapters(gw: Gateway) -> Any:
     return AdapterStage(svc)
 
 
-def _shared_holds(gw: Gateway) -> Any:
+def _shared_holds(gw: Gateway) -> SharedHolds | None:
     """The adapter holds shared with other processes, when there are others: replicas on one PostgreSQL
     identity store, or the workers of `server.workers` on one SQLite file (gateway/adapters/holds.py)."""
     import os
@@ -173,13 +189,13 @@ def _shared_holds(gw: Gateway) -> Any:
     return SharedHolds(store) if workers > 1 or not isinstance(store, SqliteIdentityStore) else None
 
 
-def _wire_placement(gw: Gateway) -> Any:
+def _wire_placement(gw: Gateway) -> Placement:
     """Registered adapters loaded on dynamic engines (backends[].lora.dynamic) where routing sends them: the
     dispatcher asks it before each attempt; its stage's finish ends a request's hold (gateway/adapters/placement)."""
     from gateway.adapters.placement import Placement
     from gateway.proxy.dialects import dialect_for
 
-    def auth(b: Any) -> dict[str, str]:
+    def auth(b: BackendConfig) -> dict[str, str]:
         return dialect_for(b.kind).auth_headers(gw.upstreams.auth(b.name))
 
     adapters = gw.adapters
@@ -193,7 +209,7 @@ def _wire_placement(gw: Gateway) -> Any:
     return pl
 
 
-def _wire_rollouts(gw: Gateway) -> Any:
+def _wire_rollouts(gw: Gateway) -> RolloutStage:
     """Weighted alias arms: live state in the identity store, /admin/aliases, rollback on regression."""
     from gateway.rollouts.admin import alias_admin_routes
     from gateway.rollouts.service import RolloutService
@@ -214,8 +230,8 @@ class PolicyHolder:
 
     def __init__(self, config: Config) -> None:
         self.current = self._compile(config)
-        self._pending: Any = None  # the policy check_config compiled, taken by the swap that follows
-        self.on_swap: list[Any] = []  # called with each newly compiled policy (identity's restriction labels)
+        self._pending: CompiledPolicy | None = None  # the policy check_config compiled, taken by the swap that follows
+        self.on_swap: list[Callable[[CompiledPolicy], None]] = []  # called with each newly compiled policy (identity's restriction labels)
         self.opa = None
         if config.raw.policy.opa is not None:
             from gateway.policy.opa import OPAPolicy
@@ -223,7 +239,7 @@ class PolicyHolder:
             self.opa = OPAPolicy(config.raw.policy.opa, local=lambda: self.current)
 
     @staticmethod
-    def _compile(config: Config) -> Any:
+    def _compile(config: Config) -> CompiledPolicy:
         from gateway.policy.cli import load_for_config
         from gateway.policy.compiler import PolicyError
 
@@ -232,7 +248,7 @@ class PolicyHolder:
         except PolicyError as e:
             raise ConfigError(f"policy: {e}") from None
 
-    def provider(self) -> Any:
+    def provider(self) -> OPAPolicy | CompiledPolicy:
         return self.opa if self.opa is not None else self.current
 
     async def adecide(self, principal: Principal, request: RequestAttrs) -> Decision:
@@ -274,7 +290,7 @@ class PolicyHolder:
             await self.opa.close()
 
 
-def _wire_policy(gw: Gateway) -> Any:
+def _wire_policy(gw: Gateway) -> PolicyStage:
     """YAML policies (optionally delegated to OPA) decide allow/deny, residency, retention, budgets, SLOs."""
     from gateway.policy.stage import PolicyStage
 
@@ -287,7 +303,7 @@ def _wire_policy(gw: Gateway) -> Any:
     return PolicyStage(holder.provider)
 
 
-def _wire_cache(gw: Gateway) -> Any:
+def _wire_cache(gw: Gateway) -> CacheStage:
     """Response cache (exact and semantic, chosen per policy rule; docs/cache.md): a stage between decide and
     reserve, DELETE /admin/cache, and a purge on every reload (policy, model aliases or backends may change)."""
     from gateway.cache.service import CacheService
@@ -300,7 +316,7 @@ def _wire_cache(gw: Gateway) -> Any:
     return svc.stage
 
 
-def _wire_telemetry(gw: Gateway) -> Any:
+def _wire_telemetry(gw: Gateway) -> Callable[[RequestContext], Awaitable[None]]:
     """KV-event subscribers and metric scrapers for engines that publish them (kind vllm/sim)."""
     from gateway.telemetry.service import TelemetryService
 
@@ -308,11 +324,11 @@ def _wire_telemetry(gw: Gateway) -> Any:
     gw.services.append(svc)
     gw.telemetry = svc
 
-    async def served(ctx: Any) -> None:  # evidence that the engine stored blocks (KV-stream silence alarm)
+    async def served(ctx: RequestContext) -> None:  # evidence that the engine stored blocks (KV-stream silence alarm)
         if ctx.backend and ctx.status in (0, 200) and ctx.usage is not None:
             svc.observe_served(ctx.backend, ctx.usage.prompt_tokens, ctx.usage.cached_tokens)
 
-    async def fleet(request: Request, principal: Any) -> Response:
+    async def fleet(request: Request, principal: Principal | None) -> Response:
         await svc.refresh_block_counts()
         return JSONResponse({"engines": svc.fleet_snapshot(), "health": gw.health.snapshot()})
 
@@ -320,7 +336,7 @@ def _wire_telemetry(gw: Gateway) -> Any:
     return served  # its completion step
 
 
-def _wire_evidence(gw: Gateway) -> Any:
+def _wire_evidence(gw: Gateway) -> Callable[[RequestContext], Awaitable[None]]:
     """One audit record per request (JSON lines; Postgres optional), readable at /admin/decisions/{id}."""
     from gateway.evidence.admin import make_decision_handler
     from gateway.evidence.recorder import EvidenceRecorder
@@ -342,7 +358,7 @@ def _wire_evidence(gw: Gateway) -> Any:
     gw.services.append(rec)
     gw.evidence = rec
 
-    async def record(ctx: Any) -> None:
+    async def record(ctx: RequestContext) -> None:
         rec.record(ctx)
 
     # platform admins read every record; a tenant admin its own tenant's (others' ids are 404)
@@ -351,7 +367,8 @@ def _wire_evidence(gw: Gateway) -> Any:
     return record  # its completion step
 
 
-def _wire_observability(gw: Gateway, span_exporter: Any) -> tuple[Any, Any]:
+def _wire_observability(gw: Gateway, span_exporter: SpanExporter | None
+                        ) -> tuple[RequestObserver, Tracing | None]:
     """State metrics, per-request metrics/access log, /admin/ui dashboard, OTel tracing when configured (or an
     exporter given): the request observer and the tracing (None when off), for the stage and completion lists."""
     from gateway.observability.wiring import wire_observability
@@ -366,7 +383,7 @@ def _backend_or_none(gw: Gateway, name: str) -> BackendConfig | None:
         return None
 
 
-def _wire_budgets(gw: Gateway) -> Any:
+def _wire_budgets(gw: Gateway) -> BudgetStage:
     """Budget reserve after the policy decision (before routing); settle runs in its finish."""
     from gateway.budget.service import BudgetService
     from gateway.budget.stage import BudgetStage
@@ -377,7 +394,7 @@ def _wire_budgets(gw: Gateway) -> Any:
     return BudgetStage(svc)
 
 
-def _wire_routing(gw: Gateway) -> Any:
+def _wire_routing(gw: Gateway) -> PredictiveRouteStage:
     """The predictive router (candidates, prediction, plugins, admission) as the route stage."""
     from gateway.routing.admin import routing_admin_route
     from gateway.routing.stage import PredictiveRouteStage
@@ -421,7 +438,7 @@ def _wire_batch(gw: Gateway) -> None:
     gw.batch = svc
     gw.extra_routes.extend(batch_routes(svc))
 
-    async def batch_admin(request: Request, principal: Any) -> Response:
+    async def batch_admin(request: Request, principal: Principal | None) -> Response:
         return JSONResponse(svc.snapshot())
 
     gw.extra_routes.append(gateway_guard(gw).route("/admin/batch", batch_admin, ["GET"], (PLATFORM_ADMIN,)))

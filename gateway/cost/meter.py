@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from gateway.cost.apportion import EngineClock
 from gateway.cost.config import CostConfig
-from gateway.cost.dims import adapter_of, arm_label, arm_of, ledger_dims
+from gateway.cost.dims import DimCounters, adapter_of, arm_label, arm_of, ledger_dims
 from gateway.cost.model import (
     Outcome,
     backend_cost,
@@ -31,6 +31,8 @@ from gateway.cost.model import (
 )
 
 if TYPE_CHECKING:
+    from gateway.budget.ledger import Ledger
+    from gateway.config import Config
     from gateway.metrics import Metrics
     from gateway.pipeline import RequestContext
     from gateway.routing.plan import Candidate
@@ -67,10 +69,10 @@ class CostStage:
     def __init__(self, meter: CostMeter) -> None:
         self.meter = meter
 
-    async def run(self, ctx: Any) -> None:
+    async def run(self, ctx: RequestContext) -> None:
         return None  # spans open per attempt (the dispatcher calls attempt_begin / attempt_failed)
 
-    async def finish(self, ctx: Any) -> None:
+    async def finish(self, ctx: RequestContext) -> None:
         self.meter.close(ctx)
         self.meter.before_settle(ctx)
 
@@ -78,8 +80,8 @@ class CostStage:
 class CostMeter:
     """Per-engine clocks and running totals. `config` and `predictor` are callables (hot reload, late wiring)."""
 
-    def __init__(self, config: Callable[[], Any], predictor: Callable[[], Learners | None] | None = None,
-                 clock: Callable[[], float] = time.perf_counter, ledger: Callable[[], Any] | None = None,
+    def __init__(self, config: Callable[[], Config], predictor: Callable[[], Learners | None] | None = None,
+                 clock: Callable[[], float] = time.perf_counter, ledger: Callable[[], Ledger | None] | None = None,
                  metrics: Metrics | None = None) -> None:
         self._config = config
         self._predictor = predictor or (lambda: None)
@@ -96,7 +98,7 @@ class CostMeter:
         self._priced: dict[str, dict[str, Any]] = {}  # request id -> its priced facts, before_settle -> finish
         self._retry: dict[str, list[Any]] = {}  # request id -> [engine, GPU-seconds of its failed attempts]
         self._dims: dict[str, dict[str, str | None]] = {}  # request id -> its adapter/arm columns, until filed
-        self.dims: Any = None  # gateway/cost/dims.DimCounters: per adapter and per arm on /metrics
+        self.dims: DimCounters | None = None  # per adapter and per arm on /metrics (set by gateway/cost/wiring.py)
         # ("adapter", name) / ("arm", "<alias>:<arm>[ (shadow)]") -> requests, tokens, GPU-seconds, cost
         self.by_dim: dict[tuple[str, str], dict[str, float]] = {}
         self._children: dict[tuple[str, str, str], tuple[Any, ...]] = {}  # (backend, model, category) -> series
@@ -202,7 +204,7 @@ class CostMeter:
         w[0] = engine
         w[1] += c.seconds * (bc.gpus if bc is not None else 1)
 
-    def close(self, ctx: Any) -> None:
+    def close(self, ctx: RequestContext) -> None:
         """The response is complete (or failed, or cut): the span ends and the request is charged."""
         span = self._open.pop(ctx.request_id, None)
         retry = self._retry.pop(ctx.request_id, None)
@@ -244,13 +246,13 @@ class CostMeter:
         ctx.outcome.unit_cost = ctx.evidence["unit_cost"] = facts
 
     # ------------------------------------------------------------------ pricing (finish hook)
-    def outcome(self, ctx: Any) -> Outcome:
+    def outcome(self, ctx: RequestContext) -> Outcome:
         failed = sum(1 for a in ctx.attempts if isinstance(a, dict) and "error" in a)
         return Outcome(dispatched=ctx.backend is not None or ctx.outcome.unit_cost is not None,
                        status=ctx.status or 200, cache_hit=ctx.answer is not None, batch=ctx.batch is not None,
                        cut=bool(ctx.cut_by_budget or ctx.cut_by_shutdown), retries=failed)
 
-    def price(self, ctx: Any, charged: bool = True) -> dict[str, Any]:
+    def price(self, ctx: RequestContext, charged: bool = True) -> dict[str, Any]:
         """The request's unit-cost facts (apportioned time, platform cost, charge, margin, savings, waste);
         `charged=False` before the budget settled (the charge and margin are added by the finish hook)."""
         raw = self._config().raw
@@ -284,7 +286,7 @@ class CostMeter:
         return out
 
     @staticmethod
-    def _hit_savings(ctx: Any, cat: str) -> dict[str, Any]:
+    def _hit_savings(ctx: RequestContext, cat: str) -> dict[str, Any]:
         """Tokens a response-cache hit answered without the GPU and the money it saved (its normal price less
         what it was charged, in the budget currency: the cache stage's `saved` evidence); 0 for the others."""
         if cat != "cache_hit":
@@ -293,7 +295,7 @@ class CostMeter:
         tokens = u.total_tokens if u is not None else 0
         return {"saved_tokens": tokens, "saved_cost": ctx.outcome.cache_saved_cost}
 
-    def _charge(self, facts: dict[str, Any], ctx: Any) -> None:
+    def _charge(self, facts: dict[str, Any], ctx: RequestContext) -> None:
         """What the budget charged (known only after it settled): the charge and the margin against the cost."""
         ch = ctx.outcome.charge
         charged, ccy = (ch.amount, ch.currency) if ch is not None else (None, None)
@@ -301,7 +303,7 @@ class CostMeter:
         facts["charged_currency"] = ccy
         facts["margin"] = margin(charged, facts["cost"]) if ccy in (None, facts["currency"]) else None
 
-    def _learn_per_token(self, facts: dict[str, Any], ctx: Any) -> None:
+    def _learn_per_token(self, facts: dict[str, Any], ctx: RequestContext) -> None:
         """Fleet-wide GPU-seconds per token of served requests (what a response-cache hit is said to save)."""
         gpu_s = facts.get("gpu_seconds")
         u = ctx.usage
@@ -339,7 +341,7 @@ class CostMeter:
                         "retries": 0})
 
     @staticmethod
-    def _dims_of_current(rid: Any) -> dict[str, str | None]:
+    def _dims_of_current(rid: object) -> dict[str, str | None]:
         """The adapter/arm columns of a row the budget stage files for a request whose meter stage never ran (a
         priced response-cache hit answers before it): read from the request this task is finishing."""
         from gateway.observability.logs import current_request
@@ -349,7 +351,7 @@ class CostMeter:
             return {"adapter": None, "arm": None}
         return ledger_dims(ctx)
 
-    def before_settle(self, ctx: Any) -> None:
+    def before_settle(self, ctx: RequestContext) -> None:
         """Runs after `close`, before the budget finish files the row: prices what is known and parks the
         ledger fields (the charge is added when the finish hook reprices)."""
         self._dims[ctx.request_id] = ledger_dims(ctx)
@@ -359,7 +361,7 @@ class CostMeter:
         self._priced[ctx.request_id] = facts
         self._facts[ctx.request_id] = self.ledger_fields(facts)
 
-    async def finish(self, ctx: Any) -> None:
+    async def finish(self, ctx: RequestContext) -> None:
         """Finish hook (after the budget settled and filed its row, before the audit record is written)."""
         self._facts.pop(ctx.request_id, None)
         self._dims.pop(ctx.request_id, None)
@@ -378,7 +380,7 @@ class CostMeter:
         if ctx.outcome.charge is None:  # the budget stage filed no row (free cache hit, early refusal): file one
             self._file_row(ctx, facts)
 
-    def _file_row(self, ctx: Any, facts: dict[str, Any]) -> None:
+    def _file_row(self, ctx: RequestContext, facts: dict[str, Any]) -> None:
         ledger = self._ledger()
         if ledger is None:
             return
@@ -400,7 +402,7 @@ class CostMeter:
         except Exception:
             log.exception("ledger row for %s failed", ctx.request_id)
 
-    def _observe(self, ctx: Any, f: dict[str, Any]) -> None:
+    def _observe(self, ctx: RequestContext, f: dict[str, Any]) -> None:
         backend = f.get("backend") or "none"
         model = ctx.backend_model or ctx.model or ""
         cat = f["category"]
@@ -454,7 +456,7 @@ class CostMeter:
         for reason, v in wasted_by.items():
             c(m.cost_wasted, backend, model, reason).inc(v)
 
-    def _observe_dims(self, ctx: Any, gpu_s: float, cost: float, tokens: int) -> None:
+    def _observe_dims(self, ctx: RequestContext, gpu_s: float, cost: float, tokens: int) -> None:
         """Per adapter and per arm: the running totals (/admin/cost `by_adapter`, `by_arm`) and /metrics."""
         adapter, arm = adapter_of(ctx), arm_of(ctx)
         for key in ((("adapter", adapter),) if adapter is not None else ()) + \
