@@ -4,7 +4,7 @@ evidence of predicted vs actual."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from gateway.pipeline import RequestContext
 from gateway.routing.approx import ApproxPrefixIndex
@@ -12,7 +12,25 @@ from gateway.routing.inflight import Flight
 from gateway.routing.predictor import Predictor
 
 if TYPE_CHECKING:
+    from gateway.routing.engines import EngineModel
+    from gateway.routing.peers import PeerBus
+    from gateway.routing.room import Room
     from gateway.telemetry.service import TelemetryService
+
+
+class LearningStage(Protocol):
+    """What the learners read of the route stage (gateway/routing/stage.py PredictiveRouteStage)."""
+
+    room: Room
+    clock: Callable[[], float]
+    predictor: Predictor
+    approx: ApproxPrefixIndex
+    avg_uncached: dict[str, float]
+    engines: EngineModel
+    peers: PeerBus | None
+
+    @property
+    def telemetry(self) -> TelemetryService | None: ...
 
 
 def engine_part(ttft_s: float, elapsed_s: float) -> float:
@@ -60,3 +78,24 @@ def feed_back(ctx: RequestContext, fl: Flight, *, predictor: Predictor, approx: 
             telemetry.observe_cached(served, fl.cached[served], actual_cached)
         except Exception:
             pass
+
+
+class Learn:
+    """The route stage's learners as a response-complete plugin (gateway/routing/plugin.py ResponseComplete): the
+    TTFT learner and the rest `feed_back` feeds, the room check's healthy-concurrency sample, and the learner's
+    sample to the peers (replicas learn from each other's responses)."""
+
+    name = "learn"
+
+    def __init__(self, stage: LearningStage) -> None:
+        self.stage = stage
+
+    def response_complete(self, ctx: RequestContext, fl: Flight) -> None:
+        st = self.stage
+        if ctx.ttft_s is not None and ctx.status in (0, 200) and ctx.backend == fl.engine:  # the room check's sample
+            st.room.observe(fl.engine, st.clock(), fl.concurrency, ctx.ttft_s)
+        tel = st.telemetry
+        feed_back(ctx, fl, predictor=st.predictor, approx=st.approx, avg_uncached=st.avg_uncached, telemetry=tel,
+                  has_telemetry_name=lambda name: st.engines.has_telemetry_name(name, tel))
+        if st.peers is not None:  # the learner's sample, where feed_back observed one, to the peers
+            st.peers.finished(ctx.request_id, ctx.outcome.learned)

@@ -32,9 +32,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Protocol, Sequence
 
 from gateway.routing.plan import Candidate
+
+if TYPE_CHECKING:
+    from gateway.pipeline import RequestContext
+    from gateway.routing.inflight import Flight
 
 
 @dataclass(slots=True)
@@ -114,6 +118,17 @@ class Picker(Plugin):
     def order(self, items: list[Scored]) -> list[Scored]:
         """All items, best first (the Dispatcher falls back along this order)."""
         raise NotImplementedError
+
+
+class ResponseComplete(Protocol):
+    """Told of every request the route stage dispatched once its response is complete (or failed), after the stage
+    released what it held (its slot, in-flight count, flow share): what a finished request teaches the router.
+    Like the Gateway API Inference Extension's ResponseComplete; the route stage's `on_response` list, in order.
+    The request's facts are `ctx` (status, TTFT, usage, evidence) and the flight the stage dispatched it as."""
+
+    name: str
+
+    def response_complete(self, ctx: RequestContext, flight: Flight) -> None: ...
 
 
 @dataclass

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, NoReturn
@@ -35,7 +36,7 @@ from gateway.routing.candidates import (candidates, client_order, has_own_engine
 from gateway.routing.early import early_refusal, learn_prefix, refuse_early, unattainable, uncached_lower_bounds
 from gateway.routing.engines import _ASK, EngineModel
 from gateway.routing.evidence import kv_view_evidence, route_evidence
-from gateway.routing.feedback import engine_part, feed_back
+from gateway.routing.feedback import Learn
 from gateway.routing.flow import CLASSES as FLOW_CLASSES
 from gateway.routing.flow import LongFlight, LongLimits, Waiter, lane_class
 from gateway.routing.flowkey import flow_id, flow_weight
@@ -45,7 +46,7 @@ from gateway.routing.limits import InflightLimits
 from gateway.routing.mode import MODELLED_KINDS, Mode, ModeBook, Observed, load_order
 from gateway.routing.pending import PendingCache, last_chunk_from
 from gateway.routing.plan import Candidate, RoutePlan
-from gateway.routing.plugin import EngineView, Scored, Strategy
+from gateway.routing.plugin import EngineView, ResponseComplete, Scored, Strategy
 from gateway.routing.prediction import predict_candidates
 from gateway.routing.predictor import Features, Predictor, PredictorParams
 from gateway.routing.view import Drain
@@ -61,8 +62,10 @@ if TYPE_CHECKING:
     from gateway.routing.peers import PeerBus
 
 # the names other modules import from here (kept when the stage was split into its concerns)
+log = logging.getLogger("gateway.routing")
+
 __all__ = ["APPROX_BLOCK_CHARS", "CHARS_PER_TOKEN", "PredictiveRouteStage", "RouteStage", "_SALT_DEFAULT_SECRET",
-           "candidates", "client_order", "early_refusal", "engine_cache_salt", "engine_part", "has_own_engine",
+           "candidates", "client_order", "early_refusal", "engine_cache_salt", "has_own_engine",
            "kv_view_evidence", "last_chunk_from", "lora_name", "prompt_text", "residency_reason", "session_id",
            "split_partners", "tenant_cache_salt"]
 
@@ -207,6 +210,9 @@ class PredictiveRouteStage:
         self.modes = ModeBook()  # each upstream's mode: modelled or pass-through (mode.py)
         self._mode_memo: dict[str, tuple[float, Mode, Any]] = {}
         self.room = Room()  # the harmful-hold check's samples (room.py)
+        # told of every finished request, in order (plugin.py ResponseComplete): the learners first; an extension
+        # (a custom learner, a counter) appends its own
+        self.on_response: list[ResponseComplete] = [Learn(self)]
         self.limits = InflightLimits()  # backends[].max_inflight (limits.py)
         self._slots: dict[str, str] = {}  # request id -> the upstream whose in-flight slot it holds
         self._learning: set[asyncio.Task] = set()  # background /tokenize of message prefixes (early.learn_prefix)
@@ -970,8 +976,6 @@ class PredictiveRouteStage:
         fl = self.inflight.pop(ctx.request_id)
         if fl is None:
             return
-        if ctx.ttft_s is not None and ctx.status in (0, 200) and ctx.backend == fl.engine:  # the room check's sample
-            self.room.observe(fl.engine, self.clock(), fl.concurrency, ctx.ttft_s)
         longs = self._longs.get(fl.engine)
         if longs is not None and longs.pop(ctx.request_id, None) is not None and not longs:
             del self._longs[fl.engine]
@@ -983,10 +987,11 @@ class PredictiveRouteStage:
         tel = self.telemetry
         if fl.telemetry and tel is not None:
             tel.end(fl.engine, fl.uncached)
-        feed_back(ctx, fl, predictor=self.predictor, approx=self.approx, avg_uncached=self.avg_uncached,
-                  telemetry=tel, has_telemetry_name=lambda name: self.engines.has_telemetry_name(name, tel))
-        if self.peers is not None:  # the learner's sample, where feed_back observed one, to the peers
-            self.peers.finished(ctx.request_id, ctx.outcome.learned)
+        for plugin in self.on_response:  # what the response teaches (gateway/routing/plugin.py ResponseComplete)
+            try:
+                plugin.response_complete(ctx, fl)
+            except Exception:
+                log.exception("routing: response-complete plugin %s failed", plugin.name)
 
     def snapshot(self) -> dict[str, Any]:
         """For /admin/routing: per engine the learned parameters, the guard's state, prediction quality out of

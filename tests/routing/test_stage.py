@@ -240,7 +240,7 @@ def test_kv_view_evidence_names_each_stale_engine_with_its_reason():
 
 
 def test_engine_part_is_the_ttft_after_the_prediction():
-    from gateway.routing.stage import engine_part
+    from gateway.routing.feedback import engine_part
 
     assert engine_part(0.250, 0.040) == pytest.approx(0.210)
     assert engine_part(0.250, -1.0) == pytest.approx(0.250)  # no negative elapsed time
@@ -268,3 +268,30 @@ async def test_time_spent_before_the_prediction_is_added_to_it_and_not_learned(s
     c2.backend, c2.status, c2.ttft_s = "own-de", 200, fl.elapsed_s + 0.05
     await stage.finish(c2)
     assert seen == [pytest.approx(0.05)]
+
+
+async def test_response_complete_plugins_are_told_of_each_finished_request_in_order(stage):
+    """The learning on response is a plugin point (plugin.py ResponseComplete, like GIE's): the stage's own
+    learners first, then an extension's; each is told after the stage released what it held (the request is no
+    longer in flight), and one that fails does not stop the next."""
+    seen: list[tuple[str, str, str, int]] = []
+
+    class Broken:
+        name = "broken"
+
+        def response_complete(self, ctx, flight) -> None:
+            raise RuntimeError("an extension's bug")
+
+    class Counter:
+        name = "counter"
+
+        def response_complete(self, ctx, flight) -> None:
+            seen.append((ctx.request_id, flight.engine, ctx.backend, stage.inflight.counts().get(flight.engine, 0)))
+
+    assert [p.name for p in stage.on_response] == ["learn"]
+    stage.on_response += [Broken(), Counter()]
+    c = _ctx(spill=False, prompt_tokens=100)
+    await stage.run(c)
+    c.backend, c.status, c.ttft_s = "own-de", 200, 0.05
+    await stage.finish(c)
+    assert seen == [(c.request_id, "own-de", "own-de", 0)]
