@@ -25,7 +25,7 @@ from gateway.admin_guard import PLATFORM_ADMIN, gateway_guard
 from gateway.api.endpoints import ENDPOINTS
 from gateway.api.ingress import GatewayApp, InferenceEndpoint
 from gateway.api.reply import error_headers, request_id
-from gateway.config import Config, ConfigError, load_config
+from gateway.config import BackendConfig, Config, ConfigError, load_config
 from gateway.errors import GatewayError, retry_headers
 from gateway.metrics import Metrics
 from gateway.observability.logs import current_request
@@ -459,7 +459,7 @@ def _jurisdiction(countries: set[str | None]) -> str | None:
     return "EEA" if countries and all(c in EEA_COUNTRIES for c in countries) else None
 
 
-def _price(cfg: Config, model: str, backends: list[Any]) -> dict[str, Any] | None:
+def _price(cfg: Config, model: str, backends: list[BackendConfig]) -> dict[str, Any] | None:
     """The model's price (budgets.prices[model]; a per-backend `<backend>:<model>` price when all agree)."""
     prices = cfg.raw.budgets.prices
     p = prices.get(model)

@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import orjson
 
@@ -31,6 +31,7 @@ from gateway.pipeline import Lifecycle, Pipeline, RequestContext, RequestHeaders
 if TYPE_CHECKING:
     from gateway.app import Gateway
     from gateway.config import Config
+    from gateway.types import Principal
 
 log = logging.getLogger("gateway.batch")
 
@@ -58,7 +59,7 @@ def store_unavailable(e: BaseException) -> bool:
     return False
 
 
-def make_store(config: Any) -> BatchStore:
+def make_store(config: Config) -> BatchStore:
     """Postgres when the identity store is Postgres (replicas share jobs), else SQLite beside the identity DB."""
     ic, bc = config.raw.identity, config.raw.batch
     if ic.store == "postgres":
@@ -149,7 +150,7 @@ class BatchService:
         """The largest request line: batch.max_line_bytes, never above what the realtime API accepts as a body."""
         return min(self.gw.config.raw.batch.max_line_bytes, self.gw.config.server.max_body_bytes)
 
-    def principal_valid_until(self, headers: Any, p: Any) -> float | None:
+    def principal_valid_until(self, headers: Mapping[str, str], p: Principal) -> float | None:
         """A JWT principal holds until its token expires (the identity cache knows when); keys are re-checked."""
         if p.kind not in ("jwt", "partner") or not p.id.startswith("jwt:"):
             return None
@@ -158,13 +159,14 @@ class BatchService:
         hit = getattr(self.gw.identity, "_jwt_cache", {}).get(token)
         return hit.valid_until if hit is not None else time.time() + 300.0
 
-    def owner(self, p: Any) -> str:
+    def owner(self, p: Principal) -> str:
         """The owner scope of what `p` creates or may see: tenant, team, project, partner and its restriction
         labels under the loaded policy (gateway/batch/scope.py)."""
         identity = self.gw.identity
         return owner_of(p, identity.restrictions.labels if identity is not None else ALWAYS_RESTRICTED)
 
-    async def file_restriction(self, p: Any, models: Any, headers: Any) -> dict[str, Any]:
+    async def file_restriction(self, p: Principal, models: Iterable[str], headers: Mapping[str, str]
+                               ) -> dict[str, Any]:
         """What policy decides for the uploader and this upload request (its headers) for every model the file
         names: the decision the file keeps and every batch over it runs within. A decision policy cannot make
         now (OPA unreachable, fail-closed) refuses the upload, so no file is kept without its decision."""
@@ -201,7 +203,7 @@ class BatchService:
             return None
         return sorted({ln.body["model"] for ln in lines})
 
-    async def zero_retention(self, p: Any, file_id: str, owner: str) -> bool:
+    async def zero_retention(self, p: Principal, file_id: str, owner: str) -> bool:
         """Whether policy says zero retention for this owner and any model the input file names."""
         models = await self.input_models(file_id, owner)
         policy = self.gw.policy

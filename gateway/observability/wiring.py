@@ -3,7 +3,7 @@ access log), the dashboard routes and, when configured, tracing. Called by gatew
 trace stage and the observer's and the tracing's completion steps."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from opentelemetry.sdk.trace.export import SpanExporter
 
@@ -14,6 +14,7 @@ from gateway.observability.tracing import Tracing, build_provider
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
+    from gateway.config import BackendConfig
 
 
 def wire_observability(gw: Gateway, exporter: SpanExporter | None = None) -> tuple[RequestObserver, Tracing | None]:
@@ -37,7 +38,7 @@ def _tracing(gw: Gateway, exporter: SpanExporter | None) -> Tracing:
     obs = gw.config.raw.observability
     provider = build_provider(obs.service_name, obs.otlp_endpoint, exporter)
 
-    def backend(name: str) -> Any:
+    def backend(name: str) -> BackendConfig | None:
         try:
             return gw.config.backend(name)
         except KeyError:
