@@ -72,9 +72,18 @@ async def read_limited(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+class AdminRoute(Route):
+    """A route `AdminGuard.route` built: its handler runs behind the guard, for the roles it was declared with."""
+
+    def __init__(self, path: str, endpoint: Callable[[Request], Awaitable[Response]], methods: list[str],
+                 roles: frozenset[str]) -> None:
+        super().__init__(path, endpoint, methods=methods)
+        self.roles = roles
+
+
 def declared_roles(route: Any) -> frozenset[str] | None:
     """The roles a route was declared with by `AdminGuard.route`, or None for a route built some other way."""
-    return getattr(getattr(route, "endpoint", None), "admin_roles", None)
+    return route.roles if isinstance(route, AdminRoute) else None
 
 
 class AdminGuard:
@@ -100,9 +109,7 @@ class AdminGuard:
         declared = frozenset(roles)
         if not declared or not declared <= ROLES or (PUBLIC in declared and len(declared) > 1):
             raise ValueError(f"{path}: roles must be PUBLIC alone or a non-empty subset of {sorted(ROLES - {PUBLIC})}")
-        endpoint = self._endpoint(handler, declared)
-        endpoint.admin_roles = declared  # type: ignore[attr-defined]
-        return Route(path, endpoint, methods=list(methods))
+        return AdminRoute(path, self._endpoint(handler, declared), list(methods), declared)
 
     def _endpoint(self, handler: _AnyHandler, roles: frozenset[str]) -> Callable[[Request], Awaitable[Response]]:
         async def endpoint(request: Request) -> Response:

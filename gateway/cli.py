@@ -146,7 +146,7 @@ def cmd_config_check(args: argparse.Namespace) -> int:
         return 1
     print(f"{args.file}: ok ({len(cfg.backends)} backends, {len(cfg.models)} models, {len(cfg.aliases)} aliases)")
     _print_discovery(cfg)
-    if getattr(args, "probe", False):
+    if args.probe:
         return _probe_kv_events(cfg, args.probe_timeout)
     return 0
 

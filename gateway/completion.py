@@ -82,11 +82,8 @@ class Completion:
     async def run(self, ctx: RequestContext, started: Sequence[object]) -> None:
         """Every step in order: a stage's finish where that stage started, every hook. A step that fails is
         logged and never stops the others (a budget must settle even when the audit write fails)."""
-        ran: dict[str, Finishing] = {}
-        for st in started:
-            if has_finish(st):
-                ran[st.name] = st  # type: ignore[attr-defined]
-        for step in self.steps:
+        ran: dict[str, Finishing] = {st.name: st for st in started}  # type: ignore[attr-defined]
+        for step in self.steps:  # a stage step names a stage with a finish (the Pipeline checks it when built)
             if step.hook is not None:
                 fn: Hook = step.hook
             else:

@@ -89,7 +89,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
         manifest = json.loads(manifest_path.read_text())
         cfg_path = work / "gateway.yaml"
-        if getattr(args, "policy", None):
+        if args.policy:
             policy_file = Path(args.policy).resolve()
         else:  # a real file next to the config, so the gateway (and its reload) reads it like any policy
             policy_file = work / "policy.yaml"

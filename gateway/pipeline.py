@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from gateway.api.endpoints import BY_NAME
 from gateway.completion import Completion, Step, finish_of, has_finish
+from gateway.errors import GatewayError
 from gateway.types import Decision, Principal, Usage
 
 
@@ -192,10 +193,13 @@ class Pipeline:
             completion = Completion(finish_of(st.name) for st in reversed([*self.stages, *([dispatch] if dispatch
                                                                                            else [])])
                                     if has_finish(st))
-        missing = [st.name for st in (*self.stages, *([dispatch] if dispatch else []))
-                   if has_finish(st) and not completion.names_stage(st.name)]
+        everyone = (*self.stages, *([dispatch] if dispatch else []))
+        missing = [st.name for st in everyone if has_finish(st) and not completion.names_stage(st.name)]
         if missing:
             raise ValueError(f"stages with a finish not in the completion list: {missing}")
+        idle = [st.name for st in everyone if completion.names_stage(st.name) and not has_finish(st)]
+        if idle:
+            raise ValueError(f"completion steps naming stages that have no finish: {idle}")
         self.completion = completion
 
     def with_stage_after(self, after: str, stage: Stage) -> "Pipeline":
@@ -226,10 +230,9 @@ class Pipeline:
                 started.append(self.dispatch)
                 await self.dispatch.run(ctx)
         except BaseException as e:
-            status = getattr(e, "status", None)
-            if isinstance(status, int):  # a GatewayError refusal: record it before finishers read ctx
-                ctx.status = status
-                ctx.error = getattr(e, "code", None) or str(e)
+            if isinstance(e, GatewayError):  # a refusal: record it before the completion reads ctx
+                ctx.status = e.status
+                ctx.error = e.code or str(e)
             elif not ctx.status:
                 ctx.status = 499 if isinstance(e, asyncio.CancelledError) else 500
             await self.finish(ctx, started)

@@ -150,7 +150,7 @@ def _wire_identity(gw: Gateway) -> AuthStage:
     from gateway.identity.stage import AuthStage
 
     svc = IdentityService(gw.config)
-    gw.services.append(Reloading(svc, svc.swap_config))  # its config is validated by load_config
+    gw.services.append(svc)
     gw.identity = svc
     gw.auth = AuthStage(svc)
 

@@ -18,6 +18,7 @@ from starlette.datastructures import Headers
 from gateway.api.endpoints import Endpoint, prepare
 from gateway.api.reply import client_request_id, complete_json, new_request_id, request_id, send_bytes, send_error
 from gateway.api.unserved import ON_SERVED_PATHS, answer as unserved_answer
+from gateway.cache.replay import CachedStream
 from gateway.errors import GatewayError
 from gateway.pipeline import Lifecycle, RequestContext, RequestHeaders
 from gateway.proxy.forward import JsonResult, abandon, stream_body
@@ -276,10 +277,10 @@ class InferenceEndpoint:
                (b"x-accel-buffering", b"no")]
         raw += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in hdrs.items()]
         await send({"type": "http.response.start", "status": 200, "headers": raw})
-        replay = getattr(result, "replay", None)  # a cache hit (gateway/cache/replay.py)
-        capture = ctx.cache.capture if ctx.cache is not None and replay is None else None
-        if replay is not None:
-            gen = replay(ctx, on_end)
+        hit = result if isinstance(result, CachedStream) else None  # a cache hit (gateway/cache/replay.py)
+        capture = ctx.cache.capture if ctx.cache is not None and hit is None else None
+        if hit is not None:
+            gen = hit.replay(ctx, on_end)
         else:
             gen = stream_body(ctx, result, on_end, direct_body(send) if capture is None else None)
         me = asyncio.current_task()

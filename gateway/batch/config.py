@@ -34,15 +34,16 @@ class BatchConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 def batch_error(bc: BatchConfig) -> tuple[str, str] | None:
     """(field, why) for the first value of `batch:` that cannot work, else None (gateway.config reports it
     with file:line)."""
+    values = msgspec.structs.asdict(bc)
     for name in ("max_file_bytes", "max_lines", "max_line_bytes", "max_attempts", "min_concurrency", "prefix_chars",
                  "max_prefilling_per_engine", "max_stored_bytes_per_tenant", "max_files_per_tenant",
                  "max_concurrent_uploads", "max_concurrent_uploads_per_tenant"):
-        if getattr(bc, name) < 1:
+        if values[name] < 1:
             return name, "must be >= 1"
     if bc.max_concurrency < bc.min_concurrency:
         return "max_concurrency", f"must be >= min_concurrency ({bc.min_concurrency})"
     for name in ("lease_s", "tick_s", "headroom", "upload_timeout_s"):
-        if not getattr(bc, name) > 0:
+        if not values[name] > 0:
             return name, "must be > 0"
     if bc.clear_engines < 0:
         return "clear_engines", "must be >= 0"

@@ -156,8 +156,8 @@ class BatchService:
             return None
         auth = headers.get("authorization") or ""
         token = auth.partition(" ")[2].strip() or (headers.get("x-api-key") or "").strip()
-        hit = getattr(self.gw.identity, "_jwt_cache", {}).get(token)
-        return hit.valid_until if hit is not None else time.time() + 300.0
+        until = self.gw.identity.token_valid_until(token) if self.gw.identity is not None else None
+        return until if until is not None else time.time() + 300.0
 
     def owner(self, p: Principal) -> str:
         """The owner scope of what `p` creates or may see: tenant, team, project, partner and its restriction

@@ -92,11 +92,11 @@ class Restrictions:
 
     def __init__(self, policy: Any = None) -> None:
         conds: dict[str, list[tuple[str, Any]]] = {}
-        for rule in getattr(policy, "rules", ()) or ():
+        for rule in policy.rules if policy is not None else ():
             if not _restricting(rule):
                 continue
             for c in rule.conditions:
-                name = getattr(c, "name", "")
+                name = c.name
                 if name.startswith("labels."):
                     conds.setdefault(name[len("labels."):], []).append((rule.id, c))
         self._conds = conds

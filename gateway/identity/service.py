@@ -122,6 +122,10 @@ class IdentityService:
                                    lambda: self.config.raw.identity.rotation_overlap_s)
 
     # ------------------------------------------------------------------ lifecycle
+    def check_config(self, config: Config) -> None:
+        """A reload (gateway.app.Reloadable): nothing beyond what load_config validated (store settings it keeps
+        need a restart, and the swap says nothing of them)."""
+
     def swap_config(self, config: Config) -> None:
         """Hot reload: static keys, admin key, JWT issuers, limits. Store settings need a restart."""
         ic = config.raw.identity
@@ -191,6 +195,12 @@ class IdentityService:
         if eu is not None:
             p = dataclasses.replace(p, end_user=clean_end_user(eu))
         return p
+
+    def token_valid_until(self, token: str) -> float | None:
+        """When a JWT this service verified and still caches stops being valid (its `exp`, bounded by the cache);
+        None when it is not cached (the batch lane then re-checks its owner sooner)."""
+        hit = self._jwt_cache.get(token)
+        return hit.valid_until if hit is not None else None
 
     async def recheck(self, p: Principal, valid_until: float | None = None) -> Principal:
         """The current Principal of a principal authenticated earlier (a batch job's owner), re-checked now
