@@ -45,7 +45,7 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     trusted_proxies: list[str] = msgspec.field(default_factory=list)  # proxy IPs/CIDRs whose X-Forwarded-For is believed; [] = none
     upstream_client: Literal["native", "aiohttp", "httpx"] = "native"  # see gateway/proxy/h1client.py and transport.py for why
     # Startup objects are always frozen out of the cyclic GC once serving (gc.freeze); raising the thresholds
-    # too (e.g. [20000, 10, 10]) saves ~5% more CPU but let RSS creep in the soak (docs/benchmarks.md)
+    # too (e.g. [20000, 10, 10]) cuts GC time further but let RSS creep in the soak (docs/benchmarks.md, "Hot path choices")
     gc_threshold: tuple[int, int, int] | None = None  # gc.set_threshold once serving; null keeps Python's (700, 10, 10)
     # /readyz: per-model health is always in the body; only any_model / all_models let it fail readiness
     readiness: Literal["process", "any_model", "all_models"] = "process"  # process: config loaded, not draining, budget store not failing closed; any_model / all_models: also one / every model with a healthy backend

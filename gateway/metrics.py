@@ -29,8 +29,8 @@ TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4
 class _Value:
     """prometheus-client's MutexValue (the single-process value: a float and an exemplar) without its lock. The
     gateway writes its request metrics only from the event loop's thread (stages and finish hooks; worker
-    threads load configs and write files, never metrics), so the lock only cost: a lock-free inc is ~0.7k
-    instructions instead of ~2.7k (callgrind), and a request makes ~25 (10 histogram observes, the counters).
+    threads load configs and write files, never metrics), so the lock only cost (docs/benchmarks.md, "Hot path
+    choices"); a request makes ~25 increments (10 histogram observes, the counters).
     Gauges keep the library's value.
     Under PROMETHEUS_MULTIPROC_DIR the library's file-backed value is kept (see _Counter/_Histogram)."""
 
@@ -87,8 +87,8 @@ class _Histogram(Histogram):
     by bisection (bounds are sorted and end with +Inf) instead of a Python loop over them, and the observability
     check is the presence of the child's values. The same values are incremented in the same order (the sum,
     then one bucket; none for NaN, as the library's `amount <= bound` never holds), so /metrics is the same
-    text. Per observe ~8.9k -> ~3.3k instructions (callgrind); a served request observes ~10 (duration, tokens
-    twice, one per stage). Relies on _metric_init, _sum, _buckets and _upper_bounds (tests pin the output)."""
+    text. A served request observes ~10 (duration, tokens twice, one per stage), so the per-observe cost counts
+    (docs/benchmarks.md, "Hot path choices"). Relies on _metric_init, _sum, _buckets and _upper_bounds (tests pin the output)."""
 
     def _metric_init(self) -> None:
         super()._metric_init()

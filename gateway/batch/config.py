@@ -17,7 +17,7 @@ class BatchConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     min_concurrency: int = 1  # lines in flight per replica when the fleet has room, at the least
     max_concurrency: int = 64  # at the most (the controller moves between these, additive up, halving down)
     realtime_ttft_target_ms: float | None = None  # target realtime must keep; null: routing.default_ttft_slo_ms, else 1000
-    headroom: float = 0.25  # batch lines are started only while the best predicted upper TTFT is below headroom x target (bench/batch_lane.py: 0.5 tripled realtime p90)
+    headroom: float = 0.25  # batch lines are started only while the best predicted upper TTFT is below headroom x target (docs/benchmarks.md, "Batch lane")
     max_prefilling_per_engine: int = 1  # batch lines an engine may have before their first token; a line starts only on an engine with no realtime request before its first token (bench/batch_lane.py)
     clear_engines: int = 1  # own engines left with no prefill at all (realtime or batch) when a line starts, so routing has one without batch prefill for the next realtime request (at most the healthy engines - 1; 0: off)
     prefill_duty: float = 1.0  # most share of an engine's time its batch prefill may take: after a line starts there, the next waits its predicted prefill / prefill_duty (1.0: right after the last one prefilled; docs/batch.md for measured trade-offs)

@@ -22,7 +22,7 @@ class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_entry_bytes: int = 262144  # a larger response is not stored
     max_temperature: float = 1.0  # requests sampling above this temperature never cache (absent temperature counts as 1.0)
     default_ttl_s: float = 300.0  # a rule's `cache` without ttl_s
-    default_similarity: float = 0.86  # a semantic rule's `cache` without similarity (bench/cache.py: 0 false hits down to 0.84 with either embedder, docs/benchmarks.md)
+    default_similarity: float = 0.86  # a semantic rule's `cache` without similarity: no near-miss false hit from 0.84 up with either embedder, 0.86 keeps a step of margin (docs/benchmarks.md, "Response cache")
     embedder: str = "wordllama"  # semantic tier: "wordllama" (the bundled wordllama model, 256 dims, offline), "lexical" (hashed word/char n-grams, no model) or "backend"
     embeddings_model: str | None = None  # embedder backend: a model served at /v1/embeddings by one of the gateway's backends (residency-checked)
     embeddings_timeout_s: float = 2.0  # embedder backend: a slower answer is a cache miss, never an error

@@ -108,7 +108,8 @@ def load_wordllama() -> Any:
 
 class WordLlamaEmbedder:
     """The bundled wordllama model; `wordllama_dir()` is checked at construction (config check at start and
-    reload), the model itself loaded once per process on first use, in a thread (~0.4 s)."""
+    reload), the model itself loaded once per process on first use, in a thread (its load time:
+    docs/benchmarks.md, "Response cache")."""
 
     name = "wordllama"
     dims = WORDLLAMA_DIMS

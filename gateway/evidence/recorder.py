@@ -81,8 +81,8 @@ def _scrub(value: Any, secrets: list[str]) -> Any:
 
 def _scrub_in(value: Any, needles: tuple[str, ...], shortest: int) -> Any:
     """_scrub's walk. Exact types are tested first (isinstance misses look up `__class__`), and leaves that
-    cannot hold a needle (numbers, None, a string shorter than every needle) are copied without a call: a
-    zero-retention record was ~880k instructions to build, mostly this walk (callgrind)."""
+    cannot hold a needle (numbers, None, a string shorter than every needle) are copied without a call: this walk
+    was most of a zero-retention record's cost (docs/benchmarks.md, "Hot path choices")."""
     t = type(value)
     if t is str:
         if needles and len(value) >= shortest:
@@ -115,8 +115,8 @@ def _strip_content(value: Any) -> Any:
     stage evidence is built from typed values), else a copy without those keys. Checking first costs far less per
     request than rebuilding every dict and list.
     Types are tested by identity before any isinstance: an isinstance miss looks up `__class__` on the value,
-    and most values are leaves (str, numbers, None); that took this walk from ~160k to ~83k instructions for a
-    served request's stage fields (callgrind)."""
+    and most values are leaves (str, numbers, None), and the walk runs on every request (docs/benchmarks.md,
+    "Hot path choices")."""
     t = type(value)
     if t in _LEAF_TYPES:
         return value
@@ -164,7 +164,7 @@ def _plain(v: Any) -> Any:
 
 def _iso_utc(ts: float) -> str:
     """`datetime.fromtimestamp(ts, timezone.utc).isoformat()`, written by orjson (RFC 3339, the same text for
-    an aware UTC datetime, microseconds omitted when zero as isoformat does): ~8k instructions fewer."""
+    an aware UTC datetime, microseconds omitted when zero as isoformat does), cheaper than `isoformat`."""
     return orjson.dumps(datetime.fromtimestamp(ts, timezone.utc))[1:-1].decode()
 
 
@@ -267,8 +267,8 @@ def _retained(rec: _Record, ctx: RequestContext, capture_content: bool) -> _Reco
 
 def _dumps(rec: Any) -> bytes:
     """The record as JSON; keys that are not str (a stage's int-keyed map) are written as orjson writes them
-    with OPT_NON_STR_KEYS. That option costs on every dict (a served record: ~70k instructions with it, ~43k
-    without, callgrind), and records have str keys only unless a stage put others in: the plain encoding is
+    with OPT_NON_STR_KEYS. That option costs on every dict (docs/benchmarks.md, "Hot path choices"), and
+    records have str keys only unless a stage put others in: the plain encoding is
     tried first and refuses any other key (TypeError), which is then retried with the option."""
     try:
         return orjson.dumps(rec, default=str)

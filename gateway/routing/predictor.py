@@ -12,7 +12,8 @@ prediction, so a 20 ms and a 5 s TTFT weigh alike and the fit minimises percenta
 clipping of residuals (one outlier moves the fit by a bounded step) and a forgetting factor (engines drift).
 Once an engine has `refit_min` observations, predictions come from a batch refit of the same model on its last
 `refit_window` observations (bounded, Huber-IRLS least squares of relative error, every `refit_every`): the
-recursive fit's path dependence under the router's feedback loop cost 2-4x the error under overload.
+recursive fit's path dependence under the router's feedback loop multiplied the error under overload
+(docs/benchmarks.md, "Predictor settings").
 The split-conformal quantile of the last `quantile_window` out-of-sample relative errors (per engine, per group:
 prefill queued ahead or not, and one prefill step or more) turns the mean prediction into the calibrated upper
 bound admission uses.
@@ -99,8 +100,8 @@ def size_group(f: Features, budget: int) -> tuple[bool, bool]:
     """The finer group: queued ahead or not, and whether its prefill work (ahead + its own uncached tokens) takes
     more than one chunked-prefill step. A one-step TTFT's relative error is mostly where in the running step it
     arrived (up to a whole step of a 20-60 ms TTFT); a multi-step prefill's is a few percent. Pooled, the short
-    requests' spread set the margin of long ones: on the live bench's bursts (3000-token prompts after the
-    shared-prefix ladder) 100% of admitted requests were under their bound, against 90% asked."""
+    requests' spread set the margin of long ones, so long prompts' bounds over-covered their target
+    (docs/benchmarks.md, "Live heterogeneous fleet")."""
     return f.ahead_tokens > 0, f.ahead_tokens + f.uncached_tokens > budget
 
 

@@ -100,8 +100,8 @@ def drained(queue: Iterable[tuple[float, float]], now: float, drain: Drain) -> f
     arrival to the next `drain.remaining` of what is queued, plus the new tokens; then to `now`.
 
     `Drain.remaining` written out in the loop, with the drain's constants taken once: the same operations in
-    the same order, so the same floats, without a method call per request (~350 ns each; the view runs once
-    per candidate per request, over every request in flight on the engine)."""
+    the same order, so the same floats, without a method call per request (the view runs once per candidate
+    per request, over every request in flight on the engine)."""
     b = float(max(1, drain.budget))
     step, per = drain.step_s, drain.s_per_token
     full_step = step + per * b

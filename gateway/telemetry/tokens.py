@@ -145,8 +145,8 @@ class PrefixTokenCache:
 class TokenizeClient:
     """POST /tokenize to engines through the native HTTP/1.1 client (gateway/proxy/h1client.py), one keep-alive
     pool per server root. A refusal waits on this round trip when no bound decides it earlier, so it is on the
-    critical path: httpx spent ~0.8 ms of the gateway's CPU per call on a 1.5k-token chat (request building,
-    stdlib JSON, its response object) and doubled the round trip on an idle engine (bench/tokenize_rt.py)."""
+    critical path: httpx cost several times the client CPU per call and a longer round trip (docs/benchmarks.md,
+    "Engine /tokenize round trip")."""
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
