@@ -30,7 +30,7 @@ def new_request_id() -> str:
     """`req_` + 24 hex digits: the wall clock in milliseconds (12) then 48 random bits (12). Time-ordered ids
     keep the indexes keyed by them (the spend ledger's primary key in SQLite and Postgres, the audit sink)
     appending at their right edge instead of inserting at random pages, so an insert stays cheap as the table
-    grows (bench/ledger_ids.py; docs/benchmarks.md, Proxy overhead: request ids).
+    grows (bench/ledger_ids.py; docs/benchmarks.md, "Hot path choices": request ids).
     48 random bits per millisecond keep ids unique across replicas (two ids of one millisecond collide with
     probability 2^-48) and infeasible to guess; no syscall per request."""
     return "req_%012x%012x" % (int(time.time() * 1000) & 0xFFFFFFFFFFFF, _ids.getrandbits(48))

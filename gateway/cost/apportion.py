@@ -44,7 +44,7 @@ class EngineClock:
     shrinks every debt by the same factor, so one running factor `_s` stands for all of them (a debt of `o`
     made when the factor was `s0` is `o * _s / s0` now). When the whole debt is paid at once the factor would be
     0: a new generation starts instead (every older debt is paid in full). The per-debt loop it replaces was
-    O(requests in flight) per event (bench/cost_apportion.py; docs/benchmarks.md)."""
+    O(requests in flight) per event (bench/cost_apportion.py; docs/benchmarks.md, "Hot path choices": cost meter)."""
 
     n: int = 0  # requests on the engine now
     v: float = 0.0  # virtual time: integral of shared dt / n over busy time

@@ -3,7 +3,7 @@ backend (`server.upstream_client: native`).
 
 Why: at saturation aiohttp's client request path (request/response objects, multidicts, payload registry,
 timers, its stream reader) was the largest single block of the gateway's CPU after the server itself
-(docs/benchmarks.md). The gateway needs little of it: one POST with a ready body to a fixed set of upstreams
+(docs/benchmarks.md, "Upstream client"). The gateway needs little of it: one POST with a ready body to a fixed set of upstreams
 and a Content-Length or chunked answer. This client does only that, with the C parser that uvicorn already
 uses for requests (httptools, llhttp).
 

@@ -3,7 +3,7 @@ or httpx (`server.upstream_client`; gateway/proxy/upstream.py::make_transport pi
 
 Why three: httpx/httpcore's pool and anyio stream layers were most of the gateway's CPU per request; aiohttp's
 client (C parser, plain asyncio transports) does the same work for far less, and the native client (asyncio
-protocols + httptools, only what the gateway needs) for less again (docs/benchmarks.md, Proxy overhead). All
+protocols + httptools, only what the gateway needs) for less again (docs/benchmarks.md, "Upstream client"). All
 three are kept, selectable, and run by the same end-to-end suite.
 """
 from __future__ import annotations
