@@ -9,7 +9,9 @@ and tests can build them directly.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping
+from typing import Any, Iterable, Literal, Mapping
+
+from gateway.budget.dimensions import NAMES as DIMENSION_NAMES
 
 PrincipalKind = Literal["static_key", "api_key", "jwt", "partner", "anonymous"]
 Priority = Literal["realtime", "standard", "batch"]
@@ -61,19 +63,44 @@ class Principal:
         }
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class BudgetSpec:
-    """One limit a policy applies: over a window, a token/money/request/GPU-second/concurrency cap for a scope."""
+    """One budget a policy applies to a scope over a window: a limit in each budget dimension it names (requests,
+    tokens, money in `currency`, gpu_seconds, concurrency: the table in gateway/budget/dimensions.py).
+
+    `BudgetSpec(window="day", scope="team", tokens=10_000, money=5.0)`: the limits by dimension name (None: no
+    limit); or `limits=` as (name, limit) pairs."""
 
     window: str  # "minute" | "hour" | "day" | "month" | "lifetime"
-    scope: str = "tenant"  # "key" | "project" | "team" | "tenant" | "partner"
-    tokens: int | None = None
-    money: float | None = None
-    currency: str = "EUR"
-    requests: int | None = None
-    concurrency: int | None = None
-    rule_id: str | None = None
-    gpu_seconds: float | None = None  # apportioned engine GPU-seconds (gateway/cost; docs/budgets.md)
+    scope: str  # "key" | "project" | "team" | "tenant" | "partner"
+    limits: tuple[tuple[str, float], ...]  # (dimension, limit in its policy unit), in the table's order
+    currency: str  # of a money limit
+    rule_id: str | None
+
+    def __init__(self, window: str, scope: str = "tenant", currency: str = "EUR", rule_id: str | None = None,
+                 limits: Iterable[tuple[str, float]] = (), **by_name: float | None) -> None:
+        pairs = (*limits, *by_name.items())
+        unknown = {k for k, _ in pairs if k not in DIMENSION_NAMES}
+        if unknown:
+            raise TypeError(f"BudgetSpec: unknown budget dimension(s) {sorted(unknown)}; "
+                            f"one of {', '.join(DIMENSION_NAMES)}")
+        object.__setattr__(self, "window", window)
+        object.__setattr__(self, "scope", scope)
+        given = {k: v for k, v in pairs if v is not None}
+        object.__setattr__(self, "limits", tuple((n, given[n]) for n in DIMENSION_NAMES if n in given))
+        object.__setattr__(self, "currency", currency)
+        object.__setattr__(self, "rule_id", rule_id)
+
+    def limit(self, dimension: str) -> float | None:
+        """The limit in `dimension` (None: this budget does not limit it)."""
+        for n, v in self.limits:
+            if n == dimension:
+                return v
+        return None
+
+    def to_evidence(self) -> dict[str, Any]:
+        return {"window": self.window, "scope": self.scope, **{n: self.limit(n) for n in DIMENSION_NAMES},
+                "currency": self.currency, "rule_id": self.rule_id}
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,12 +167,8 @@ class Decision:
             "providers_ignored": sorted(self.providers_ignored),
             "no_fallbacks": self.no_fallbacks,
             "providers_order": list(self.providers_order),
-            "budgets": [b.__dict__ if hasattr(b, "__dict__") else _slots_dict(b) for b in self.budgets],
+            "budgets": [b.to_evidence() for b in self.budgets],
         }
-
-
-def _slots_dict(obj: Any) -> dict[str, Any]:
-    return {k: getattr(obj, k) for k in obj.__slots__}
 
 
 @dataclass(slots=True)

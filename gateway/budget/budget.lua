@@ -1,30 +1,46 @@
 -- Atomic budget reserve/settle over every scope x window of one request (one EVALSHA each).
 -- Mirrors gateway/budget/model.py BudgetState exactly; see that module for the semantics.
--- KEYS: per scope: hold zset (rid by expiry), hold hash (rid -> "tokens:money" or "tokens:money:gpu",
---       _t/_m/_g totals),
---       then one counter key per window of that scope.
+-- The budget dimensions arrive in the arguments (gateway/budget/dimensions.py): dw, the codes of the window
+-- counters in table order (the first, requests, is counted by every reserve and marks a bucket as present);
+-- da, the codes of the amounts a reservation holds; hm, how many amounts a hold string keeps even when 0.
+-- KEYS: per scope: hold zset (rid by expiry), hold hash (rid -> amounts "a1:a2[:a3...]", trailing zeros
+--       past hm dropped; "_<code>" totals), then one counter key per window of that scope (hash: "<CODE>"
+--       totals, "<code><bucket>" per rolling bucket, "lo" the oldest bucket).
 --       settle only: a last key, the request's idempotency marker (when ARGV has dx).
--- ARGV[1]: JSON plan (ReserveArgs.to_wire / SettleArgs.to_wire). Money is integer nano-units, GPU-seconds
---          integer micro-GPU-seconds. A hold without GPU-seconds keeps the two-part value older scripts read.
+-- ARGV[1]: JSON plan (ReserveArgs.to_wire / SettleArgs.to_wire); amounts are integer store units (money
+--          nano-units, GPU-seconds micro-GPU-seconds).
 local p = cjson.decode(ARGV[1])
 local now = p.now
 local ki = 1
+local W, A = p.dw, p.da
+local NW, NA = #W, #A
+local MARK = W[1]
+local TOT, HT, AT = {}, {}, {}  -- per counter: its total's field; per amount: the hold hash's total field
+for i = 1, NW do TOT[i] = string.upper(W[i]) end
+for j = 1, NA do
+  HT[j] = '_' .. A[j]
+  for i = 1, NW do if W[i] == A[j] then AT[i] = j end end  -- counter i is amount j (nil: a count)
+end
 
 local function I(x) return string.format('%d', x) end
 
--- a hold's amounts: "t:m" or "t:m:g"
+-- a hold's amounts (missing ones are 0)
 local function amounts(v)
-  local a = {}
-  for x in string.gmatch(v, '[^:]+') do a[#a + 1] = tonumber(x) end
-  return a[1], a[2], a[3] or 0
+  local a, j = {}, 0
+  for x in string.gmatch(v, '[^:]+') do
+    j = j + 1
+    a[j] = tonumber(x)
+  end
+  for k = j + 1, NA do a[k] = 0 end
+  return a
 end
 
 -- take a hold's amounts off the hash totals and drop it
 local function unhold(h, rid, v)
-  local t, m, g = amounts(v)
-  redis.call('HINCRBY', h, '_t', I(-t))
-  redis.call('HINCRBY', h, '_m', I(-m))
-  if g ~= 0 then redis.call('HINCRBY', h, '_g', I(-g)) end
+  local a = amounts(v)
+  for j = 1, NA do
+    if a[j] ~= 0 then redis.call('HINCRBY', h, HT[j], I(-a[j])) end
+  end
   redis.call('HDEL', h, rid)
 end
 
@@ -51,41 +67,42 @@ local function advance(k, now_b, n)
     return now_b
   end
   local b = lo
+  local f = {}
   while b <= floor_b do
-    local v = redis.call('HMGET', k, 'r' .. b, 't' .. b, 'm' .. b, 'g' .. b)
+    for i = 1, NW do f[i] = W[i] .. b end
+    local v = redis.call('HMGET', k, unpack(f))
     if v[1] then
-      if v[1] ~= '0' then redis.call('HINCRBY', k, 'R', '-' .. v[1]) end
-      if v[2] and v[2] ~= '0' then redis.call('HINCRBY', k, 'T', I(-tonumber(v[2]))) end
-      if v[3] and v[3] ~= '0' then redis.call('HINCRBY', k, 'M', I(-tonumber(v[3]))) end
-      if v[4] and v[4] ~= '0' then redis.call('HINCRBY', k, 'G', I(-tonumber(v[4]))) end
-      redis.call('HDEL', k, 'r' .. b, 't' .. b, 'm' .. b, 'g' .. b)
+      for i = 1, NW do
+        if v[i] and v[i] ~= '0' then redis.call('HINCRBY', k, TOT[i], I(-tonumber(v[i]))) end
+      end
+      redis.call('HDEL', k, unpack(f))
     end
     b = b + 1
   end
-  while b < now_b and redis.call('HEXISTS', k, 'r' .. b) == 0 do b = b + 1 end
+  while b < now_b and redis.call('HEXISTS', k, MARK .. b) == 0 do b = b + 1 end
   if b ~= lo then redis.call('HSET', k, 'lo', I(b)) end
   return b
 end
 
--- add to a counter; `lo` (optional) is the window's oldest bucket from an advance earlier in this call
-local function add(k, w, r, t, m, g, lo)
+-- add one value per counter; `lo` (optional) is the window's oldest bucket from an advance earlier in this call
+local function add(k, w, vals, lo)
   if w.n then
     if not lo then lo = advance(k, w.b, w.n) end
     local b = w.b
     if lo > b then b = lo end
-    if r ~= 0 then redis.call('HINCRBY', k, 'r' .. b, I(r)) else redis.call('HSETNX', k, 'r' .. b, '0') end
-    if t ~= 0 then redis.call('HINCRBY', k, 't' .. b, I(t)) end
-    if m ~= 0 then redis.call('HINCRBY', k, 'm' .. b, I(m)) end
-    if g ~= 0 then redis.call('HINCRBY', k, 'g' .. b, I(g)) end
+    if vals[1] ~= 0 then redis.call('HINCRBY', k, MARK .. b, I(vals[1])) else redis.call('HSETNX', k, MARK .. b, '0') end
+    for i = 2, NW do
+      if vals[i] ~= 0 then redis.call('HINCRBY', k, W[i] .. b, I(vals[i])) end
+    end
   end
-  if r ~= 0 then redis.call('HINCRBY', k, 'R', I(r)) end
-  if t ~= 0 then redis.call('HINCRBY', k, 'T', I(t)) end
-  if m ~= 0 then redis.call('HINCRBY', k, 'M', I(m)) end
-  if g ~= 0 then redis.call('HINCRBY', k, 'G', I(g)) end
+  for i = 1, NW do
+    if vals[i] ~= 0 then redis.call('HINCRBY', k, TOT[i], I(vals[i])) end
+  end
   if w.x then redis.call('EXPIRE', k, I(w.x)) end
 end
 
 if p.op == 'r' then
+  local F, P = p.f, p.p  -- per amount: held whatever the completion, and per completion token granted
   local out = {}
   local ok, c, fs, fw, fk = 1, p.maxc, 0, 0, ''
   local cs, cw, ck = 0, 0, ''
@@ -94,13 +111,12 @@ if p.op == 'r' then
     local z, h = KEYS[ki], KEYS[ki + 1]
     ki = ki + 2
     purge(z, h)
-    local hv = redis.call('HMGET', h, '_t', '_m', '_g')
-    local ht, hm, hg = tonumber(hv[1]) or 0, tonumber(hv[2]) or 0, tonumber(hv[3]) or 0
+    local hv = redis.call('HMGET', h, unpack(HT))
+    local held = {}
+    for j = 1, NA do held[j] = tonumber(hv[j]) or 0 end
     local nh = redis.call('ZCARD', z)
-    out[#out + 1] = ht
-    out[#out + 1] = hm
     out[#out + 1] = nh
-    out[#out + 1] = hg
+    for j = 1, NA do out[#out + 1] = held[j] end
     if s.c and nh + 1 > s.c and ok == 1 then ok, fs, fw, fk = 0, si, 0, 'concurrency' end
     for wi, w in ipairs(s.w) do
       local k = KEYS[ki]
@@ -109,34 +125,32 @@ if p.op == 'r' then
       if w.n then
         local lo = advance(k, w.b, w.n)
         los[k] = lo
-        if redis.call('HEXISTS', k, 'r' .. lo) == 1 then old = lo else old = w.b end
+        if redis.call('HEXISTS', k, MARK .. lo) == 1 then old = lo else old = w.b end
       end
-      local v = redis.call('HMGET', k, 'R', 'T', 'M', 'G')
-      local R, T, M, G = tonumber(v[1]) or 0, tonumber(v[2]) or 0, tonumber(v[3]) or 0, tonumber(v[4]) or 0
-      out[#out + 1] = R
-      out[#out + 1] = T
-      out[#out + 1] = M
+      local v = redis.call('HMGET', k, unpack(TOT))
+      local sums = {}
+      for i = 1, NW do
+        sums[i] = tonumber(v[i]) or 0
+        out[#out + 1] = sums[i]
+      end
       out[#out + 1] = old
-      out[#out + 1] = G
-      if ok == 1 then
-        if w.r and R + 1 > w.r then
-          ok, fs, fw, fk = 0, si, wi, 'requests'
-        else
-          if w.t then
-            local cap = w.t - T - ht - p.ft
-            if cap < c then c, cs, cw, ck = cap, si, wi, 'tokens' end
-          end
-          if w.m then
-            local room = w.m - M - hm - p.fm
-            local cap
-            if p.pm > 0 then cap = math.floor(room / p.pm) elseif room >= 0 then cap = c else cap = -1 end
-            if cap < c then c, cs, cw, ck = cap, si, wi, 'money' end
-          end
-          if w.g then
-            local room = w.g - G - hg - p.fg
-            local cap
-            if p.pg > 0 then cap = math.floor(room / p.pg) elseif room >= 0 then cap = c else cap = -1 end
-            if cap < c then c, cs, cw, ck = cap, si, wi, 'gpu_seconds' end
+      local l = w.l
+      if ok == 1 and l then
+        for i = 1, NW do
+          local lim = l[W[i]]
+          if lim then
+            local j = AT[i]
+            if not j then  -- a count: this request is one more
+              if sums[i] + 1 > lim then
+                ok, fs, fw, fk = 0, si, wi, W[i]
+                break
+              end
+            else
+              local room = lim - sums[i] - held[j] - F[j]
+              local cap
+              if P[j] > 0 then cap = math.floor(room / P[j]) elseif room >= 0 then cap = c else cap = -1 end
+              if cap < c then c, cs, cw, ck = cap, si, wi, W[i] end
+            end
           end
         end
       end
@@ -144,30 +158,35 @@ if p.op == 'r' then
   end
   if ok == 1 and c < p.minc then ok, fs, fw, fk = 0, cs, cw, ck end
   if ok == 1 then
-    local tok = p.ft + c
-    local mon = p.fm + c * p.pm
-    local gpu = p.fg + c * p.pg
-    local hold = I(tok) .. ':' .. I(mon)
-    if gpu ~= 0 then hold = hold .. ':' .. I(gpu) end
+    local amt, parts, last = {}, {}, p.hm
+    for j = 1, NA do
+      amt[j] = F[j] + c * P[j]
+      if amt[j] ~= 0 and j > last then last = j end
+    end
+    for j = 1, last do parts[j] = I(amt[j]) end
+    local hold = table.concat(parts, ':')
+    local vals = {1}
+    for i = 2, NW do if AT[i] then vals[i] = 0 else vals[i] = 1 end end
     ki = 1
     for _, s in ipairs(p.s) do
       local z, h = KEYS[ki], KEYS[ki + 1]
       ki = ki + 2
       redis.call('ZADD', z, p.exp, p.rid)
       redis.call('HSET', h, p.rid, hold)
-      redis.call('HINCRBY', h, '_t', I(tok))
-      redis.call('HINCRBY', h, '_m', I(mon))
-      if gpu ~= 0 then redis.call('HINCRBY', h, '_g', I(gpu)) end
+      for j = 1, NA do
+        if amt[j] ~= 0 then redis.call('HINCRBY', h, HT[j], I(amt[j])) end
+      end
       redis.call('EXPIRE', z, I(p.hx))
       redis.call('EXPIRE', h, I(p.hx))
       for _, w in ipairs(s.w) do
-        add(KEYS[ki], w, 1, 0, 0, 0, los[KEYS[ki]])
+        add(KEYS[ki], w, vals, los[KEYS[ki]])
         ki = ki + 1
       end
     end
   else
     c = 0
   end
+  -- the refusing limit's kind: its dimension's code (ReserveResult.from_flat names it), 'concurrency', or ''
   local res = {ok, c, fs, fw, fk}
   for i = 1, #out do res[#res + 1] = out[i] end
   return res
@@ -176,6 +195,10 @@ else
   -- when the server went away after executing it) finds the marker and changes nothing
   if p.dx then
     if not redis.call('SET', KEYS[#KEYS], '1', 'NX', 'EX', I(p.dx)) then return 0 end
+  end
+  local vals = {}
+  for i = 1, NW do
+    if AT[i] then vals[i] = p.a[AT[i]] else vals[i] = 0 end
   end
   for _, s in ipairs(p.s) do
     local z, h = KEYS[ki], KEYS[ki + 1]
@@ -187,7 +210,7 @@ else
       redis.call('ZREM', z, p.rid)
     end
     for _, w in ipairs(s.w) do
-      add(KEYS[ki], w, 0, p.t, p.m, p.g)
+      add(KEYS[ki], w, vals, nil)
       ki = ki + 1
     end
   end

@@ -19,11 +19,12 @@ from typing import Any, Callable, Protocol
 
 import orjson
 
+from gateway.budget.dimensions import LEDGERED
 from gateway.stores.sql import enable_wal
 
 log = logging.getLogger("gateway.budget.ledger")
 
-COLUMNS = ("request_id", "ts", "principal_id", "tenant", "team", "project", "key_id", "partner", "end_user",
+COLUMNS: tuple[str, ...] = ("request_id", "ts", "principal_id", "tenant", "team", "project", "key_id", "partner", "end_user",
            "model", "backend", "prompt_tokens", "completion_tokens", "cached_tokens", "total_tokens", "cost",
            "currency", "gpu_seconds", "status", "cut_by_budget", "budget_store", "client_request_id",
            # unit economics (gateway/cost, docs/cost.md): `cost` above is the price charged; these are the
@@ -38,7 +39,7 @@ COLUMNS = ("request_id", "ts", "principal_id", "tenant", "team", "project", "key
            # with " (shadow)") of the request (gateway/cost/dims.py; NULL: none)
            "adapter", "arm")
 # Columns added after the first release: an existing table gets them on open (ALTER TABLE ... ADD COLUMN).
-_ADDED = ("client_request_id", "engine", "gpu_seconds_apportioned", "engine_cost", "cost_basis", "cost_category",
+_ADDED: tuple[str, ...] = ("client_request_id", "engine", "gpu_seconds_apportioned", "engine_cost", "cost_basis", "cost_category",
           "saved_gpu_seconds", "wasted_gpu_seconds", "retries", "saved_tokens", "saved_cost", "adapter", "arm")
 _TYPES_SQL = {"ts": "DOUBLE PRECISION", "prompt_tokens": "BIGINT", "completion_tokens": "BIGINT",
               "cached_tokens": "BIGINT", "total_tokens": "BIGINT", "cost": "DOUBLE PRECISION",
@@ -46,6 +47,12 @@ _TYPES_SQL = {"ts": "DOUBLE PRECISION", "prompt_tokens": "BIGINT", "completion_t
               "gpu_seconds_apportioned": "DOUBLE PRECISION", "engine_cost": "DOUBLE PRECISION",
               "saved_gpu_seconds": "DOUBLE PRECISION", "wasted_gpu_seconds": "DOUBLE PRECISION",
               "retries": "INTEGER", "saved_tokens": "BIGINT", "saved_cost": "DOUBLE PRECISION"}
+# a budget dimension's ledger column (gateway/budget/dimensions.py) that is not one of the above: added at the end
+_DIMENSION_COLUMNS = {d.ledger: "BIGINT" if d.number is int else "DOUBLE PRECISION"
+                      for d in LEDGERED if d.ledger and d.ledger not in COLUMNS}
+COLUMNS += tuple(_DIMENSION_COLUMNS)
+_ADDED += tuple(_DIMENSION_COLUMNS)
+_TYPES_SQL.update(_DIMENSION_COLUMNS)
 
 
 def _ddl(table: str) -> str:

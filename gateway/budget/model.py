@@ -1,12 +1,11 @@
 """The budget store contract: what one reserve/settle asks for and what comes back, plus its pure reference
-implementation (`BudgetState`) that the in-process store runs and the Redis Lua script mirrors line by line.
+implementation (`BudgetState`) that the in-process and SQLite stores run and the Redis Lua script mirrors line by line.
 
-A reserve is checked and applied over every scope x window of a request in one atomic step:
+The dimensions are the table in gateway/budget/dimensions.py (COUNTED: the window counters, HELD: what a
+reservation holds). A reserve is checked and applied over every scope x window of a request in one atomic step:
   concurrency: live holds + 1 <= limit
-  requests:    requests counted in the window + 1 <= limit
-  tokens:      settled + held + prompt + c <= limit        (c = completion tokens granted)
-  money:       settled + held + prompt cost + c * out_price <= limit   (integer nano-units)
-  gpu_seconds: settled + held + prompt prefill + c * decode_per_token <= limit   (integer micro-GPU-seconds)
+  a COUNT (requests):    counted in the window + 1 <= limit
+  an AMOUNT (tokens, money, GPU-seconds):  settled + held + fixed + c * per_token <= limit   (integer units)
 c is the largest value <= max_c that fits every limit; below min_c the request is refused. A capped request
 has min_c == max_c; an uncapped one gets whatever fits (the stream is cut there). Holds live per scope with an
 expiry, so a crashed replica's reservations lapse after the hold TTL (BudgetService.hold_ttl_s); settle drops
@@ -16,17 +15,40 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
-from gateway.budget.windows import RollingCounter, four_sums
+from gateway.budget.dimensions import CONCURRENCY, COUNTED, HELD, MICRO, NANO, Kind, wire_dims
+from gateway.budget.windows import RollingCounter, pad_sums
 
-NANO = 1_000_000_000  # money is kept in integer nano-units of the budget currency
-MICRO = 1_000_000  # GPU-seconds are kept in integer micro-GPU-seconds
+__all__ = ["MICRO", "NANO", "COUNTED_AT", "HELD_AT", "by_counted", "by_held", "WindowPlan", "ScopePlan", "ReserveArgs",
+           "SettleArgs", "WindowStat", "ScopeStat", "ReserveResult", "BudgetState"]
+
+_NC, _NH = len(COUNTED), len(HELD)
+COUNTED_AT = {d.name: i for i, d in enumerate(COUNTED)}  # name -> position in a window's limits and sums
+HELD_AT = {d.name: j for j, d in enumerate(HELD)}  # name -> position in a hold's amounts
+_UNLIMITED: tuple[int | None, ...] = (None,) * _NC
+_NO_HOLDS = (0,) * _NH
+_CODES = tuple(d.code for d in COUNTED)
+_NAME_OF_CODE = {d.code: d.name for d in COUNTED}
+# per counted dimension: (position, name, position among the held ones or None for a COUNT)
+_CHECKS = tuple((i, d.name, HELD_AT.get(d.name)) for i, d in enumerate(COUNTED))
+_AT_RESERVE = [1 if d.kind is Kind.COUNT else 0 for d in COUNTED]  # what a reserve adds to each counter
+_WIRE = wire_dims()
+
+
+def by_counted(values: Mapping[str, int | None]) -> tuple[int | None, ...]:
+    """A value per counted dimension in table order (window limits), None where `values` has none."""
+    return tuple(values.get(d.name) for d in COUNTED)
+
+
+def by_held(values: Mapping[str, int]) -> tuple[int, ...]:
+    """An amount per held dimension in table order, 0 where `values` has none."""
+    return tuple(values.get(d.name, 0) for d in HELD)
 
 
 @dataclass(frozen=True, slots=True)
 class WindowPlan:
-    """One window counter of one scope, with its limits (None = not limited, counted only)."""
+    """One window counter of one scope, with its limits (None: that dimension is counted only)."""
 
     window: str
     key: str  # full store key of the counter
@@ -36,10 +58,10 @@ class WindowPlan:
     bucket_s: int = 0
     end: float = math.inf  # calendar: when the period resets
     ttl_s: int = 0  # store key expiry (0 = none)
-    tokens: int | None = None
-    money: int | None = None  # nano-units
-    requests: int | None = None
-    gpu: int | None = None  # micro-GPU-seconds
+    limits: tuple[int | None, ...] = _UNLIMITED  # per counted dimension (by_counted), store units
+
+    def limit(self, name: str) -> int | None:
+        return self.limits[COUNTED_AT[name]]
 
     def to_wire(self) -> dict[str, Any]:
         d: dict[str, Any] = {}
@@ -48,14 +70,9 @@ class WindowPlan:
             d["n"] = self.buckets
         if self.ttl_s:
             d["x"] = self.ttl_s
-        if self.tokens is not None:
-            d["t"] = self.tokens
-        if self.money is not None:
-            d["m"] = self.money
-        if self.requests is not None:
-            d["r"] = self.requests
-        if self.gpu is not None:
-            d["g"] = self.gpu
+        lim = {c: v for c, v in zip(_CODES, self.limits) if v is not None}
+        if lim:
+            d["l"] = lim
         return d
 
 
@@ -74,58 +91,62 @@ class ScopePlan:
         return d
 
 
+def _keys(scopes: tuple[ScopePlan, ...]) -> list[str]:
+    out: list[str] = []
+    for s in scopes:
+        out.append(s.hold_key + ":z")
+        out.append(s.hold_key + ":h")
+        out.extend(w.key for w in s.windows)
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class ReserveArgs:
     rid: str
     now: float
     expires: float  # hold expiry (now + BudgetService.hold_ttl_s)
     hold_ttl_s: int
-    fixed_tokens: int  # prompt tokens (known or estimated)
-    fixed_money: int  # nano-units for the prompt
     max_completion: int
     min_completion: int
-    money_per_token: int  # nano-units per completion token (rounded up)
     scopes: tuple[ScopePlan, ...]
-    fixed_gpu: int = 0  # micro-GPU-seconds for the prompt's prefill (learned worst case, rounded up)
-    gpu_per_token: int = 0  # micro-GPU-seconds per completion token (learned worst case, rounded up)
+    # per held dimension (by_held), store units rounded up: held whatever the completion (the prompt's part), and
+    # per completion token granted. Tokens hold the prompt and 1 per completion token.
+    fixed: tuple[int, ...] = _NO_HOLDS
+    per_token: tuple[int, ...] = _NO_HOLDS
 
     def keys(self) -> list[str]:
-        out: list[str] = []
-        for s in self.scopes:
-            out.append(s.hold_key + ":z")
-            out.append(s.hold_key + ":h")
-            out.extend(w.key for w in s.windows)
-        return out
+        return _keys(self.scopes)
+
+    def held(self, completion: int) -> tuple[int, ...]:
+        """What the reservation holds per held dimension when `completion` tokens are granted."""
+        return tuple([f + completion * p for f, p in zip(self.fixed, self.per_token)])
 
     def to_wire(self) -> dict[str, Any]:
         return {"op": "r", "now": self.now, "rid": self.rid, "exp": self.expires, "hx": self.hold_ttl_s,
-                "ft": self.fixed_tokens, "fm": self.fixed_money, "maxc": self.max_completion,
-                "minc": self.min_completion, "pm": self.money_per_token, "fg": self.fixed_gpu,
-                "pg": self.gpu_per_token, "s": [s.to_wire() for s in self.scopes]}
+                "maxc": self.max_completion, "minc": self.min_completion, "f": self.fixed, "p": self.per_token,
+                "s": [s.to_wire() for s in self.scopes], **_WIRE}
 
 
 @dataclass(frozen=True, slots=True)
 class SettleArgs:
     rid: str
     now: float
-    tokens: int
-    money: int
+    amounts: tuple[int, ...]  # per held dimension (by_held): what the request used, store units
     scopes: tuple[ScopePlan, ...]  # windows resolved at settle time
     # idempotency marker: a settle whose reply was lost (store died after executing it) is replayed later;
     # the marker makes the replay a no-op instead of charging the usage twice. "" = no marker.
     done_key: str = ""
     done_ttl_s: int = 0
-    gpu: int = 0  # micro-GPU-seconds apportioned to the request (0: no engine of ours served it)
 
     def keys(self) -> list[str]:
-        out = ReserveArgs.keys(self)  # type: ignore[arg-type]
+        out = _keys(self.scopes)
         if self.done_key:
             out.append(self.done_key)
         return out
 
     def to_wire(self) -> dict[str, Any]:
-        d = {"op": "s", "now": self.now, "rid": self.rid, "t": self.tokens, "m": self.money, "g": self.gpu,
-             "s": [s.to_wire() for s in self.scopes]}
+        d = {"op": "s", "now": self.now, "rid": self.rid, "a": self.amounts, "s": [s.to_wire() for s in self.scopes],
+             **_WIRE}
         if self.done_key:
             d["dx"] = self.done_ttl_s
         return d
@@ -133,20 +154,21 @@ class SettleArgs:
 
 @dataclass(slots=True)
 class WindowStat:
-    requests: int
-    tokens: int
-    money: int
+    used: tuple[int, ...]  # per counted dimension: what the window counted (settled; requests: at reserve)
     oldest_bucket: int  # rolling: oldest bucket holding data
-    gpu: int = 0  # micro-GPU-seconds
+
+    def used_in(self, name: str) -> int:
+        return self.used[COUNTED_AT[name]]
 
 
 @dataclass(slots=True)
 class ScopeStat:
-    held_tokens: int
-    held_money: int
-    holds: int
-    held_gpu: int = 0  # micro-GPU-seconds
+    holds: int  # live reservations
+    held: tuple[int, ...]  # per held dimension: what they hold
     windows: list[WindowStat] = field(default_factory=list)
+
+    def held_in(self, name: str) -> int:
+        return self.held[HELD_AT[name]]
 
 
 @dataclass(slots=True)
@@ -155,68 +177,70 @@ class ReserveResult:
     completion: int  # completion tokens granted (meaningful when ok)
     fail_scope: int  # 0-based scope index of the limit that refused (-1 when ok)
     fail_window: int  # 0-based window index, -1 for concurrency
-    fail_kind: str  # "concurrency" | "requests" | "tokens" | "money" | "gpu_seconds" | ""
+    fail_kind: str  # the refusing dimension ("concurrency", "requests", "tokens", ...) or ""
     scopes: list[ScopeStat]
 
     @classmethod
     def from_flat(cls, flat: list[Any], args: ReserveArgs) -> "ReserveResult":
-        """Decode the flat reply both stores produce: header, then per scope 4 ints (held tokens, held money,
-        holds, held GPU) and per window 5 ints (requests, tokens, money, oldest bucket, GPU)."""
+        """Decode the flat reply every store produces: header (ok, completion, scope, window, kind), then per scope
+        its live holds and what they hold per held dimension, and per window its sum per counted dimension and its
+        oldest bucket. The stores answer integers (Redis: the script's numbers as integer replies)."""
         ok, comp, fs, fw, fk = int(flat[0]), int(flat[1]), int(flat[2]), int(flat[3]), flat[4]
         if isinstance(fk, bytes):
             fk = fk.decode()
+        fk = _NAME_OF_CODE.get(fk, fk)  # the Lua script answers a dimension's code
         i = 5
         stats: list[ScopeStat] = []
         for s in args.scopes:
-            st = ScopeStat(int(flat[i]), int(flat[i + 1]), int(flat[i + 2]), int(flat[i + 3]))
-            i += 4
+            st = ScopeStat(flat[i], tuple(flat[i + 1:i + 1 + _NH]))
+            i += 1 + _NH
             for _ in s.windows:
-                st.windows.append(WindowStat(int(flat[i]), int(flat[i + 1]), int(flat[i + 2]), int(flat[i + 3]),
-                                             int(flat[i + 4])))
-                i += 5
+                st.windows.append(WindowStat(tuple(flat[i:i + _NC]), flat[i + _NC]))
+                i += _NC + 1
             stats.append(st)
         return cls(ok == 1, comp, fs - 1, fw - 1, str(fk), stats)
+
+
+Hold = tuple  # (expires, units per held dimension...)
 
 
 class BudgetState:
     """Pure in-memory reference model of the store (same algorithm as the Lua script)."""
 
     def __init__(self) -> None:
-        self.holds: dict[str, dict[str, tuple[float, int, int, int]]] = {}  # hold_key -> rid -> (expires, t, m, g)
+        self.holds: dict[str, dict[str, Hold]] = {}  # hold_key -> rid -> (expires, *units per held dimension)
         self.rolling: dict[str, RollingCounter] = {}
-        self.fixed: dict[str, list[int]] = {}  # calendar/lifetime key -> [requests, tokens, money, gpu]
+        self.fixed: dict[str, list[int]] = {}  # calendar/lifetime key -> sums per counted dimension
         self.expiry: dict[str, float] = {}  # counter key -> when it may be dropped
         self.done: dict[str, float] = {}  # settle idempotency marker -> when it may be dropped
 
     # -- helpers mirroring the Lua functions
-    def _purge(self, hk: str, now: float) -> dict[str, tuple[float, int, int, int]]:
+    def _purge(self, hk: str, now: float) -> dict[str, Hold]:
         h = self.holds.setdefault(hk, {})
         for rid in [r for r, v in h.items() if v[0] <= now]:
             del h[rid]
         return h
 
-    def _counter(self, w: WindowPlan, now: float) -> tuple[int, int, int, int, int]:
+    def _counter(self, w: WindowPlan, now: float) -> tuple[tuple[int, ...], int]:
+        """(sum per counted dimension, oldest bucket holding data)."""
         if w.rolling:
             c = self.rolling.get(w.key)
             if c is None or c.n != w.buckets:
                 c = self.rolling[w.key] = RollingCounter(w.buckets)
-            r, t, m, g = c.totals(w.bucket)
-            return r, t, m, c.oldest(w.bucket), g
-        v = self.fixed.get(w.key, [0, 0, 0, 0])
-        return v[0], v[1], v[2], 0, v[3]
+            return c.totals(w.bucket), c.oldest(w.bucket)
+        v = self.fixed.get(w.key)
+        return (tuple(v) if v is not None else (0,) * _NC), 0
 
-    def _add(self, w: WindowPlan, now: float, r: int, t: int, m: int, g: int) -> None:
+    def _add(self, w: WindowPlan, now: float, vals: list[int]) -> None:
         if w.rolling:
             c = self.rolling.get(w.key)
             if c is None:
                 c = self.rolling[w.key] = RollingCounter(w.buckets)
-            c.add(w.bucket, r, t, m, g)
+            c.add(w.bucket, *vals)
         else:
-            v = self.fixed.setdefault(w.key, [0, 0, 0, 0])
-            v[0] += r
-            v[1] += t
-            v[2] += m
-            v[3] += g
+            v = self.fixed.setdefault(w.key, [0] * _NC)
+            for i, x in enumerate(vals):
+                v[i] += x
         if w.ttl_s:
             self.expiry[w.key] = now + w.ttl_s
 
@@ -234,47 +258,42 @@ class BudgetState:
         out: list[Any] = []
         ok, c, fs, fw, fk = 1, a.max_completion, 0, 0, ""
         cap_s, cap_w, cap_k = 0, 0, ""
+        fixed, per = a.fixed, a.per_token
         for si, s in enumerate(a.scopes, 1):
             h = self._purge(s.hold_key, a.now)
-            ht = sum(v[1] for v in h.values())
-            hm = sum(v[2] for v in h.values())
-            hg = sum(v[3] for v in h.values())
+            held = list(map(sum, zip(*h.values())))[1:] if h else _NO_HOLDS  # per held dimension, over its holds
             nh = len(h)
-            out += [ht, hm, nh, hg]
+            out.append(nh)
+            out += held
             if s.concurrency is not None and nh + 1 > s.concurrency and ok == 1:
-                ok, fs, fw, fk = 0, si, 0, "concurrency"
+                ok, fs, fw, fk = 0, si, 0, CONCURRENCY.name
             for wi, w in enumerate(s.windows, 1):
-                R, T, M, old, G = self._counter(w, a.now)
-                out += [R, T, M, old, G]
+                sums, old = self._counter(w, a.now)
+                out += sums
+                out.append(old)
                 if ok != 1:
                     continue
-                if w.requests is not None and R + 1 > w.requests:
-                    ok, fs, fw, fk = 0, si, wi, "requests"
-                    continue
-                if w.tokens is not None:
-                    cap = w.tokens - T - ht - a.fixed_tokens
+                for (i, name, j), lim in zip(_CHECKS, w.limits):
+                    if lim is None:
+                        continue
+                    if j is None:  # a COUNT: this request is one more
+                        if sums[i] + 1 > lim:
+                            ok, fs, fw, fk = 0, si, wi, name
+                            break
+                        continue
+                    room = lim - sums[i] - held[j] - fixed[j]
+                    p = per[j]
+                    cap = room // p if p > 0 else (c if room >= 0 else -1)
                     if cap < c:
-                        c, cap_s, cap_w, cap_k = cap, si, wi, "tokens"
-                if w.money is not None:
-                    room = w.money - M - hm - a.fixed_money
-                    cap = room // a.money_per_token if a.money_per_token > 0 else (c if room >= 0 else -1)
-                    if cap < c:
-                        c, cap_s, cap_w, cap_k = cap, si, wi, "money"
-                if w.gpu is not None:
-                    room = w.gpu - G - hg - a.fixed_gpu
-                    cap = room // a.gpu_per_token if a.gpu_per_token > 0 else (c if room >= 0 else -1)
-                    if cap < c:
-                        c, cap_s, cap_w, cap_k = cap, si, wi, "gpu_seconds"
+                        c, cap_s, cap_w, cap_k = cap, si, wi, name
         if ok == 1 and c < a.min_completion:
             ok, fs, fw, fk = 0, cap_s, cap_w, cap_k
         if ok == 1:
-            tok = a.fixed_tokens + c
-            mon = a.fixed_money + c * a.money_per_token
-            gpu = a.fixed_gpu + c * a.gpu_per_token
+            hold = (a.expires, *a.held(c))
             for s in a.scopes:
-                self.holds[s.hold_key][a.rid] = (a.expires, tok, mon, gpu)
+                self.holds[s.hold_key][a.rid] = hold
                 for w in s.windows:
-                    self._add(w, a.now, 1, 0, 0, 0)
+                    self._add(w, a.now, _AT_RESERVE)
         return [ok, c if ok == 1 else 0, fs, fw, fk] + out
 
     def settle(self, a: SettleArgs) -> int:
@@ -283,12 +302,14 @@ class BudgetState:
             if self.done.get(a.done_key, -math.inf) > a.now:
                 return 0
             self.done[a.done_key] = a.now + a.done_ttl_s
+        amounts = a.amounts
+        vals = [0 if j is None else amounts[j] for _, _, j in _CHECKS]
         for s in a.scopes:
             h = self._purge(s.hold_key, a.now)
             h.pop(a.rid, None)
             for w in s.windows:
                 self._counter(w, a.now)
-                self._add(w, a.now, 0, a.tokens, a.money, a.gpu)
+                self._add(w, a.now, vals)
         return 1
 
     # -- persistence (the in-process store snapshots this to SQLite)
@@ -304,11 +325,11 @@ class BudgetState:
     @classmethod
     def from_state(cls, d: dict[str, Any]) -> "BudgetState":
         st = cls()
-        # snapshots written before GPU-seconds were counted lack the 4th amount: it starts at 0
-        st.holds = {k: {r: (float(v[0]), int(v[1]), int(v[2]), int(v[3]) if len(v) > 3 else 0)
-                        for r, v in h.items()} for k, h in d["holds"].items()}
+        # a snapshot written before a dimension existed lacks its amounts: they start at 0
+        st.holds = {k: {r: (float(v[0]), *pad_sums(v[1:], _NH)) for r, v in h.items()}
+                    for k, h in d["holds"].items()}
         st.rolling = {k: RollingCounter.from_state(v) for k, v in d["rolling"].items()}
-        st.fixed = {k: four_sums(v) for k, v in d["fixed"].items()}
+        st.fixed = {k: pad_sums(v) for k, v in d["fixed"].items()}
         st.expiry = {k: float(v) for k, v in d["expiry"].items()}
         st.done = {k: float(v) for k, v in d.get("done", {}).items()}
         return st

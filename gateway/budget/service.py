@@ -1,10 +1,12 @@
 """BudgetService: turns a Decision's BudgetSpecs into an atomic reserve/settle against the configured store,
 applies the store-failure mode (fail closed with 503, or fail open to per-replica local limits), builds the
-x-ratelimit-* headers, 429s and evidence, and hands spend rows to the ledger outbox.
+x-ratelimit-* headers, 429s and evidence, and hands spend rows to the ledger outbox. Every dimension-specific step
+(units, worst case, usage, header, 429 code, message) comes from the table in gateway/budget/dimensions.py.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import logging
 import math
@@ -14,8 +16,10 @@ from typing import Any, Callable, Iterable
 from zoneinfo import ZoneInfo
 
 from gateway.budget.config import BudgetsConfig, ModelPrice, counters_path, effective_store
+from gateway.budget.dimensions import (BY_NAME, CONCURRENCY, COUNTED, HELD, NANO, Dimension, ReserveFacts,
+                                       SettleFacts, settled_values)
 from gateway.budget.ledger import Ledger
-from gateway.budget.model import MICRO, NANO, ReserveArgs, ReserveResult, ScopePlan, SettleArgs, WindowPlan
+from gateway.budget.model import COUNTED_AT, HELD_AT, ReserveArgs, ReserveResult, ScopePlan, SettleArgs, WindowPlan, by_counted
 from gateway.budget.pricing import convert, cost, find_price
 from gateway.budget.store import BudgetStore, MemoryBudgetStore, RedisBudgetStore, SqliteBudgetStore, StoreUnavailable
 from gateway.budget.windows import ROLLING, format_reset, resolve
@@ -30,13 +34,9 @@ connect failures and retries before the serving attempt, and the settle itself. 
 _DEFAULT_TOTAL_S = 600.0  # gateway.config.Timeouts.total_s: what a backend without its own timeouts gets
 
 
-@dataclass(frozen=True, slots=True)
-class _Limit:
-    tokens: int | None = None
-    money: int | None = None  # nano-units of the budget currency
-    requests: int | None = None
-    gpu: int | None = None  # micro-GPU-seconds
-
+Limits = tuple[tuple[str, str, "int | None", tuple[tuple[str, tuple["int | None", ...]], ...]], ...]
+"""Per scope of the principal with a limit: (scope, id, concurrency, ((window, limit in store units per counted
+dimension, None where not limited), ...)), most specific scope first."""
 
 GpuEstimate = Callable[[tuple[str, ...]], tuple[float, float]]
 """The learned worst case of a request's apportioned GPU-seconds over the given backends (every backend that may
@@ -50,15 +50,13 @@ class Reservation:
 
     rid: str
     store: str  # "primary" | "local"
-    limits: tuple[tuple[str, str, int | None, tuple[tuple[str, _Limit], ...]], ...]  # scope, id, conc, windows
+    limits: Limits
     scale: float
-    reserved_tokens: int
-    reserved_money: int
+    reserved: tuple[int, ...]  # per held dimension: the units held
     completion: int
     result: ReserveResult
     args: ReserveArgs
     settled: bool = False
-    reserved_gpu: int = 0  # micro-GPU-seconds
 
 
 @dataclass(slots=True)
@@ -76,7 +74,7 @@ class SettleOutcome:
     tokens: int
     row: dict[str, Any] = field(default_factory=dict)
     gpu_seconds: float | None = None  # the GPU-seconds charged (given, or measured from reserve to settle)
-    apportioned_gpu_seconds: float = 0.0  # what GPU-second budgets were settled with (the cost meter's figure)
+    settled: dict[str, float] = field(default_factory=dict)  # per held dimension: what replaced the hold
 
 
 def _min(a: Any, b: Any) -> Any:
@@ -97,7 +95,7 @@ class BudgetService:
         self._down_until = 0.0
         self._pending: list[SettleArgs] = []  # settles the primary could not take yet, replayed in order
         self._retry_task: asyncio.Task[None] | None = None
-        self._limits_cache: dict[Any, Any] = {}  # (scopes, budgets, scale) -> merged limits; cleared on swap
+        self._limits_cache: dict[Any, Any] = {}  # (scopes, budgets, scale) -> merged limits, dims; cleared on swap
         self._period_cache: dict[str, Any] = {}  # calendar window -> WindowRef valid until its end
         self._price_cache: dict[tuple[str, ...], tuple[float, float, float]] = {}  # model chain -> worst price
         self.hold_ttl_s = self._hold_ttl()
@@ -178,48 +176,58 @@ class BudgetService:
 
     # ------------------------------------------------------------------------------------ planning (pure)
 
-    def limits_for(self, principal: Principal, budgets: tuple[BudgetSpec, ...], scale: float = 1.0
-                   ) -> tuple[tuple[str, str, int | None, tuple[tuple[str, _Limit], ...]], ...]:
+    def limits_for(self, principal: Principal, budgets: tuple[BudgetSpec, ...], scale: float = 1.0) -> Limits:
         """Merge specs per (scope, window) (the tightest wins) over the principal's scopes, most specific first."""
+        return self._limits(principal, budgets, scale)[0]
+
+    def _limits(self, principal: Principal, budgets: tuple[BudgetSpec, ...], scale: float
+                ) -> tuple[Limits, frozenset[str]]:
+        """limits_for, and the dimensions some window of them limits (cached together)."""
         ids = tuple(principal.budget_scopes())
         ck = (ids, budgets, scale)
         hit = self._limits_cache.get(ck)
         if hit is not None:
             return hit
-        out = self._merge(ids, budgets, scale)
+        limits = self._merge(ids, budgets, scale)
+        out = limits, frozenset(d.name for _, _, _, wins in limits for _, lim in wins
+                                for d, v in zip(COUNTED, lim) if v is not None)
         if len(self._limits_cache) > 10_000:
             self._limits_cache.clear()
         self._limits_cache[ck] = out
         return out
 
-    def _merge(self, ids: tuple[tuple[str, str], ...], budgets: tuple[BudgetSpec, ...], scale: float
-               ) -> tuple[tuple[str, str, int | None, tuple[tuple[str, _Limit], ...]], ...]:
+    def _merge(self, ids: tuple[tuple[str, str], ...], budgets: tuple[BudgetSpec, ...], scale: float) -> Limits:
         out = []
         for scope, sid in ids:
             conc: int | None = None
-            wins: dict[str, _Limit] = {}
+            wins: dict[str, dict[str, int]] = {}
             for b in budgets:
                 if b.scope != scope:
                     continue
-                if b.concurrency is not None:
-                    conc = _min(conc, max(0, math.floor(b.concurrency * scale)))
-                if b.tokens is None and b.money is None and b.requests is None and b.gpu_seconds is None:
+                lim: dict[str, int] = {}
+                for name, value in b.limits:
+                    if name == CONCURRENCY.name:
+                        conc = _min(conc, self._units(CONCURRENCY, value, b, scale))
+                    else:
+                        lim[name] = self._units(BY_NAME[name], value, b, scale)
+                if not lim:
                     continue
                 resolve(b.window, 0.0, self.tz)  # validates the window name
-                money = None
-                if b.money is not None:
-                    money = math.floor(convert(b.money, b.currency, self.cfg.currency, self.cfg.fx_rates) * NANO * scale)
-                lim = _Limit(None if b.tokens is None else math.floor(b.tokens * scale), money,
-                             None if b.requests is None else math.floor(b.requests * scale),
-                             None if b.gpu_seconds is None else math.floor(b.gpu_seconds * MICRO * scale))
                 old = wins.get(b.window)
-                if old is not None:
-                    lim = _Limit(_min(old.tokens, lim.tokens), _min(old.money, lim.money), _min(old.requests, lim.requests),
-                                 _min(old.gpu, lim.gpu))
+                if old is not None:  # the tightest of each dimension, in table order
+                    lim = {d.name: _min(old.get(d.name), lim.get(d.name)) for d in COUNTED
+                           if d.name in old or d.name in lim}
                 wins[b.window] = lim
             if conc is not None or wins:
-                out.append((scope, sid, conc, tuple(sorted(wins.items(), key=lambda kv: _WORDER[kv[0]]))))
+                out.append((scope, sid, conc, tuple((w, by_counted(lim)) for w, lim in
+                                                    sorted(wins.items(), key=lambda kv: _WORDER[kv[0]]))))
         return tuple(out)
+
+    def _units(self, d: Dimension, value: float, spec: BudgetSpec, scale: float) -> int:
+        """A policy limit in store units, scaled (fail-open: the local fraction); money in the budget currency."""
+        if d.currency:
+            value = convert(value, spec.currency, self.cfg.currency, self.cfg.fx_rates)
+        return max(0, math.floor(value * d.unit * scale))
 
     def _scopes(self, limits: Any, now: float) -> tuple[ScopePlan, ...]:
         pre = self.cfg.key_prefix
@@ -236,7 +244,7 @@ class BudgetService:
                 else:
                     ttl = 0
                 wps.append(WindowPlan(window, f"{base}:{ref.key_suffix()}", ref.rolling, ref.bucket, ref.buckets,
-                                      ref.bucket_s, ref.end, ttl, lim.tokens, lim.money, lim.requests, lim.gpu))
+                                      ref.bucket_s, ref.end, ttl, lim))
             plans.append(ScopePlan(scope, sid, f"{base}:hold", conc, tuple(wps)))
         return tuple(plans)
 
@@ -290,25 +298,27 @@ class BudgetService:
 
     async def reserve(self, rid: str, principal: Principal, budgets: tuple[BudgetSpec, ...],
                       models: tuple[str, ...], prompt_tokens: int, max_tokens: int | None,
-                      max_tokens_cap: int | None = None, batch: bool = False, cache_hit: bool = False
-                      ) -> ReserveOutcome:
+                      max_tokens_cap: int | None = None, batch: bool = False, cache_hit: bool = False,
+                      request: Any = None) -> ReserveOutcome:
         """Reserve the worst case over every scope x window, or raise GatewayError 429/503. `cache_hit`: an
         answer from the response cache (its usage is known: `prompt_tokens` and `max_tokens` are the stored
-        usage), priced at the cache price and using no GPU-seconds."""
+        usage), priced at the cache price and using no GPU-seconds. `request`: the RequestContext, for the
+        dimensions' worst cases (ReserveFacts.request)."""
         cfg = self.cfg
         now = self.clock()
         default_cap = _min(cfg.default_max_tokens, max_tokens_cap)
         max_c = max_tokens if max_tokens is not None else default_cap
         min_c = max_c if max_tokens is not None else min(cfg.min_completion_tokens, max_c)
-        pin, pout, pfixed = self._price(models, batch, cache_hit)
         store_name, store, scale = "primary", self.primary, 1.0
         if now < self._down_until:
             store_name, store, scale = self._fallback(now)
-        limits = self.limits_for(principal, budgets, scale)
+        limits, limited = self._limits(principal, budgets, scale)
         if not limits:
             raise _NoLimits()
-        gfix, gtok = (0, 0) if cache_hit else self._gpu_worst(limits, models, prompt_tokens)
-        args = self._reserve_args(rid, now, limits, prompt_tokens, max_c, min_c, pin, pout, pfixed, gfix, gtok)
+        facts = ReserveFacts(prompt_tokens, self._price(models, batch, cache_hit), limited, cache_hit,
+                             functools.partial(self._gpu_per_token, models), request)
+        worst = [d.reserve(facts) for d in HELD]  # type: ignore[misc]
+        args = self._reserve_args(rid, now, limits, max_c, min_c, worst)
         try:
             res = await store.reserve(args)
         except StoreUnavailable as e:
@@ -318,13 +328,10 @@ class BudgetService:
             log.warning("budget store unavailable (%s); mode=%s", e, cfg.on_store_error)
             store_name, store, scale = self._fallback(now)
             limits = self.limits_for(principal, budgets, scale)
-            args = self._reserve_args(rid, now, limits, prompt_tokens, max_c, min_c, pin, pout, pfixed, gfix, gtok)
+            args = self._reserve_args(rid, now, limits, max_c, min_c, worst)
             res = await store.reserve(args)
-        tok = args.fixed_tokens + res.completion
-        mon = args.fixed_money + res.completion * args.money_per_token
-        gpu = args.fixed_gpu + res.completion * args.gpu_per_token
-        resv = Reservation(rid, store_name, limits, scale, tok, mon, res.completion, res, args, reserved_gpu=gpu)
-        headers = self._headers(args, res, now)
+        resv = Reservation(rid, store_name, limits, scale, args.held(res.completion), res.completion, res, args)
+        headers = self._headers(args, res, resv, now)
         evidence = self._evidence(args, res, resv)
         if not res.ok:
             raise self._refusal(args, res, now, headers, evidence)
@@ -337,42 +344,40 @@ class BudgetService:
                                code="budget_store_unavailable", headers=retry_headers(self.cfg.redis_retry_s))
         return "local", self.local, self.cfg.fail_open_fraction
 
-    def _reserve_args(self, rid: str, now: float, limits: Any, prompt: int, max_c: int, min_c: int,
-                      pin: float, pout: float, pfixed: float, gfix: int = 0, gtok: int = 0) -> ReserveArgs:
+    def _reserve_args(self, rid: str, now: float, limits: Limits, max_c: int, min_c: int,
+                      worst: list[tuple[int, int]]) -> ReserveArgs:
+        """`worst`: per held dimension, (units held whatever the completion, units per completion token)."""
         ttl = self.hold_ttl_s
         return ReserveArgs(
-            rid=rid, now=round(now, 3), expires=round(now + ttl, 3), hold_ttl_s=int(ttl) + 60,
-            fixed_tokens=prompt, fixed_money=math.ceil(prompt * pin + pfixed), max_completion=max_c,
-            min_completion=min_c, money_per_token=math.ceil(pout), scopes=self._scopes(limits, now),
-            fixed_gpu=gfix, gpu_per_token=gtok)
+            rid=rid, now=round(now, 3), expires=round(now + ttl, 3), hold_ttl_s=int(ttl) + 60, max_completion=max_c,
+            min_completion=min_c, scopes=self._scopes(limits, now), fixed=tuple([f for f, _ in worst]),
+            per_token=tuple([p for _, p in worst]))
 
-    def _gpu_worst(self, limits: Any, models: tuple[str, ...], prompt: int) -> tuple[int, int]:
-        """The GPU-seconds a request may be apportioned, as (prompt part, per completion token) in integer
-        micro-GPU-seconds, rounded up: the cost meter's learned worst case over every backend that may serve
-        the chain (the route is not planned yet; retries and spills may land on any). (0, 0) when no limit of
-        this request is in GPU-seconds: its holds then carry none, and settle still counts what it used."""
-        if not any(lim.gpu is not None for _, _, _, wins in limits for _, lim in wins):
-            return 0, 0
+    def _gpu_per_token(self, models: tuple[str, ...]) -> tuple[float, float]:
+        """The GPU-seconds a request may be apportioned per prompt token and per completion token: the cost
+        meter's learned worst case over every backend that may serve the chain (the route is not planned yet;
+        retries and spills may land on any). Asked only when a limit of the request is in GPU-seconds (its
+        holds carry none otherwise, and settle still counts what it used)."""
         if self._gpu_estimate is None:
             raise GatewayError(500, "A GPU-second budget applies but the cost meter that measures GPU-seconds is "
                                "not running (cost.enabled: false).", code="budget_misconfigured")
         serving = self._config.models  # model -> names of the backends serving it
         backends = tuple(sorted({b for m in models for b in serving.get(m, ())}))
-        per_prompt, per_completion = self._gpu_estimate(backends)
-        return math.ceil(prompt * per_prompt * MICRO), math.ceil(per_completion * MICRO)
+        return self._gpu_estimate(backends)
 
     # ------------------------------------------------------------------------------------ settle
 
     async def settle(self, resv: Reservation, usage: Usage, model: str, backend: str | None = None,
                      gpu_seconds: float | None = None, batch: bool = False,
-                     apportioned_gpu_seconds: float = 0.0, cache_hit: bool = False) -> SettleOutcome:
+                     apportioned_gpu_seconds: float = 0.0, cache_hit: bool = False,
+                     request: Any = None) -> SettleOutcome:
         """Replace the hold with actual usage. Never loses spend: a failed primary settle is queued and replayed.
 
         A GPU-second-priced model served by `backend` without `gpu_seconds` given is charged the wall time
         from this reservation to now (what the gateway held the request for: it bounds the engine's time).
         `apportioned_gpu_seconds` (the engine time the cost meter apportioned to the request; 0 when no engine
         of ours served it) is what every window's GPU-seconds counter is charged. `cache_hit`: priced at the
-        cache price (find_price)."""
+        cache price (find_price). `request`: the RequestContext, for the dimensions' usage (SettleFacts.request)."""
         if resv.settled:
             raise RuntimeError(f"reservation {resv.rid} settled twice")
         resv.settled = True
@@ -386,9 +391,9 @@ class BudgetService:
             amount = convert(amount, p.currency, ccy, self.cfg.fx_rates)
         # the in-process fail-open store cannot lose a reply: no marker there (it would never be purged)
         marker = ("", 0) if resv.store == "local" else self._done_marker(resv.rid)
-        gpu_used = max(0.0, apportioned_gpu_seconds)
-        args = SettleArgs(resv.rid, round(now, 3), usage.total_tokens, round(amount * NANO),
-                          self._scopes(resv.limits, now), *marker, gpu=round(gpu_used * MICRO))
+        settled = settled_values(SettleFacts(usage, amount, apportioned_gpu_seconds, request))
+        args = SettleArgs(resv.rid, round(now, 3), tuple([round(settled[d.name] * d.unit) for d in HELD]),
+                          self._scopes(resv.limits, now), *marker)
         if resv.store == "local":
             await self.local.settle(args)
         else:
@@ -401,8 +406,7 @@ class BudgetService:
                     log.warning("budget settle of %s deferred: %s", resv.rid, e)
                     self._down_until = self.clock() + self.cfg.redis_retry_s
                     self._pending.append(args)
-        return SettleOutcome(amount, ccy, usage.total_tokens, gpu_seconds=gpu_seconds,
-                             apportioned_gpu_seconds=args.gpu / MICRO)
+        return SettleOutcome(amount, ccy, usage.total_tokens, gpu_seconds=gpu_seconds, settled=settled)
 
     def _done_marker(self, rid: str) -> tuple[str, int]:
         """Idempotency marker of a settle on the shared store (Redis), so a settle replayed after its reply was
@@ -452,64 +456,66 @@ class BudgetService:
             return max((ws.oldest_bucket + w.buckets) * w.bucket_s - now, 0.001)
         return w.end - now if math.isfinite(w.end) else None
 
-    def _headers(self, args: ReserveArgs, res: ReserveResult, now: float) -> dict[str, str]:
-        """x-ratelimit-{limit,remaining,reset}-{requests,tokens,gpu-seconds} of the binding (least remaining)
-        limit of each kind (GPU-seconds in seconds, to the millisecond)."""
-        best: dict[str, tuple[int, int, float | None]] = {}
-        tok = args.fixed_tokens + res.completion
-        gpu = args.fixed_gpu + res.completion * args.gpu_per_token
+    def _headers(self, args: ReserveArgs, res: ReserveResult, resv: Reservation, now: float) -> dict[str, str]:
+        """x-ratelimit-{limit,remaining,reset}-<header> of the binding (least remaining) limit of each dimension
+        with a header (requests, tokens, gpu-seconds: in seconds, to the millisecond)."""
+        best: dict[str, tuple[int, int, float | None, Any]] = {}
+        ok = res.ok
         for s, st, w, ws in self._iter(args, res):
             reset = self._reset_s(w, ws, now)
-            if w.requests is not None:
-                rem = w.requests - ws.requests - (1 if res.ok else 0)
-                if "requests" not in best or rem < best["requests"][1]:
-                    best["requests"] = (w.requests, rem, reset)
-            if w.tokens is not None:
-                rem = w.tokens - ws.tokens - st.held_tokens - (tok if res.ok else 0)
-                if "tokens" not in best or rem < best["tokens"][1]:
-                    best["tokens"] = (w.tokens, rem, reset)
-            if w.gpu is not None:
-                rem = w.gpu - ws.gpu - st.held_gpu - (gpu if res.ok else 0)
-                if "gpu-seconds" not in best or rem < best["gpu-seconds"][1]:
-                    best["gpu-seconds"] = (w.gpu, rem, reset)
+            lims, used, held = w.limits, ws.used, st.held
+            for i, j, header, text in _HEADED:
+                lim = lims[i]
+                if lim is None:
+                    continue
+                if j is None:  # a count: this request is counted when admitted
+                    rem = lim - used[i] - (1 if ok else 0)
+                else:  # settled + held + (its own hold when admitted)
+                    rem = lim - used[i] - held[j] - (resv.reserved[j] if ok else 0)
+                if header not in best or rem < best[header][1]:
+                    best[header] = (lim, rem, reset, text)
         h: dict[str, str] = {}
-        for kind, (lim, rem, reset) in best.items():
-            fmt = _gpu_s if kind == "gpu-seconds" else str
-            h[f"x-ratelimit-limit-{kind}"] = fmt(lim)
-            h[f"x-ratelimit-remaining-{kind}"] = fmt(max(0, rem))
+        ccy = self.cfg.currency
+        for kind, (lim, rem, reset, text) in best.items():
+            h[f"x-ratelimit-limit-{kind}"] = text(lim, ccy)
+            h[f"x-ratelimit-remaining-{kind}"] = text(max(0, rem), ccy)
             if reset is not None:
                 h[f"x-ratelimit-reset-{kind}"] = format_reset(reset)
         return h
 
     def _evidence(self, args: ReserveArgs, res: ReserveResult, resv: Reservation) -> dict[str, Any]:
-        nano = float(NANO)
-        micro = float(MICRO)
+        """Per window of each scope, in every counted dimension: its limit, and settled + held before and after
+        this request (a count counts it, an amount holds its reservation), in policy units."""
+        ok = res.ok
+        adds = [(i, j, name, unit, (1 if j is None else resv.reserved[j]) if ok else 0)
+                for i, j, name, unit in _COUNTED]
         limits = []
         for s, st, w, ws in self._iter(args, res):
-            before = {"requests": ws.requests, "tokens": ws.tokens + st.held_tokens,
-                      "money": (ws.money + st.held_money) / nano, "gpu_seconds": (ws.gpu + st.held_gpu) / micro}
-            after = dict(before)
-            if res.ok:
-                after = {"requests": before["requests"] + 1, "tokens": before["tokens"] + resv.reserved_tokens,
-                         "money": before["money"] + resv.reserved_money / nano,
-                         "gpu_seconds": (ws.gpu + st.held_gpu + resv.reserved_gpu) / micro}
-            limits.append({"scope": s.scope, "id": s.scope_id, "window": w.window,
-                           "limit": {"tokens": w.tokens, "money": None if w.money is None else w.money / nano,
-                                     "requests": w.requests,
-                                     "gpu_seconds": None if w.gpu is None else w.gpu / micro},
+            used, held, lims = ws.used, st.held, w.limits
+            before: dict[str, Any] = {}
+            after: dict[str, Any] = {}
+            limit: dict[str, Any] = {}
+            for i, j, name, unit, add in adds:
+                v = used[i] if j is None else used[i] + held[j]
+                lim = lims[i]
+                if unit == 1:
+                    before[name], after[name], limit[name] = v, v + add, lim
+                else:
+                    before[name], after[name] = v / unit, (v + add) / unit
+                    limit[name] = None if lim is None else lim / unit
+            limits.append({"scope": s.scope, "id": s.scope_id, "window": w.window, "limit": limit,
                            "before": before, "after": after})
         for s, st in zip(args.scopes, res.scopes):
             if s.concurrency is not None:
                 limits.append({"scope": s.scope, "id": s.scope_id, "window": "concurrent",
-                               "limit": {"concurrency": s.concurrency}, "before": {"concurrency": st.holds},
-                               "after": {"concurrency": st.holds + (1 if res.ok else 0)}})
+                               "limit": {CONCURRENCY.name: s.concurrency}, "before": {CONCURRENCY.name: st.holds},
+                               "after": {CONCURRENCY.name: st.holds + (1 if res.ok else 0)}})
         ev: dict[str, Any] = {"store": resv.store, "currency": self.cfg.currency, "limits": limits,
-                              "reserved": {"tokens": resv.reserved_tokens, "money": resv.reserved_money / nano,
-                                           "gpu_seconds": resv.reserved_gpu / micro,
+                              "reserved": {**{d.name: d.value(v) for d, v in zip(HELD, resv.reserved)},
                                            "completion_tokens": resv.completion}}
-        if args.fixed_gpu or args.gpu_per_token:  # a GPU-second limit applies: the learned worst case used
-            ev["gpu_worst_case"] = {"prompt_gpu_seconds": args.fixed_gpu / micro,
-                                    "gpu_seconds_per_completion_token": args.gpu_per_token / micro}
+        for d, fixed, per in zip(HELD, args.fixed, args.per_token):  # a learned worst case used (GPU-seconds:
+            if d.worst_case and (fixed or per):  # only when such a limit applies)
+                ev[d.worst_case] = {f"prompt_{d.name}": d.value(fixed), f"{d.name}_per_completion_token": d.value(per)}
         if not res.ok:
             ev["refused"] = {"kind": res.fail_kind, "scope": args.scopes[res.fail_scope].scope,
                              "window": "concurrent" if res.fail_window < 0
@@ -528,11 +534,9 @@ class BudgetService:
             ws = res.scopes[res.fail_scope].windows[res.fail_window]
             reset = self._reset_s(w, ws, now)
             retry = reset if reset is not None else 86400.0
-            lim = {"requests": w.requests, "tokens": w.tokens,
-                   "money": None if w.money is None else f"{w.money / NANO:.2f} {self.cfg.currency}",
-                   "gpu_seconds": None if w.gpu is None else _gpu_s(w.gpu)}[kind]
-            what = f"{s.scope} {kind} limit of {lim} per {w.window}"
-            quota = kind == "money" or (kind in ("tokens", "gpu_seconds") and w.window not in ROLLING)
+            d = BY_NAME[kind]
+            what = f"{s.scope} {kind} limit of {d.text(w.limit(kind) or 0, self.cfg.currency)} per {w.window}"
+            quota = d.quota == "always" or (d.quota == "calendar" and w.window not in ROLLING)
             code = "insufficient_quota" if quota else "rate_limit_exceeded"
         msg = (f"Rate limit reached: {what} for {s.scope} {s.scope_id!r}."
                if code == "rate_limit_exceeded" else
@@ -554,8 +558,8 @@ class _NoLimits(Exception):
 
 
 _WORDER = {w: i for i, w in enumerate(("minute", "hour", "day", "month", "lifetime"))}
-
-
-def _gpu_s(micro: int) -> str:
-    """Micro-GPU-seconds as seconds for a header or message: "3600", "12.5", "0.001"."""
-    return f"{micro / MICRO:.3f}".rstrip("0").rstrip(".")
+# the dimensions whose binding limit is sent as x-ratelimit-{limit,remaining,reset}-<header>: (position among the
+# counted ones, among the held ones (None: a count), header, how a value reads)
+_HEADED = tuple((COUNTED_AT[d.name], HELD_AT.get(d.name), d.header, d.text) for d in COUNTED if d.header)
+# every counted dimension: (position, position among the held ones or None, name, store units per policy unit)
+_COUNTED = tuple((i, HELD_AT.get(d.name), d.name, d.unit) for i, d in enumerate(COUNTED))

@@ -16,6 +16,7 @@ import logging
 import time
 from typing import Any
 
+from gateway.budget.dimensions import LEDGERED, SettleFacts, settled_values
 from gateway.budget.pricing import find_price
 from gateway.budget.service import BudgetService, Reservation, _NoLimits
 from gateway.pipeline import Charge, RequestContext
@@ -53,7 +54,7 @@ class BudgetStage:
         assert d is not None and ctx.principal is not None
         try:
             out = await self.service.reserve(ctx.request_id, ctx.principal, d.budgets, models, prompt, max_tokens,
-                                             cap, batch=batch, cache_hit=cache_hit)
+                                             cap, batch=batch, cache_hit=cache_hit, request=ctx)
         except _NoLimits:
             return None
         except Exception as e:
@@ -92,15 +93,16 @@ class BudgetStage:
                                       cache_hit=True)
             resv = out.reservation if out is not None else None
         if resv is not None:
-            so = await svc.settle(resv, usage, model, None, None, cache_hit=True)
-            amount, ccy = so.cost, so.currency
+            so = await svc.settle(resv, usage, model, None, None, cache_hit=True, request=ctx)
+            amount, ccy, settled = so.cost, so.currency, so.settled
             ev = ctx.evidence.get("budget")
             if isinstance(ev, dict):
-                ev["settled"] = {"tokens": usage.total_tokens, "money": amount, "gpu_seconds": 0.0}
+                ev["settled"] = dict(settled)
         else:
             amount, ccy = svc.price(model, usage, cache_hit=True), svc.cfg.currency
+            settled = settled_values(SettleFacts(usage, amount, 0.0, ctx))
         saved = normal - amount
-        self._record(ctx, usage, model, amount, ccy, None, resv, priced_as=HIT,
+        self._record(ctx, usage, model, amount, ccy, None, resv, settled, priced_as=HIT,
                      row={"status": ctx.status or 200, "cost_category": HIT,
                           "saved_tokens": usage.total_tokens, "saved_cost": saved})
         return amount, saved
@@ -147,22 +149,24 @@ class BudgetStage:
             else:  # no meter wired: the gateway's wall time so far, an upper bound of the engine's time
                 total = ctx.total_s if ctx.total_s is not None else time.perf_counter() - ctx.received_at
                 gpu_s = round(max(0.0, total), 3)
+        apportioned = self._apportioned(ctx)
         if resv is not None:
-            out = await svc.settle(resv, usage, model, ctx.backend, gpu_s, batch, self._apportioned(ctx))
-            amount, ccy = out.cost, out.currency
+            out = await svc.settle(resv, usage, model, ctx.backend, gpu_s, batch, apportioned, request=ctx)
+            amount, ccy, settled = out.cost, out.currency, out.settled
             ev = ctx.evidence.get("budget")
             if isinstance(ev, dict):  # what replaced the hold, next to what was reserved
-                ev["settled"] = {"tokens": usage.total_tokens, "money": amount,
-                                 "gpu_seconds": out.apportioned_gpu_seconds}
+                ev["settled"] = dict(settled)
         else:
             amount, ccy = svc.price(model, usage, ctx.backend, gpu_s, batch), svc.cfg.currency
-        self._record(ctx, usage, model, amount, ccy, gpu_s, resv, priced_as="batch" if batch else None)
+            settled = settled_values(SettleFacts(usage, amount, apportioned, ctx))
+        self._record(ctx, usage, model, amount, ccy, gpu_s, resv, settled, priced_as="batch" if batch else None)
 
     def _record(self, ctx: RequestContext, usage: Usage, model: str, amount: float, ccy: str,
-                gpu_s: float | None, resv: Reservation | None, priced_as: str | None = None,
-                row: dict[str, Any] | None = None) -> None:
+                gpu_s: float | None, resv: Reservation | None, settled: dict[str, float],
+                priced_as: str | None = None, row: dict[str, Any] | None = None) -> None:
         """The charge (the request's `outcome.charge`, its `cost` evidence) and a spend-ledger row (`row`: fields
-        added or replaced)."""
+        added or replaced). The budget dimensions' ledger columns (total_tokens, cost, ...) hold what the request
+        used in each (`settled`, gateway/budget/dimensions.py)."""
         ctx.outcome.charge = Charge(amount, ccy)
         ctx.evidence["cost"] = {"amount": amount, "currency": ccy, "model": model,
                                 "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
@@ -175,7 +179,7 @@ class BudgetStage:
             "key_id": p.key_id if p else None, "partner": p.partner if p else None,
             "end_user": p.end_user if p else None, "model": model, "backend": ctx.backend,
             "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "cached_tokens": usage.cached_tokens, "total_tokens": usage.total_tokens, "cost": amount,
+            "cached_tokens": usage.cached_tokens, **{d.ledger: settled[d.name] for d in LEDGERED if d.ledger},
             "currency": ccy, "gpu_seconds": gpu_s, "status": ctx.status, "cut_by_budget": ctx.cut_by_budget,
             "budget_store": resv.store if resv is not None else None, "client_request_id": ctx.client_request_id,
             **(row or {}),

@@ -18,12 +18,19 @@ from typing import Any, Protocol
 
 import orjson
 
+from gateway.budget.dimensions import COUNTED, HELD
 from gateway.budget.model import BudgetState, ReserveArgs, ReserveResult, SettleArgs
-from gateway.budget.windows import RollingCounter
+from gateway.budget.windows import RollingCounter, pad_sums
 from gateway.stores.sql import enable_wal, is_locked
 
 log = logging.getLogger("gateway.budget.store")
 LUA = (resources.files("gateway.budget") / "budget.lua").read_text(encoding="utf-8")  # package data
+# the SQLite store's holds: one integer column per held budget dimension, named by its code
+_HOLD_COLS = tuple(d.code for d in HELD)
+_HOLD_SUMS = ", ".join(f"sum({c})" for c in _HOLD_COLS)
+_HOLD_INSERT = (f"INSERT OR REPLACE INTO budget_holds (hk, rid, x, {', '.join(_HOLD_COLS)}) "
+                f"VALUES ({', '.join('?' * (3 + len(_HOLD_COLS)))})")
+_NC = len(COUNTED)
 
 
 class StoreUnavailable(Exception):
@@ -268,8 +275,12 @@ class SqliteBudgetStore:
             db.execute("CREATE TABLE IF NOT EXISTS budget_counters (k TEXT PRIMARY KEY, v BLOB NOT NULL, x REAL) "
                        "WITHOUT ROWID")  # window counters (JSON) and settle markers; x: when the key expires
             db.execute("CREATE TABLE IF NOT EXISTS budget_holds (hk TEXT NOT NULL, rid TEXT NOT NULL, x REAL NOT NULL, "
-                       "t INTEGER NOT NULL, m INTEGER NOT NULL, g INTEGER NOT NULL, PRIMARY KEY (hk, rid)) "
-                       "WITHOUT ROWID")  # one row per live reservation: its scope's hold key, expiry and amounts
+                       + "".join(f"{c} INTEGER NOT NULL DEFAULT 0, " for c in _HOLD_COLS)
+                       + "PRIMARY KEY (hk, rid)) WITHOUT ROWID")  # a row per live reservation: expiry and amounts
+            have = {r[1] for r in db.execute("PRAGMA table_info(budget_holds)")}
+            for c in _HOLD_COLS:  # a dimension added since the file was created
+                if c not in have:
+                    db.execute(f"ALTER TABLE budget_holds ADD COLUMN {c} INTEGER NOT NULL DEFAULT 0")
             fast = self._connect(0.0) if self._fast is None else None
         except BaseException:
             db.close()
@@ -329,10 +340,10 @@ class SqliteBudgetStore:
                 st.holds[k] = _HoldSums()  # type: ignore[assignment]
             if reserve:  # settle only drops its own hold: it reads none
                 marks = ",".join("?" * len(holds))
-                for k, n, t, m, g in db.execute(
-                        f"SELECT hk, count(*), sum(t), sum(m), sum(g) FROM budget_holds WHERE hk IN ({marks}) "
+                for k, n, *sums in db.execute(
+                        f"SELECT hk, count(*), {_HOLD_SUMS} FROM budget_holds WHERE hk IN ({marks}) "
                         "AND x > ? GROUP BY hk", [*holds, now]):
-                    st.holds[k] = _HoldSums(n, t, m, g)  # type: ignore[assignment]
+                    st.holds[k] = _HoldSums(n, sums)  # type: ignore[assignment]
             for k, v, x in db.execute(
                     f"SELECT k, v, x FROM budget_counters WHERE k IN ({','.join('?' * len(keys))})", keys):
                 if x is not None and x <= now:
@@ -343,8 +354,8 @@ class SqliteBudgetStore:
                 d = orjson.loads(v)
                 if isinstance(d, dict):
                     st.rolling[k] = _rolling(d)
-                else:
-                    st.fixed[k] = d  # [requests, tokens, money, GPU]: written by this store, four ints
+                else:  # a sum per counted dimension (fewer: written before a dimension was added)
+                    st.fixed[k] = d if len(d) == _NC else pad_sums(d)
                 if x is not None:
                     st.expiry[k] = x
             if reserve:
@@ -368,11 +379,10 @@ class SqliteBudgetStore:
                 db.executemany("INSERT INTO budget_counters (k, v, x) VALUES (?, ?, ?) ON CONFLICT(k) DO UPDATE "
                                "SET v=excluded.v, x=excluded.x", up)
                 sums = [(k, st.holds[k]) for k in holds]
-                added = [(k, rid, *v) for k, h in sums for rid, v in h.added.items()]  # type: ignore[attr-defined]
+                added = [(k, rid, *v) for k, h in sums for rid, v in h.added.items()]
                 if added:
-                    db.executemany("INSERT OR REPLACE INTO budget_holds (hk, rid, x, t, m, g) VALUES (?, ?, ?, ?, ?, ?)",
-                                   added)
-                removed = [(k, rid) for k, h in sums for rid in h.removed]  # type: ignore[attr-defined]
+                    db.executemany(_HOLD_INSERT, added)
+                removed = [(k, rid) for k, h in sums for rid in h.removed]
                 if removed:
                     db.executemany("DELETE FROM budget_holds WHERE hk=? AND rid=?", removed)
             db.execute("COMMIT")
@@ -384,8 +394,10 @@ class SqliteBudgetStore:
 
 
 def _rolling(d: dict[str, Any]) -> RollingCounter:
-    """RollingCounter.from_state for the rows this store wrote (four ints per bucket already): a minute window
-    has up to 60 buckets, and this runs on every operation."""
+    """RollingCounter.from_state for the rows this store wrote (ints, a sum per counted dimension already): a
+    minute window has up to 60 buckets, and this runs on every operation."""
+    if len(d["tot"]) != _NC:  # written before a dimension was added: pad every bucket
+        return RollingCounter.from_state(d)
     c = RollingCounter(d["n"])
     c.lo = d["lo"]
     c.buckets = {int(b): v for b, v in d["b"].items()}
@@ -401,19 +413,19 @@ class _HoldSums:
 
     __slots__ = ("n", "sums", "added", "removed")
 
-    def __init__(self, n: int = 0, t: int = 0, m: int = 0, g: int = 0) -> None:
+    def __init__(self, n: int = 0, sums: list[int] | None = None) -> None:
         self.n = n
-        self.sums = (0.0, t, m, g)
-        self.added: dict[str, tuple[float, int, int, int]] = {}
+        self.sums = (0.0, *(sums or (0,) * len(_HOLD_COLS)))  # shaped like a hold: (expiry, amounts...)
+        self.added: dict[str, tuple] = {}
         self.removed: list[str] = []
 
-    def values(self) -> tuple[tuple[float, int, int, int], ...]:
+    def values(self) -> tuple[tuple, ...]:
         return (self.sums,)
 
     def __len__(self) -> int:
         return self.n
 
-    def __setitem__(self, rid: str, hold: tuple[float, int, int, int]) -> None:
+    def __setitem__(self, rid: str, hold: tuple) -> None:
         self.added[rid] = hold
 
     def pop(self, rid: str, default: Any = None) -> Any:

@@ -12,9 +12,12 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from zoneinfo import ZoneInfo
 
+from gateway.budget.dimensions import COUNTED
+
 ROLLING: dict[str, tuple[int, int]] = {"minute": (1, 60), "hour": (60, 60)}  # window -> (bucket_s, buckets)
 CALENDAR = ("day", "month")
 WINDOWS = ("minute", "hour", "day", "month", "lifetime")
+_WIDTH = len(COUNTED)  # sums per counter: one per counted budget dimension
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +99,8 @@ def format_reset(seconds: float) -> str:
 
 
 class RollingCounter:
-    """A bucketed sliding-window sum of (requests, tokens, money, GPU-seconds), exact at bucket granularity.
+    """A bucketed sliding-window sum per counted budget dimension (gateway/budget/dimensions.py COUNTED: requests,
+    tokens, money, GPU-seconds), exact at bucket granularity.
 
     The reference model the Lua script mirrors: `lo` is the oldest bucket that may hold data; `advance` evicts
     buckets that fell out of the window in amortized O(1) and keeps running totals.
@@ -108,7 +112,7 @@ class RollingCounter:
         self.n = n
         self.buckets: dict[int, list[int]] = {}
         self.lo: int | None = None
-        self.tot = [0, 0, 0, 0]
+        self.tot = [0] * _WIDTH
 
     def advance(self, now_b: int) -> None:
         floor_b = now_b - self.n  # buckets <= floor_b are out of the window
@@ -117,35 +121,32 @@ class RollingCounter:
             return
         if floor_b - self.lo >= self.n:  # idle longer than a window: everything is stale
             self.buckets.clear()
-            self.tot = [0, 0, 0, 0]
+            self.tot = [0] * _WIDTH
             self.lo = now_b
             return
         b = self.lo
         while b <= floor_b:
             v = self.buckets.pop(b, None)
             if v is not None:
-                self.tot = [self.tot[i] - v[i] for i in range(4)]
+                self.tot = [t - x for t, x in zip(self.tot, v)]
             b += 1
         while b < now_b and b not in self.buckets:  # skip empty buckets so `lo` marks the oldest data
             b += 1
         self.lo = b
 
-    def add(self, now_b: int, r: int, t: int, m: int, g: int = 0) -> None:
+    def add(self, now_b: int, *vals: int) -> None:
+        """Add one amount per counted dimension (fewer: the rest 0) in bucket `now_b`."""
         self.advance(now_b)
         assert self.lo is not None
-        v = self.buckets.setdefault(max(now_b, self.lo), [0, 0, 0, 0])  # a lagging clock never writes below lo
-        v[0] += r
-        v[1] += t
-        v[2] += m
-        v[3] += g
-        self.tot[0] += r
-        self.tot[1] += t
-        self.tot[2] += m
-        self.tot[3] += g
+        v = self.buckets.setdefault(max(now_b, self.lo), [0] * _WIDTH)  # a lagging clock never writes below lo
+        tot = self.tot
+        for i, x in enumerate(vals):
+            v[i] += x
+            tot[i] += x
 
-    def totals(self, now_b: int) -> tuple[int, int, int, int]:
+    def totals(self, now_b: int) -> tuple[int, ...]:
         self.advance(now_b)
-        return self.tot[0], self.tot[1], self.tot[2], self.tot[3]
+        return tuple(self.tot)
 
     def oldest(self, now_b: int) -> int:
         """Oldest bucket still holding data (now_b if none); when it expires, capacity frees up."""
@@ -160,13 +161,13 @@ class RollingCounter:
     def from_state(cls, d: dict) -> "RollingCounter":
         c = cls(int(d["n"]))
         c.lo = d["lo"]
-        # a snapshot written before GPU-seconds were counted has 3 sums per bucket: the 4th starts at 0
-        c.buckets = {int(k): four_sums(v) for k, v in d["b"].items()}
-        c.tot = four_sums(d["tot"])
+        # a snapshot written before a dimension was counted has fewer sums per bucket: the rest start at 0
+        c.buckets = {int(k): pad_sums(v) for k, v in d["b"].items()}
+        c.tot = pad_sums(d["tot"])
         return c
 
 
-def four_sums(v: list) -> list[int]:
-    """(requests, tokens, money, GPU-seconds) from a stored list, padding older 3-sum snapshots with 0."""
+def pad_sums(v: list, width: int = 0) -> list[int]:
+    """A stored list of sums (one per counted dimension, or `width`), padding what older versions wrote with 0."""
     out = [int(x) for x in v]
-    return out + [0] * (4 - len(out))
+    return out + [0] * ((width or _WIDTH) - len(out))

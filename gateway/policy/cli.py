@@ -1,4 +1,5 @@
-"""`gateway policy check|test|explain`: validate policies, run their tests, explain one decision."""
+"""`gateway policy check|test|explain|schema`: validate policies, run their tests, explain one decision, print
+(or rewrite) the policy schema."""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +10,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from gateway.policy.compiler import PolicyError, load_policies
+from gateway.budget.dimensions import DIMENSIONS
+from gateway.policy.compiler import SCHEMA_RESOURCE, PolicyError, load_policies, load_schema, write_schema
 from gateway.policy.model import RequestAttrs
 from gateway.routing.flowkey import flow_id
 from gateway.types import Decision, Principal
@@ -28,16 +30,15 @@ def policy_paths(config: Any) -> list[Path]:
 def load_for_config(config: Any):  # -> CompiledPolicy
     """Compile the policies of a config snapshot (call on every config reload and swap the result).
 
-    A GPU-second budget needs the cost meter, which measures what it is settled with: with `cost.enabled:
-    false` such a rule is an error at load (and reload), never a limit that silently never binds."""
+    A budget dimension the config cannot enforce (its `needs` in gateway/budget/dimensions.py: GPU-seconds need
+    the cost meter, which measures what they are settled with) makes a rule limiting it an error at load (and
+    reload), never a limit that silently never binds."""
     pol = load_policies(policy_paths(config), default_allow=config.raw.policy.default_allow)
-    cost = getattr(config.raw, "cost", None)
-    if cost is not None and not cost.enabled:
-        bad = [f"{r.source}: rule {r.id!r}: budgets: gpu_seconds needs the cost meter (cost.enabled: true); "
-               "without it no GPU-seconds are apportioned and the limit could never bind"
-               for r in pol.rules if any(b.gpu_seconds is not None for b in r.budgets)]
-        if bad:
-            raise PolicyError(bad)
+    unmet = [(d.name, why) for d in DIMENSIONS if d.needs is not None and (why := d.needs(config)) is not None]
+    bad = [f"{r.source}: rule {r.id!r}: budgets: {name} {why}"
+           for r in pol.rules for name, why in unmet if any(b.limit(name) is not None for b in r.budgets)]
+    if bad:
+        raise PolicyError(bad)
     return pol
 
 
@@ -153,6 +154,15 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_schema(args: argparse.Namespace) -> int:
+    if args.write:
+        changed = write_schema()
+        print(f"{SCHEMA_RESOURCE}: {'budget object rewritten' if changed else 'already in step'}")
+        return 0
+    print(json.dumps(load_schema(), indent=2, ensure_ascii=False))
+    return 0
+
+
 def add_policy_commands(subparsers: Any) -> None:
     """Register `policy check|test|explain` on the gateway CLI's subparsers."""
     pp = subparsers.add_parser("policy", help="check, test and explain policies")
@@ -187,6 +197,10 @@ def add_policy_commands(subparsers: Any) -> None:
     e.add_argument("--all", action="store_true", help="also list rules that did not match, and why")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=_cmd_explain)
+    s = sub.add_parser("schema", help="print the policy schema (its budget object from the budget dimensions)")
+    s.add_argument("--write", action="store_true",
+                   help="rewrite the budget object of gateway/policy/schema.json from the budget dimensions' table")
+    s.set_defaults(func=_cmd_schema)
 
 
 def main(argv: list[str] | None = None) -> int:

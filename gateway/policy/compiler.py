@@ -21,6 +21,8 @@ from gateway.config import ConfigError, load_yaml_with_lines
 from gateway.policy.eea import JURISDICTIONS, country_error
 from gateway.policy.engine import CompiledPolicy
 from gateway.policy.model import Condition, Predicate, RequestAttrs, Rule
+from gateway.budget.dimensions import DIMENSIONS
+from gateway.budget.windows import WINDOWS
 from gateway.types import BudgetSpec, Principal
 
 # package data (importlib.resources), so an installed wheel validates policies too; policies/schema.json is a
@@ -60,7 +62,50 @@ class PolicyError(Exception):
 
 @lru_cache(maxsize=1)
 def load_schema() -> dict[str, Any]:
-    return json.loads(SCHEMA_RESOURCE.read_text(encoding="utf-8"))
+    """The policy schema policies are validated with: schema.json, its `budget` object built from the budget
+    dimensions' table (the file's copy, for editors, is checked against it by tests/policy/test_schema.py)."""
+    schema = json.loads(SCHEMA_RESOURCE.read_text(encoding="utf-8"))
+    schema["$defs"]["budget"] = budget_schema()
+    return schema
+
+
+def budget_schema() -> dict[str, Any]:
+    """The JSON Schema of one `budgets:` entry: window, scope, a limit per budget dimension (its keys), currency."""
+    props: dict[str, Any] = {
+        "window": {"enum": list(WINDOWS)},
+        "scope": {"enum": list(_SCOPE_LEVELS),
+                  "description": "Default: the most specific principal attribute in match, else tenant."}}
+    for d in DIMENSIONS:
+        props.update({k: {**v, "description": v.get("description", d.description)} for k, v in d.schema.items()})
+    if any(d.currency for d in DIMENSIONS):
+        props["currency"] = {"type": "string", "pattern": "^[A-Z]{3}$"}
+    return {"type": "object", "additionalProperties": False, "properties": props, "required": ["window"],
+            "anyOf": [{"required": [k]} for d in DIMENSIONS for k in d.schema]}
+
+
+def write_schema(path: Path | None = None) -> bool:
+    """Rewrite the `budget` object of the policy schema file (default: the packaged schema.json) from the table,
+    leaving the rest of the file as written. True when the file changed."""
+    target = path or Path(str(SCHEMA_RESOURCE))
+    text = target.read_text(encoding="utf-8")
+    key = '\n    "budget": '
+    start = text.index(key) + len(key)
+    _, end = json.JSONDecoder().raw_decode(text, start)
+    new = text[:start] + _render(budget_schema(), 4) + text[end:]
+    if new == text:
+        return False
+    target.write_text(new, encoding="utf-8")
+    return True
+
+
+def _render(v: Any, indent: int) -> str:
+    """schema.json's layout: an object's members one per line, anything short enough on one line."""
+    flat = json.dumps(v, ensure_ascii=False)
+    if not isinstance(v, dict) or len(flat) + indent <= 100:
+        return flat
+    pad = " " * (indent + 2)
+    body = ",\n".join(f"{pad}{json.dumps(k)}: {_render(x, indent + 2)}" for k, x in v.items())
+    return "{\n" + body + "\n" + " " * indent + "}"
 
 
 class _Src:
@@ -257,15 +302,6 @@ def _normalize_match(match: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _parse_money(v: Any) -> tuple[float, str | None]:
-    if isinstance(v, (int, float)):
-        return float(v), None
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]{3})?\s*", str(v))
-    if not m:
-        raise ValueError(f"money must look like '2000 EUR', got {v!r}")
-    return float(m.group(1)), (m.group(2).upper() if m.group(2) else None)
-
-
 _SCOPE_LEVELS = ("key", "project", "team", "tenant", "partner")
 
 
@@ -409,25 +445,23 @@ def _deny(deny_raw: object) -> tuple[bool, tuple[str, ...]]:
 
 def _budgets(raw_budgets: list[_Doc], rid: str, default_scope: str, path: str, src: _Src,
              errors: list[str]) -> list[BudgetSpec]:
-    """`budgets:` as BudgetSpecs charged at `default_scope` unless they name one; bad money goes to `errors`."""
+    """`budgets:` as BudgetSpecs charged at `default_scope` unless they name one: a limit per budget dimension
+    (gateway/budget/dimensions.py) the entry names; a value that cannot be read (money) goes to `errors`."""
     budgets: list[BudgetSpec] = []
     for j, b in enumerate(raw_budgets):
-        bpath = f"{path}.budgets[{j}]"
-        money, currency = None, b.get("currency")
+        limits: list[tuple[str, float]] = []
+        currency = b.get("currency")
         try:
-            if "limit" in b:
-                money, cur = _parse_money(b["limit"])
-                currency = currency or cur
-            if "money" in b:
-                money, cur = _parse_money(b["money"])
-                currency = currency or cur
+            for d in DIMENSIONS:
+                value, unit = d.policy_value(b)
+                if value is not None:
+                    limits.append((d.name, value))
+                    currency = currency or unit
         except ValueError as e:
-            errors.append(src.err(bpath, str(e)))
+            errors.append(src.err(f"{path}.budgets[{j}]", str(e)))
             continue
-        budgets.append(BudgetSpec(window=b["window"], scope=b.get("scope", default_scope), tokens=b.get("tokens"),
-                                  money=money, currency=currency or "EUR", requests=b.get("requests"),
-                                  concurrency=b.get("concurrency"), rule_id=rid,
-                                  gpu_seconds=None if b.get("gpu_seconds") is None else float(b["gpu_seconds"])))
+        budgets.append(BudgetSpec(window=b["window"], scope=b.get("scope", default_scope), limits=limits,
+                                  currency=currency or "EUR", rule_id=rid))
     return budgets
 
 

@@ -4,6 +4,7 @@ Missing servers skip locally and FAIL under CI=true, as the project rules requir
 """
 from __future__ import annotations
 
+import math
 import shutil
 import socket
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from gateway.budget.model import ReserveArgs, ScopePlan, SettleArgs, WindowPlan, by_counted, by_held
 from gateway.config import parse_config
 from tests.conftest import require_service
 
@@ -44,6 +46,53 @@ def pg_dsn() -> str:
 def prefix() -> str:
     """A fresh key prefix so tests never see each other's counters in the shared Redis."""
     return f"gwbtest:{uuid.uuid4().hex[:10]}"
+
+
+def window_plan(window: str, key: str, rolling: bool, bucket: int = 0, buckets: int = 0, bucket_s: int = 0,
+                end: float = math.inf, ttl_s: int = 0, tokens: int | None = None, money: int | None = None,
+                requests: int | None = None, gpu: int | None = None) -> WindowPlan:
+    """A WindowPlan with its limits in store units by dimension (None: counted only)."""
+    lim = {"tokens": tokens, "money": money, "requests": requests, "gpu_seconds": gpu}
+    return WindowPlan(window, key, rolling, bucket, buckets, bucket_s, end, ttl_s, by_counted(lim))
+
+
+def reserve_args(rid: str, now: float, expires: float, hold_ttl_s: int, prompt: int, prompt_money: int, maxc: int,
+                 minc: int, money_per_token: int, scopes: tuple[ScopePlan, ...], fixed_gpu: int = 0,
+                 gpu_per_token: int = 0) -> ReserveArgs:
+    """A reservation of `prompt` tokens + 1 per completion token, its money and GPU-seconds (store units)."""
+    return ReserveArgs(rid, now, expires, hold_ttl_s, maxc, minc, scopes,
+                       fixed=by_held({"tokens": prompt, "money": prompt_money, "gpu_seconds": fixed_gpu}),
+                       per_token=by_held({"tokens": 1, "money": money_per_token, "gpu_seconds": gpu_per_token}))
+
+
+def settle_args(rid: str, now: float, tokens: int, money: int, scopes: tuple[ScopePlan, ...], done_key: str = "",
+                done_ttl_s: int = 0, gpu: int = 0) -> SettleArgs:
+    return SettleArgs(rid, now, by_held({"tokens": tokens, "money": money, "gpu_seconds": gpu}), scopes, done_key,
+                      done_ttl_s)
+
+
+def flat_scopes(flat: list, args: ReserveArgs) -> list:
+    """A store's flat reserve reply decoded by hand (not by ReserveResult.from_flat, which the stores' replies
+    are compared through): per scope [held tokens, held money, holds, held GPU, [(requests, tokens, money,
+    oldest bucket, GPU) per window]]. The layout: per scope its holds and a sum per held dimension, per window a
+    sum per counted dimension and its oldest bucket (gateway/budget/model.py)."""
+    from gateway.budget.dimensions import COUNTED, HELD
+
+    held_names = [d.name for d in HELD]
+    counted = [d.name for d in COUNTED]
+    i = 5
+    out = []
+    for s in args.scopes:
+        held = dict(zip(held_names, flat[i + 1:i + 1 + len(held_names)]))
+        row = [held["tokens"], held["money"], flat[i], held["gpu_seconds"], []]
+        i += 1 + len(held_names)
+        for _ in s.windows:
+            used = dict(zip(counted, flat[i:i + len(counted)]))
+            row[4].append((used["requests"], used["tokens"], used["money"], flat[i + len(counted)],
+                           used["gpu_seconds"]))
+            i += len(counted) + 1
+        out.append(row)
+    return out
 
 
 def make_config(tmp_path: Path, **budgets) -> object:

@@ -9,14 +9,14 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from gateway.budget.model import BudgetState, ReserveArgs, ScopePlan, SettleArgs, WindowPlan
+from gateway.budget.model import BudgetState, ReserveArgs, ScopePlan, SettleArgs
 from gateway.budget.service import BudgetService
 from gateway.budget.stage import BudgetStage
 from gateway.errors import GatewayError
 from gateway.pipeline import RequestContext
 from gateway.types import BudgetSpec, Decision, Principal, Usage
 
-from .conftest import make_config
+from .conftest import make_config, reserve_args, settle_args, window_plan
 
 P = Principal(id="key:k1", kind="api_key", tenant="acme", team="search", project="web", key_id="k1")
 T0 = 1_750_000_000.0
@@ -27,15 +27,15 @@ GPU_DAY = [BudgetSpec(window="day", scope="tenant", gpu_seconds=10.0)]
 
 
 def _args(rid: str, now: float, gpu_limit: int, prompt_gpu: int, per_token: int, maxc: int, minc: int) -> ReserveArgs:
-    w = WindowPlan("lifetime", "t:acme:lifetime:all", False, gpu=gpu_limit)
-    return ReserveArgs(rid, now, now + 60, 120, 100, 0, maxc, minc, 0,
-                       (ScopePlan("tenant", "acme", "t:acme:hold", None, (w,)),),
-                       fixed_gpu=prompt_gpu, gpu_per_token=per_token)
+    w = window_plan("lifetime", "t:acme:lifetime:all", False, gpu=gpu_limit)
+    return reserve_args(rid, now, now + 60, 120, 100, 0, maxc, minc, 0,
+                        (ScopePlan("tenant", "acme", "t:acme:hold", None, (w,)),),
+                        fixed_gpu=prompt_gpu, gpu_per_token=per_token)
 
 
 def _settle(rid: str, now: float, gpu: int) -> SettleArgs:
-    w = WindowPlan("lifetime", "t:acme:lifetime:all", False)
-    return SettleArgs(rid, now, 150, 0, (ScopePlan("tenant", "acme", "t:acme:hold", None, (w,)),), gpu=gpu)
+    w = window_plan("lifetime", "t:acme:lifetime:all", False)
+    return settle_args(rid, now, 150, 0, (ScopePlan("tenant", "acme", "t:acme:hold", None, (w,)),), gpu=gpu)
 
 
 def test_state_refuses_a_worst_case_that_does_not_fit():

@@ -25,13 +25,14 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from gateway.budget.model import BudgetState, ReserveArgs, ScopePlan, SettleArgs, WindowPlan
+from gateway.budget.model import BudgetState, ScopePlan
 from gateway.budget.service import BudgetService
 from gateway.budget.store import SqliteBudgetStore
 from gateway.budget.windows import resolve
 from gateway.config import parse_config
 from gateway.errors import GatewayError
 from gateway.types import BudgetSpec, Principal
+from tests.budget.conftest import reserve_args, settle_args, window_plan
 from tests.budget.test_store import _ref_scopes
 
 UTC = ZoneInfo("UTC")
@@ -50,8 +51,8 @@ def plan(now: float, limits: dict, conc: dict | None = None) -> tuple[ScopePlan,
             ref = resolve(window, now, UTC)
             ttl = ref.bucket_s * ref.buckets * 2 if ref.rolling else int(ref.end - now) + 86400 \
                 if math.isfinite(ref.end) else 0
-            wps.append(WindowPlan(window, f"{base}:{ref.key_suffix()}", ref.rolling, ref.bucket, ref.buckets,
-                                  ref.bucket_s, ref.end, ttl, t, m, r, g))
+            wps.append(window_plan(window, f"{base}:{ref.key_suffix()}", ref.rolling, ref.bucket, ref.buckets,
+                                   ref.bucket_s, ref.end, ttl, t, m, r, g))
         out.append(ScopePlan(scope, "id", f"{base}:hold", (conc or {}).get(scope), tuple(wps)))
     return tuple(out)
 
@@ -94,14 +95,14 @@ def test_the_sqlite_store_matches_the_reference_model(tmp_path_factory, ops, tok
                     continue
                 if kind == "reserve":
                     rid = uuid.uuid4().hex
-                    args = ReserveArgs(rid, now, now + 45.0, 105, a, a * extra * 100, b, 1 if flag else b,
+                    args = reserve_args(rid, now, now + 45.0, 105, a, a * extra * 100, b, 1 if flag else b,
                                        extra * 300, plan(now, lim, conc_l), fixed_gpu=a * extra * 70,
                                        gpu_per_token=(3 - extra) * 250)
                     got = await sq.reserve(args)
                     want = ref.reserve(args)
                     assert [got.ok, got.completion, got.fail_kind] == [want[0] == 1, want[1], want[4]]
-                    assert [[s.held_tokens, s.held_money, s.holds, s.held_gpu,
-                             [(w.requests, w.tokens, w.money, w.oldest_bucket, w.gpu) for w in s.windows]]
+                    assert [[s.held_in("tokens"), s.held_in("money"), s.holds, s.held_in("gpu_seconds"),
+                             [(w.used_in("requests"), w.used_in("tokens"), w.used_in("money"), w.oldest_bucket, w.used_in("gpu_seconds")) for w in s.windows]]
                             for s in got.scopes] == _ref_scopes(want, args)
                     if got.ok:
                         live.append(rid)
@@ -109,16 +110,16 @@ def test_the_sqlite_store_matches_the_reference_model(tmp_path_factory, ops, tok
                     rid = live.pop(a % len(live))
                     if flag:  # crash: this reservation is never settled
                         continue
-                    sa = SettleArgs(rid, now, b, b * extra * 100, plan(now, lim), f"p:settled:{rid}", 300,
+                    sa = settle_args(rid, now, b, b * extra * 100, plan(now, lim), f"p:settled:{rid}", 300,
                                     gpu=b * (3 - extra) * 200)
                     assert await sq.settle(sa) is True and ref.settle(sa) == 1
                     if extra == 3:  # a replay of a settle (on the other worker): a no-op on both
                         assert await stores[not which[i]].settle(sa) is False and ref.settle(sa) == 0
-            final = ReserveArgs("final", now + 0.5, now + 45.5, 105, 0, 0, 1, 1, 0, plan(now + 0.5, lim, conc_l))
+            final = reserve_args("final", now + 0.5, now + 45.5, 105, 0, 0, 1, 1, 0, plan(now + 0.5, lim, conc_l))
             got = await stores[0].reserve(final)
             want = ref.reserve(final)
             assert got.ok == (want[0] == 1)
-            assert [[s.held_tokens, s.holds, s.held_gpu, [(w.requests, w.tokens, w.money, w.gpu) for w in s.windows]]
+            assert [[s.held_in("tokens"), s.holds, s.held_in("gpu_seconds"), [(w.used_in("requests"), w.used_in("tokens"), w.used_in("money"), w.used_in("gpu_seconds")) for w in s.windows]]
                     for s in got.scopes] == [[x[0], x[2], x[3], [(w[0], w[1], w[2], w[4]) for w in x[4]]]
                                              for x in _ref_scopes(want, final)]
         finally:
@@ -229,7 +230,7 @@ async def test_a_write_lock_held_elsewhere_hands_the_operation_to_the_stores_thr
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
         lim = {"key": {"day": (1000, None, None, None)}}
-        task = asyncio.create_task(s.reserve(ReserveArgs("r", T0, T0 + 30, 90, 10, 0, 5, 5, 0, plan(T0, lim))))
+        task = asyncio.create_task(s.reserve(reserve_args("r", T0, T0 + 30, 90, 10, 0, 5, 5, 0, plan(T0, lim))))
         while s.stats["handed_over"] == 0:  # the loop is free meanwhile: this very coroutine runs
             await asyncio.sleep(0.001)
         assert not task.done()
@@ -237,11 +238,11 @@ async def test_a_write_lock_held_elsewhere_hands_the_operation_to_the_stores_thr
         holder.stdin.write("\n")
         holder.stdin.flush()
         r = await task
-        assert r.ok and r.scopes[0].held_tokens == 0 and r.completion == 5
+        assert r.ok and r.scopes[0].held_in("tokens") == 0 and r.completion == 5
         assert s.stats["handed_over"] == 1
         # the next one, the lock free, runs on the event loop again, and sees the first one's hold
-        r = await s.reserve(ReserveArgs("r2", T0, T0 + 30, 90, 10, 0, 5, 5, 0, plan(T0, lim)))
-        assert r.ok and r.scopes[0].held_tokens == 15 and s.stats["fast"] >= 1
+        r = await s.reserve(reserve_args("r2", T0, T0 + 30, 90, 10, 0, 5, 5, 0, plan(T0, lim)))
+        assert r.ok and r.scopes[0].held_in("tokens") == 15 and s.stats["fast"] >= 1
     finally:
         holder.communicate(timeout=30)
         await s.close()
@@ -267,9 +268,9 @@ async def test_expired_rows_are_deleted_by_the_cleanup(tmp_path):
     await s.start()
     try:
         then, now = time.time() - 3600, time.time()  # an hour ago: past the minute counter's and the hold's expiry
-        assert (await s.reserve(ReserveArgs("r", then, then + 30, 90, 1, 0, 1, 1, 0,
+        assert (await s.reserve(reserve_args("r", then, then + 30, 90, 1, 0, 1, 1, 0,
                                             plan(then, {"key": {"minute": (1000, None, None, None)}})))).ok
-        assert (await s.reserve(ReserveArgs("r2", now, now + 30, 90, 1, 0, 1, 1, 0,
+        assert (await s.reserve(reserve_args("r2", now, now + 30, 90, 1, 0, 1, 1, 0,
                                             plan(now, {"other": {"day": (10, None, None, None)}})))).ok
         db = sqlite3.connect(tmp_path / "c.db")
         assert db.execute("select count(*) from budget_counters").fetchone()[0] == 2

@@ -12,9 +12,11 @@ from zoneinfo import ZoneInfo
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from gateway.budget.model import BudgetState, ReserveArgs, ScopePlan, SettleArgs, WindowPlan
+from gateway.budget.model import BudgetState, ScopePlan
 from gateway.budget.store import MemoryBudgetStore, RedisBudgetStore, SqliteBudgetStore
 from gateway.budget.windows import resolve
+
+from .conftest import flat_scopes, reserve_args, settle_args, window_plan
 
 UTC = ZoneInfo("UTC")
 
@@ -28,22 +30,22 @@ def plan(prefix: str, now: float, limits: dict, conc: dict | None = None) -> tup
         for window, lim in wins.items():
             t, m, r, g = (*lim, None) if len(lim) == 3 else lim
             ref = resolve(window, now, UTC)
-            wps.append(WindowPlan(window, f"{base}:{ref.key_suffix()}", ref.rolling, ref.bucket, ref.buckets,
-                                  ref.bucket_s, ref.end, 300, t, m, r, g))
+            wps.append(window_plan(window, f"{base}:{ref.key_suffix()}", ref.rolling, ref.bucket, ref.buckets,
+                                   ref.bucket_s, ref.end, 300, t, m, r, g))
         out.append(ScopePlan(scope, "id", f"{base}:hold", (conc or {}).get(scope), tuple(wps)))
     return tuple(out)
 
 
 def rargs(prefix, now, limits, rid=None, prompt=10, maxc=100, minc=None, pin=0, pout=0, ttl=60.0, conc=None,
           gfix=0, gpt=0):
-    return ReserveArgs(rid or uuid.uuid4().hex, now, now + ttl, int(ttl) + 60, prompt, prompt * pin, maxc,
-                       maxc if minc is None else minc, pout, plan(prefix, now, limits, conc),
-                       fixed_gpu=gfix, gpu_per_token=gpt)
+    return reserve_args(rid or uuid.uuid4().hex, now, now + ttl, int(ttl) + 60, prompt, prompt * pin, maxc,
+                        maxc if minc is None else minc, pout, plan(prefix, now, limits, conc),
+                        fixed_gpu=gfix, gpu_per_token=gpt)
 
 
 def sargs(prefix, now, limits, rid, tokens, money=0, marker=True, gpu=0):
-    return SettleArgs(rid, now, tokens, money, plan(prefix, now, limits),
-                      f"{prefix}:settled:{rid}" if marker else "", 300 if marker else 0, gpu=gpu)
+    return settle_args(rid, now, tokens, money, plan(prefix, now, limits),
+                       f"{prefix}:settled:{rid}" if marker else "", 300 if marker else 0, gpu=gpu)
 
 
 @pytest.fixture(params=["memory", "sqlite", "redis"])
@@ -72,13 +74,13 @@ async def test_reserve_until_token_limit_then_settle_returns_unused(store, prefi
     assert ok == [True] * 10 + [False] * 2  # 10 x 100 worst case fills 1000
     r = await store.reserve(rargs(prefix, T0 + 0.2, lim, prompt=10, maxc=90))
     assert not r.ok and r.fail_kind == "tokens" and r.fail_scope == 0 and r.fail_window == 0
-    assert r.scopes[0].held_tokens == 1000
+    assert r.scopes[0].held_in("tokens") == 1000
     for i in range(10):  # each used 30 of its 100
         await store.settle(sargs(prefix, T0 + 0.3, lim, f"r{i}", 30))
     r = await store.reserve(rargs(prefix, T0 + 0.4, lim, rid="after", prompt=10, maxc=90))
     assert r.ok
-    assert r.scopes[0].held_tokens == 0 and r.scopes[0].windows[0].tokens == 300
-    assert r.scopes[0].windows[0].requests == 10  # the refused ones were not counted
+    assert r.scopes[0].held_in("tokens") == 0 and r.scopes[0].windows[0].used_in("tokens") == 300
+    assert r.scopes[0].windows[0].used_in("requests") == 10  # the refused ones were not counted
 
 
 async def test_requests_per_minute_exact_at_window_edge(store, prefix):
@@ -135,12 +137,12 @@ async def test_gpu_seconds_limit_in_micro_units(store, prefix):
                                   gfix=2_000_000, gpt=10_000))
     assert r.ok and r.completion == (10_000_000 - 2_000_000) // 10_000  # 800 tokens at 0.01 s each fit
     r = await store.reserve(rargs(prefix, T0, lim, rid="b", prompt=0, maxc=1, gpt=10_000))
-    assert not r.ok and r.fail_kind == "gpu_seconds" and r.scopes[0].held_gpu == 10_000_000
+    assert not r.ok and r.fail_kind == "gpu_seconds" and r.scopes[0].held_in("gpu_seconds") == 10_000_000
     assert await store.settle(sargs(prefix, T0 + 1, lim, "a", 1100, gpu=3_000_000))  # apportioned: 3 s
     r = await store.reserve(rargs(prefix, T0 + 2, lim, rid="c", prompt=1000, maxc=4096, minc=1,
                                   gfix=2_000_000, gpt=10_000))
-    assert r.ok and r.completion == 500 and r.scopes[0].windows[0].gpu == 3_000_000
-    assert r.scopes[0].held_gpu == 0  # the hold of "a" was replaced by its apportioned 3 s
+    assert r.ok and r.completion == 500 and r.scopes[0].windows[0].used_in("gpu_seconds") == 3_000_000
+    assert r.scopes[0].held_in("gpu_seconds") == 0  # the hold of "a" was replaced by its apportioned 3 s
     # a capped request whose worst case does not fit is refused, never cut; so is a prefill that alone does not
     r = await store.reserve(rargs(prefix, T0 + 3, lim, prompt=10, maxc=100, gfix=1, gpt=10_000))
     assert not r.ok and r.fail_kind == "gpu_seconds" and r.fail_window == 0
@@ -158,7 +160,7 @@ async def test_gpu_seconds_are_counted_without_a_gpu_limit_and_bind_with_tokens(
     assert (await store.reserve(rargs(prefix, T0, lim, rid="x", prompt=100, maxc=100, gpt=1000))).ok
     await store.settle(sargs(prefix, T0 + 1, lim, "x", 150, gpu=123_456))
     r = await store.reserve(rargs(prefix, T0 + 2, lim, prompt=100, maxc=1000, minc=1, gfix=100_000, gpt=10_000))
-    assert [w.gpu for s in r.scopes for w in s.windows] == [123_456, 123_456, 123_456]
+    assert [w.used_in("gpu_seconds") for s in r.scopes for w in s.windows] == [123_456, 123_456, 123_456]
     # tokens leave 500 - 150 - 100 = 250; GPU-seconds (2 - 0.123456 - 0.1) / 0.01 = 177: GPU binds
     assert r.ok and r.completion == 177
 
@@ -185,11 +187,11 @@ async def test_crashed_token_hold_released_after_ttl_but_settled_spend_stays(sto
     await store.settle(sargs(prefix, T0 + 1, lim, "done", 150))
     assert not (await store.reserve(rargs(prefix, T0 + 2, lim, prompt=0, maxc=100))).ok  # 300 held + 150
     later = await store.reserve(rargs(prefix, T0 + 11, lim, prompt=0, maxc=350))
-    assert later.ok and later.scopes[0].windows[0].tokens == 150 and later.scopes[0].held_tokens == 0
+    assert later.ok and later.scopes[0].windows[0].used_in("tokens") == 150 and later.scopes[0].held_in("tokens") == 0
     # a settle arriving after its hold lapsed still records the spend (never lose spend)
     await store.settle(sargs(prefix, T0 + 12, lim, "crash", 7))
     fin = await store.reserve(rargs(prefix, T0 + 13, lim, prompt=0, maxc=1, ttl=10))
-    assert fin.scopes[0].windows[0].tokens == 157
+    assert fin.scopes[0].windows[0].used_in("tokens") == 157
 
 
 async def test_replayed_settle_is_not_charged_twice(store, prefix):
@@ -201,8 +203,8 @@ async def test_replayed_settle_is_not_charged_twice(store, prefix):
     assert await store.settle(sargs(prefix, T0 + 2, lim, "once", 40, 7)) is False
     assert await store.settle(sargs(prefix, T0 + 2, lim, "other", 5)) is True
     r = await store.reserve(rargs(prefix, T0 + 3, lim, prompt=0, maxc=1))
-    assert [w.tokens for s in r.scopes for w in s.windows] == [45, 45]
-    assert r.scopes[1].windows[0].money == 7 and r.scopes[0].held_tokens == 0
+    assert [w.used_in("tokens") for s in r.scopes for w in s.windows] == [45, 45]
+    assert r.scopes[1].windows[0].used_in("money") == 7 and r.scopes[0].held_in("tokens") == 0
 
 
 async def test_hierarchy_is_atomic(store, prefix):
@@ -212,7 +214,7 @@ async def test_hierarchy_is_atomic(store, prefix):
     r = await store.reserve(rargs(prefix, T0, lim))
     assert not r.ok and r.fail_scope == 1 and r.fail_kind == "requests"
     r = await store.reserve(rargs(prefix, T0, lim))
-    assert r.scopes[0].windows[0].requests == 1
+    assert r.scopes[0].windows[0].used_in("requests") == 1
 
 
 async def test_concurrent_reserves_never_overshoot(store, prefix):
@@ -233,11 +235,11 @@ async def test_memory_store_persists_across_restart(tmp_path, prefix):
     s2 = MemoryBudgetStore(tmp_path / "b.db", 60)
     await s2.start()
     r = await s2.reserve(rargs(prefix, now + 1, lim, prompt=0, maxc=1))
-    assert r.ok and r.scopes[0].windows[0].tokens == 400 and r.scopes[0].held_tokens == 100
-    assert r.scopes[0].windows[0].requests == 2
+    assert r.ok and r.scopes[0].windows[0].used_in("tokens") == 400 and r.scopes[0].held_in("tokens") == 100
+    assert r.scopes[0].windows[0].used_in("requests") == 2
     # GPU-seconds survive the SQLite snapshot: settled (calendar and rolling counters) and held
-    assert [st.windows[0].gpu for st in r.scopes] == [7_000_000, 7_000_000]
-    assert [st.held_gpu for st in r.scopes] == [1005, 1005]
+    assert [st.windows[0].used_in("gpu_seconds") for st in r.scopes] == [7_000_000, 7_000_000]
+    assert [st.held_in("gpu_seconds") for st in r.scopes] == [1005, 1005]
     await s2.close()
 
 
@@ -293,8 +295,8 @@ def test_lua_matches_reference_model(redis_url, ops, tok, rpm, conc, money):
                     got = await red.reserve(args)
                     want = ref.reserve(args)
                     assert [got.ok, got.completion, got.fail_kind] == [want[0] == 1, want[1], want[4]]
-                    assert [[s.held_tokens, s.held_money, s.holds, s.held_gpu,
-                             [(w.requests, w.tokens, w.money, w.oldest_bucket, w.gpu) for w in s.windows]]
+                    assert [[s.held_in("tokens"), s.held_in("money"), s.holds, s.held_in("gpu_seconds"),
+                             [(w.used_in("requests"), w.used_in("tokens"), w.used_in("money"), w.oldest_bucket, w.used_in("gpu_seconds")) for w in s.windows]]
                             for s in got.scopes] == _ref_scopes(want, args)
                     if got.ok:
                         live.append(rid)
@@ -309,7 +311,7 @@ def test_lua_matches_reference_model(redis_url, ops, tok, rpm, conc, money):
             final = rargs(prefix, now + 0.5, lim, prompt=0, maxc=1, conc=conc_l)
             got = await red.reserve(final)
             want = ref.reserve(final)
-            assert got.ok == (want[0] == 1) and [[s.held_tokens, s.holds, s.held_gpu] for s in got.scopes] == \
+            assert got.ok == (want[0] == 1) and [[s.held_in("tokens"), s.holds, s.held_in("gpu_seconds")] for s in got.scopes] == \
                 [[x[0], x[2], x[3]] for x in _ref_scopes(want, final)]
         finally:
             keys = [k async for k in red.client.scan_iter(f"{prefix}:*")]
@@ -320,18 +322,7 @@ def test_lua_matches_reference_model(redis_url, ops, tok, rpm, conc, money):
     asyncio.run(run())
 
 
-def _ref_scopes(flat, args):
-    """The reference model's flat reply as [held tokens, held money, holds, held gpu, [window 5-tuples]]."""
-    i = 5
-    out = []
-    for s in args.scopes:
-        row = [flat[i], flat[i + 1], flat[i + 2], flat[i + 3], []]
-        i += 4
-        for _ in s.windows:
-            row[4].append(tuple(flat[i:i + 5]))
-            i += 5
-        out.append(row)
-    return out
+_ref_scopes = flat_scopes  # the reference model's flat reply, decoded by hand
 
 
 # ------------------------------------------------------------------ the budget invariant itself, property-based

@@ -97,7 +97,7 @@ def test_budget_needs_a_limit_and_money_parses():
     pol = compile_text("rules:\n  - id: a\n    match: {project: p1}\n    budgets: [{window: month, limit: 12.5 USD}]\n")
     d = pol.decide(P(project="p1"), RequestAttrs(model="m"))
     (b,) = d.budgets
-    assert (b.window, b.scope, b.money, b.currency, b.rule_id) == ("month", "project", 12.5, "USD", "a")
+    assert (b.window, b.scope, b.limit("money"), b.currency, b.rule_id) == ("month", "project", 12.5, "USD", "a")
 
 
 PREC = """
