@@ -1,12 +1,17 @@
 """The OpenAPI 3.1 description of the gateway's public data-plane API, served at GET /openapi.json.
 
-Hand-written (the data plane is raw ASGI, nothing to introspect) and kept to what `gateway.api.parse` accepts,
-so a schema-driven fuzzer (bench/fuzz_api.py, tests/hardening/test_schema_fuzz.py) can check that every
+The request bodies' schemas are generated from the Structs the parsers validate with (gateway/api/bodies.py);
+the operations around them are written here (the data plane is raw ASGI, nothing to introspect). A
+schema-driven fuzzer (bench/fuzz_api.py, tests/hardening/test_schema_fuzz.py) can check that every
 request, valid or not, gets a non-5xx answer and every refusal is the OpenAI error shape.
 """
 from __future__ import annotations
 
 from typing import Any
+
+import msgspec
+
+from gateway.api import bodies
 
 _Json = dict[str, Any]  # a JSON object of the document
 
@@ -48,41 +53,6 @@ _ANTHROPIC_MESSAGE = {
     },
 }
 
-_STOP = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 4}, {"type": "null"}]}
-_SAMPLING = {
-    "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2},
-    "top_p": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
-    "presence_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2},
-    "frequency_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2},
-    "n": {"type": ["integer", "null"], "minimum": 1, "maximum": 4},
-    "stop": _STOP,
-    "stream": {"type": ["boolean", "null"]},
-    "stream_options": {"type": ["object", "null"],
-                       "properties": {"include_usage": {"type": ["boolean", "null"]}}},
-    "max_tokens": {"type": ["integer", "null"], "minimum": 1, "maximum": 64},
-    "user": {"type": "string"},
-    "seed": {"type": ["integer", "null"]},
-    # OpenRouter-style provider preferences, tighten only (gateway/policy/provider_prefs.py): what the gateway
-    # honours; anything else is refused with 400
-    "provider": {"type": "object", "additionalProperties": False, "properties": {
-        "zdr": {"type": "boolean"}, "data_collection": {"type": "string", "enum": ["allow", "deny"]},
-        "allow_fallbacks": {"type": "boolean"},
-        **{k: {"type": "array", "minItems": 1, "maxItems": 64, "uniqueItems": True,
-               "items": {"type": "string", "minLength": 1, "maxLength": 256}} for k in ("only", "ignore", "order")}}},
-}
-_MODEL = {"type": "string", "minLength": 1, "maxLength": 256, "description": "a model or alias from GET /v1/models"}
-_CONTENT_PART = {"type": "object", "required": ["type"],
-                 "properties": {"type": {"type": "string"}, "text": {"type": "string"}}}
-_MESSAGE = {
-    "type": "object",
-    "required": ["role"],
-    "properties": {
-        "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
-        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": _CONTENT_PART}, {"type": "null"}]},
-        "name": {"type": "string"},
-    },
-}
-
 _RESPONSES_ITEM = {
     "type": "object", "required": ["role", "content"],
     "properties": {
@@ -93,7 +63,14 @@ _RESPONSES_ITEM = {
             "properties": {"type": {"enum": ["input_text", "output_text"]}, "text": {"type": "string"}}}}]},
     },
 }
-_TEXTS = {"oneOf": [{"type": "string"}, {"type": "array", "minItems": 1, "maxItems": 8, "items": {"type": "string"}}]}
+_MODEL = {"type": "string", "minLength": 1, "maxLength": 256, "description": "a model or alias from GET /v1/models"}
+REQUEST_BODIES: tuple[type[msgspec.Struct], ...] = (
+    bodies.ChatRequest, bodies.CompletionRequest, bodies.EmbeddingRequest, bodies.RerankRequest, bodies.ScoreRequest,
+    bodies.TokenizeRequest)
+
+
+def _ref(cls: type[msgspec.Struct]) -> str:
+    return bodies.REF.format(name=cls.__name__)
 
 
 def _json_body(schema: _Json) -> _Json:
@@ -193,21 +170,21 @@ def _paths() -> _Json:
     """The `paths` object, in the order the document lists them."""
     return {
         "/v1/chat/completions": _completion_op("createChatCompletion", "Chat completion (OpenAI-compatible)",
-                                               "#/components/schemas/ChatRequest", True),
+                                               _ref(bodies.ChatRequest), True),
         "/v1/completions": _completion_op("createCompletion", "Text completion (OpenAI-compatible)",
-                                          "#/components/schemas/CompletionRequest", True),
+                                          _ref(bodies.CompletionRequest), True),
         "/v1/embeddings": _completion_op("createEmbedding", "Embeddings (OpenAI-compatible)",
-                                         "#/components/schemas/EmbeddingRequest", False),
+                                         _ref(bodies.EmbeddingRequest), False),
         "/v1/messages": _messages_op(),
         "/v1/responses": _completion_op("createResponse", "Responses API, stateless (OpenAI-compatible; "
                                         "store: true and previous_response_id are refused with 400)",
                                         "#/components/schemas/ResponsesRequest", True),
         "/v1/rerank": _completion_op("rerank", "Rerank documents against a query (vLLM's API; backends with "
-                                     "the rerank capability)", "#/components/schemas/RerankRequest", False),
+                                     "the rerank capability)", _ref(bodies.RerankRequest), False),
         "/v1/score": _completion_op("score", "Score text pairs (vLLM's API; backends with the score capability)",
-                                    "#/components/schemas/ScoreRequest", False),
+                                    _ref(bodies.ScoreRequest), False),
         "/tokenize": _completion_op("tokenize", "Tokenize a prompt or a chat (vLLM's API)",
-                                    "#/components/schemas/TokenizeRequest", False),
+                                    _ref(bodies.TokenizeRequest), False),
         "/v1/audio/transcriptions": _transcription_op(),
         "/v1/models": _models_op(),
         **_probe_paths(),
@@ -227,16 +204,6 @@ def _generation_schemas() -> _Json:
             "top_k": {"type": "integer", "minimum": 0},
             "stop_sequences": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
             "metadata": {"type": "object", "properties": {"user_id": {"type": "string"}}}}},
-        "ChatRequest": {"type": "object", "required": ["model", "messages"], "properties": {
-            "model": _MODEL, "messages": {"type": "array", "minItems": 1, "maxItems": 8, "items": _MESSAGE},
-            "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1, "maximum": 64},
-            **_SAMPLING}},
-        "CompletionRequest": {"type": "object", "required": ["model", "prompt"], "properties": {
-            "model": _MODEL,
-            "prompt": {"oneOf": [{"type": "string"},
-                                 {"type": "array", "minItems": 1, "items": {"type": "string"}},
-                                 {"type": "array", "minItems": 1, "items": {"type": "integer"}}]},
-            **_SAMPLING}},
         "ResponsesRequest": {"type": "object", "required": ["model", "input"], "properties": {
             "model": _MODEL,
             "input": {"oneOf": [{"type": "string", "minLength": 1},
@@ -244,27 +211,13 @@ def _generation_schemas() -> _Json:
             "instructions": {"type": ["string", "null"]},
             "max_output_tokens": {"type": ["integer", "null"], "minimum": 1, "maximum": 64},
             "stream": {"type": ["boolean", "null"]},
-            "temperature": _SAMPLING["temperature"], "top_p": _SAMPLING["top_p"],
+            "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2},
+            "top_p": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
             "store": {"enum": [False, None], "description": "stateless: an absent store means false; true "
                                                             "is refused with 400"},
             "tools": {"type": "array", "items": {"type": "object", "required": ["type"],
                                                  "properties": {"type": {"type": "string"}}}},
             "metadata": {"type": "object"}, "user": {"type": "string"}}},
-    }
-
-
-def _pooling_schemas() -> _Json:
-    """Request bodies of the other endpoints: rerank, score, tokenize, transcription, embeddings."""
-    return {
-        "RerankRequest": {"type": "object", "required": ["model", "query", "documents"], "properties": {
-            "model": _MODEL, "query": {"type": "string"},
-            "documents": {"type": "array", "minItems": 1, "maxItems": 8, "items": {"type": "string"}},
-            "top_n": {"type": "integer", "minimum": 0}, "return_documents": {"type": "boolean"}}},
-        "ScoreRequest": {"type": "object", "required": ["model", "text_1", "text_2"], "properties": {
-            "model": _MODEL, "text_1": _TEXTS, "text_2": _TEXTS}},
-        "TokenizeRequest": {"type": "object", "required": ["model", "prompt"], "properties": {
-            "model": _MODEL, "prompt": {"type": "string", "description": "or `messages` instead (a chat)"},
-            "add_special_tokens": {"type": "boolean"}, "return_token_strs": {"type": "boolean"}}},
         "TranscriptionRequest": {"type": "object", "required": ["file", "model"], "properties": {
             "file": {"type": "string", "format": "binary", "description": "the audio (flac, mp3, mp4, mpeg, mpga, "
                                                                          "m4a, ogg, wav or webm), at most 25 MiB"},
@@ -272,14 +225,14 @@ def _pooling_schemas() -> _Json:
             "prompt": {"type": "string"}, "response_format": {"enum": ["json", "text", "verbose_json"]},
             "temperature": {"type": "number", "minimum": 0, "maximum": 1},
             "stream": {"enum": [False], "description": "streaming is refused"}}},
-        "EmbeddingRequest": {"type": "object", "required": ["model", "input"], "properties": {
-            "model": _MODEL,
-            "input": {"oneOf": [{"type": "string"},
-                                {"type": "array", "minItems": 1, "items": {"type": "string"}},
-                                {"type": "array", "minItems": 1, "items": {"type": "integer"}}]},
-            "encoding_format": {"type": "string", "enum": ["float", "base64"]},
-            "user": {"type": "string"}}},
     }
+
+
+def request_schemas() -> _Json:
+    """The request bodies' schemas and the schemas they refer to, generated from their Structs
+    (gateway/api/bodies.py): the same declarations the parsers validate with."""
+    _, schemas = msgspec.json.schema_components((*REQUEST_BODIES, *bodies.DOC_STRUCTS), ref_template=bodies.REF)
+    return schemas
 
 
 def _components() -> _Json:
@@ -290,7 +243,7 @@ def _components() -> _Json:
                             "x-api-key": {"type": "apiKey", "in": "header", "name": "x-api-key",
                                           "description": "the same API key, as Anthropic's SDKs send it"}},
         "schemas": {"Error": _ERROR, "AnthropicError": _ANTHROPIC_ERROR, **_generation_schemas(),
-                    **_pooling_schemas()},
+                    **request_schemas()},
     }
 
 

@@ -1,11 +1,22 @@
-"""Parse and validate OpenAI request bodies (pure): every bad input becomes a 400 naming the param."""
+"""Parse and validate OpenAI request bodies (pure): every bad input becomes a 400 naming the param.
+
+The bodies' shapes are the Structs of gateway/api/bodies.py (`validate` checks them and words their faults); what
+stays here are the rules a type cannot state, each keyed to the field after which it runs:
+- chat: a content part of type text, refusal or image_url carries that field; `stream_options` only with
+  `stream: true`;
+- completions: `prompt` as strings, token ids (ints in [0, 2^31)) or arrays of token ids, not empty, not mixed;
+  `stream_options` as for chat;
+- embeddings: `input` as a completions prompt; `stream` refused when truthy.
+"""
 from __future__ import annotations
 
 from typing import Any
 
 import orjson
 
-from gateway.errors import GatewayError, bad_request
+from gateway.api.bodies import ChatPart, ChatRequest, CompletionRequest, EmbeddingRequest, StreamOptions
+from gateway.api.validate import Rule, Rules, extra_of, struct_fields, type_error, validate
+from gateway.errors import bad_request
 
 _NUMBER = (int, float)
 
@@ -52,10 +63,7 @@ def _too_deep(value: Any, limit: int) -> bool:
     return False
 
 
-def _type_error(param: str, expected: str, value: Any) -> GatewayError:
-    got = "null" if value is None else type(value).__name__
-    return bad_request(f"Invalid type for '{param}': expected {expected}, got {got}.", param=param,
-                       code="invalid_type")
+_type_error = type_error
 
 
 def _opt_number(body: dict[str, Any], name: str, lo: float | None = None, hi: float | None = None) -> None:
@@ -113,103 +121,50 @@ class Parsed:
         self.prompt_chars = prompt_chars
 
 
-# Content-part fields that carry text (OpenAI: text parts, assistant refusals): a string when present.
-_PART_TEXT = ("text", "refusal")
+def _needs(key: str, expected: str) -> Rule:
+    """A part whose `type` is `key` carries `key` (the Struct checks its type where present)."""
+    def rule(part: dict[str, Any], param: str) -> None:
+        if part.get("type") == key and key not in part:
+            raise _type_error(f"{param}.{key}", expected, None)
+    return rule
 
 
-def _part_chars(part: Any, param: str) -> int:
-    """Characters of text in one chat content part. The known shapes are checked (a `text` or `refusal` that
-    is not a string, an `image_url` that is neither a URL string nor an object with one): 400 naming the
-    field, never a crash further down (a non-string `text` used to reach the upstream re-encode as a 500).
-    Other part types (input_audio, file, video_url, ...) pass through to the engine unchanged."""
-    if not isinstance(part, dict):
-        raise _type_error(param, "an object", part)
+_PART_RULES: dict[str, Rule] = {"text": _needs("text", "a string"), "refusal": _needs("refusal", "a string"),
+                                "image_url": _needs("image_url", "a string URL")}
+
+
+def _part_chars(part: dict[str, Any], param: str) -> int:
+    """Characters of text in one (validated) chat content part; a part of type text, refusal or image_url
+    without that field is a 400 naming it (a non-string `text` used to reach the upstream re-encode as a 500)."""
     kind = part.get("type")
-    if kind is not None and not isinstance(kind, str):
-        raise _type_error(f"{param}.type", "a string", kind)
-    n = 0
-    for key in _PART_TEXT:
-        if key in part or kind == key:
-            v = part.get(key)
-            if not isinstance(v, str):
-                raise _type_error(f"{param}.{key}", "a string", v)
-            n += len(v)
-    if kind == "image_url" or "image_url" in part:
-        img = part.get("image_url")
-        url = img.get("url") if isinstance(img, dict) else img
-        if not isinstance(url, str):
-            raise _type_error(f"{param}.image_url" + (".url" if isinstance(img, dict) else ""),
-                              "a string URL" if not isinstance(img, dict) else "a string", url)
-    return n
+    if kind in _PART_RULES:
+        _PART_RULES[kind](part, param)
+    return len(part.get("text", "")) + len(part.get("refusal", ""))
 
 
 def _content_chars(content: Any, param: str) -> int:
+    """Characters of text in a (validated) chat message's content."""
     if content is None:
         return 0
     if isinstance(content, str):
         return len(content)
-    if isinstance(content, list):
-        n = 0
-        for j, part in enumerate(content):
-            n += _part_chars(part, f"{param}[{j}]")
-        return n
-    raise _type_error(param, "a string or an array of content parts", content)
+    return sum(_part_chars(p, f"{param}[{j}]") for j, p in enumerate(content))
 
 
-def _stream_fields(body: dict[str, Any]) -> tuple[bool, bool]:
-    stream = _opt_bool(body, "stream")
-    so = body.get("stream_options")
-    include_usage = False
-    if so is not None:
-        if not isinstance(so, dict):
-            raise _type_error("stream_options", "an object", so)
-        if not stream:
-            raise bad_request("'stream_options' is only allowed when 'stream' is true.", param="stream_options",
-                              code="invalid_value")
-        iu = so.get("include_usage")
-        if iu is not None and not isinstance(iu, bool):
-            raise _type_error("stream_options.include_usage", "a boolean", iu)
-        include_usage = bool(iu)
-    return stream, include_usage
-
-
-def _sampling(body: dict[str, Any]) -> None:
-    _opt_number(body, "temperature", 0, 2)
-    _opt_number(body, "top_p", 0, 1)
-    _opt_number(body, "presence_penalty", -2, 2)
-    _opt_number(body, "frequency_penalty", -2, 2)
-    _opt_int(body, "n", 1)
-    if body.get("n") not in (None, 1) and body.get("stream"):
-        pass  # allowed by OpenAI; usage still reported once
-    stop = body.get("stop")
-    if stop is not None and not isinstance(stop, (str, list)):
-        raise _type_error("stop", "a string or an array of strings", stop)
-
-
-def parse_chat(body: dict[str, Any]) -> Parsed:
-    model = _model(body)
-    if "messages" not in body:
-        raise bad_request("Missing required parameter: 'messages'.", param="messages",
-                          code="missing_required_parameter")
-    msgs = body["messages"]
-    if not isinstance(msgs, list):
-        raise _type_error("messages", "an array", msgs)
-    if not msgs:
-        raise bad_request("'messages' must contain at least one message.", param="messages", code="invalid_value")
-    chars = 0
+def messages_chars(msgs: list[dict[str, Any]]) -> int:
+    """Characters of text in (validated) chat messages, plus 4 per message for its turn markers."""
+    n = 0
     for i, m in enumerate(msgs):
-        if not isinstance(m, dict):
-            raise _type_error(f"messages[{i}]", "an object", m)
-        role = m.get("role")
-        if not isinstance(role, str):
-            raise bad_request(f"Missing or invalid 'messages[{i}].role'.", param=f"messages[{i}].role",
-                              code="invalid_value")
-        chars += _content_chars(m.get("content"), f"messages[{i}].content") + 4
-    stream, include_usage = _stream_fields(body)
-    _sampling(body)
-    mt = _opt_int(body, "max_completion_tokens")
-    mt2 = _opt_int(body, "max_tokens")
-    return Parsed(model, stream, include_usage, mt if mt is not None else mt2, chars)
+        c = m.get("content")
+        n += (len(c) if isinstance(c, str) else _content_chars(c, f"messages[{i}].content")) + 4
+    return n
+
+
+def _stream_options(body: dict[str, Any], param: str) -> None:
+    """`stream_options` only with `stream: true` (a non-object `stream_options` is its type's fault)."""
+    if isinstance(body.get("stream_options"), dict) and not body.get("stream"):
+        raise bad_request("'stream_options' is only allowed when 'stream' is true.", param="stream_options",
+                          code="invalid_value")
 
 
 def _token_id(x: Any) -> bool:
@@ -232,29 +187,56 @@ def _text_or_tokens(v: Any, param: str, expected: str) -> int:
     raise _type_error(param, expected, v)
 
 
+def _prompt(body: dict[str, Any], param: str) -> None:
+    _text_or_tokens(body["prompt"], "prompt", _PROMPT)
+
+
+def _input(body: dict[str, Any], param: str) -> None:
+    _text_or_tokens(body["input"], "input", _INPUT)
+
+
+def _no_stream(body: dict[str, Any], param: str) -> None:
+    if body.get("stream"):
+        raise bad_request("Embeddings do not support streaming.", param="stream", code="invalid_value")
+
+
+def _input_then_stream(body: dict[str, Any], param: str) -> None:
+    _input(body, param)
+    _no_stream(body, param)
+
+
+_PROMPT = extra_of(next(f.type for f in struct_fields(CompletionRequest) if f.name == "prompt"))["expected"]
+_INPUT = extra_of(next(f.type for f in struct_fields(EmbeddingRequest) if f.name == "input"))["expected"]
+CHAT_RULES: Rules = {ChatPart: _PART_RULES, ChatRequest: {"stream": _stream_options}}
+COMPLETION_RULES: Rules = {CompletionRequest: {"prompt": _prompt, "stream": _stream_options}}
+EMBEDDING_RULES: Rules = {EmbeddingRequest: {"input": _input_then_stream}}
+
+
+def _include_usage(so: StreamOptions | None) -> bool:
+    return bool(so is not None and so.include_usage)
+
+
+def parse_chat(body: dict[str, Any]) -> Parsed:
+    req = validate(body, ChatRequest, CHAT_RULES)
+    chars = messages_chars(body["messages"])
+    _stream_options(body, "")
+    mt = req.max_completion_tokens
+    return Parsed(req.model, bool(req.stream), _include_usage(req.stream_options),
+                  mt if mt is not None else req.max_tokens, chars)
+
+
 def parse_completions(body: dict[str, Any]) -> Parsed:
-    model = _model(body)
-    if "prompt" not in body:
-        raise bad_request("Missing required parameter: 'prompt'.", param="prompt", code="missing_required_parameter")
-    chars = _text_or_tokens(body["prompt"], "prompt",
-                            "a string, an array of strings or an array of token ids (ints >= 0)")
-    stream, include_usage = _stream_fields(body)
-    _sampling(body)
-    return Parsed(model, stream, include_usage, _opt_int(body, "max_tokens"), chars)
+    req = validate(body, CompletionRequest, COMPLETION_RULES)
+    chars = _text_or_tokens(req.prompt, "prompt", _PROMPT)
+    _stream_options(body, "")
+    return Parsed(req.model, bool(req.stream), _include_usage(req.stream_options), req.max_tokens, chars)
 
 
 def parse_embeddings(body: dict[str, Any]) -> Parsed:
-    model = _model(body)
-    if "input" not in body:
-        raise bad_request("Missing required parameter: 'input'.", param="input", code="missing_required_parameter")
-    chars = _text_or_tokens(body["input"], "input", "a string or a non-empty array")
-    if body.get("stream"):
-        raise bad_request("Embeddings do not support streaming.", param="stream", code="invalid_value")
-    ef = body.get("encoding_format")
-    if ef is not None and ef not in ("float", "base64"):
-        raise bad_request("'encoding_format' must be 'float' or 'base64'.", param="encoding_format",
-                          code="invalid_value")
-    return Parsed(model, False, False, None, chars)
+    req = validate(body, EmbeddingRequest, EMBEDDING_RULES)
+    chars = _text_or_tokens(req.input, "input", _INPUT)
+    _no_stream(body, "")
+    return Parsed(req.model, False, False, None, chars)
 
 
 PARSERS = {"chat": parse_chat, "completions": parse_completions, "embeddings": parse_embeddings}

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.api.parse import Parsed, _content_chars, _model, _opt_int, _type_error
+from gateway.api.bodies import RerankRequest, ScoreRequest, TokenizeRequest
+from gateway.api.parse import CHAT_RULES, Parsed, messages_chars
+from gateway.api.validate import Rules, validate
 from gateway.errors import bad_request
 from gateway.telemetry.render import render_messages_plain
 
@@ -22,21 +24,8 @@ def _no_stream(body: dict[str, Any], api: str) -> None:
         raise bad_request(f"{api} does not support streaming.", param="stream", code="invalid_value")
 
 
-def _required(body: dict[str, Any], name: str) -> Any:
-    if name not in body:
-        raise bad_request(f"Missing required parameter: '{name}'.", param=name, code="missing_required_parameter")
-    return body[name]
-
-
-def _texts(v: Any, param: str) -> list[str]:
-    """A string or a non-empty array of strings, as a list."""
-    if isinstance(v, str):
-        return [v]
-    if isinstance(v, list) and v and all(isinstance(x, str) for x in v):
-        return v
-    if isinstance(v, list) and not v:
-        raise bad_request(f"'{param}' must not be empty.", param=param, code="invalid_value")
-    raise _type_error(param, "a string or a non-empty array of strings", v)
+def _texts(v: str | list[str]) -> list[str]:
+    return [v] if isinstance(v, str) else v
 
 
 def _pairs_chars(left: list[str], right: list[str], param: str) -> int:
@@ -51,65 +40,45 @@ def _pairs_chars(left: list[str], right: list[str], param: str) -> int:
     return sum(len(a) + len(b) + PAIR_OVERHEAD_CHARS for a, b in zip(left, right))
 
 
+def _rerank_rules(body: dict[str, Any], param: str) -> int:
+    _no_stream(body, "Rerank")
+    return _pairs_chars([body["query"]], body["documents"], "documents")
+
+
+def _score_rules(body: dict[str, Any], param: str) -> int:
+    _no_stream(body, "Score")
+    return _pairs_chars(_texts(body["text_1"]), _texts(body["text_2"]), "text_1")
+
+
+def _one_of_prompt_or_messages(body: dict[str, Any], param: str) -> None:
+    if ("prompt" in body) == ("messages" in body):
+        raise bad_request("Exactly one of 'prompt' or 'messages' is required.", param="prompt",
+                          code="missing_required_parameter" if "prompt" not in body else "invalid_value")
+
+
+RERANK_RULES: Rules = {RerankRequest: {"return_documents": _rerank_rules}}
+SCORE_RULES: Rules = {ScoreRequest: {"text_2": _score_rules}}
+TOKENIZE_RULES: Rules = {**CHAT_RULES, TokenizeRequest: {"model": _one_of_prompt_or_messages}}
+
+
 def parse_rerank(body: dict[str, Any]) -> Parsed:
     """vLLM's (Jina/Cohere-style) rerank: {model, query, documents, top_n?, return_documents?}."""
-    model = _model(body)
-    query = _required(body, "query")
-    if not isinstance(query, str):
-        raise _type_error("query", "a string", query)
-    docs = _required(body, "documents")
-    if not isinstance(docs, list):
-        raise _type_error("documents", "an array of strings", docs)
-    if not docs:
-        raise bad_request("'documents' must contain at least one document.", param="documents", code="invalid_value")
-    for i, d in enumerate(docs):
-        if not isinstance(d, str):
-            raise _type_error(f"documents[{i}]", "a string", d)
-    _opt_int(body, "top_n", 0)
-    rd = body.get("return_documents")
-    if rd is not None and not isinstance(rd, bool):
-        raise _type_error("return_documents", "a boolean", rd)
-    _no_stream(body, "Rerank")
-    return Parsed(model, False, False, None, _pairs_chars([query], docs, "documents"))
+    req = validate(body, RerankRequest, RERANK_RULES)
+    return Parsed(req.model, False, False, None, _rerank_rules(body, ""))
 
 
 def parse_score(body: dict[str, Any]) -> Parsed:
     """vLLM's score: {model, text_1, text_2}, each a string or an array of strings (1:N or N:N pairs)."""
-    model = _model(body)
-    left = _texts(_required(body, "text_1"), "text_1")
-    right = _texts(_required(body, "text_2"), "text_2")
-    _no_stream(body, "Score")
-    return Parsed(model, False, False, None, _pairs_chars(left, right, "text_1"))
+    req = validate(body, ScoreRequest, SCORE_RULES)
+    return Parsed(req.model, False, False, None, _score_rules(body, ""))
 
 
 def parse_tokenize(body: dict[str, Any]) -> Parsed:
     """vLLM's /tokenize: {model, prompt} or {model, messages} (a chat rendered with its template)."""
-    model = _model(body)
-    if ("prompt" in body) == ("messages" in body):
-        raise bad_request("Exactly one of 'prompt' or 'messages' is required.", param="prompt",
-                          code="missing_required_parameter" if "prompt" not in body else "invalid_value")
-    if "prompt" in body:
-        p = body["prompt"]
-        if not isinstance(p, str):
-            raise _type_error("prompt", "a string", p)
-        chars = len(p)
-    else:
-        msgs = body["messages"]
-        if not isinstance(msgs, list) or not msgs:
-            raise _type_error("messages", "a non-empty array", msgs)
-        chars = 0
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict):
-                raise _type_error(f"messages[{i}]", "an object", m)
-            if not isinstance(m.get("role"), str):
-                raise bad_request(f"Missing or invalid 'messages[{i}].role'.", param=f"messages[{i}].role",
-                                  code="invalid_value")
-            chars += _content_chars(m.get("content"), f"messages[{i}].content") + 4
-    for flag in ("add_generation_prompt", "add_special_tokens", "return_token_strs", "continue_final_message"):
-        v = body.get(flag)
-        if v is not None and not isinstance(v, bool):
-            raise _type_error(flag, "a boolean", v)
-    return Parsed(model, False, False, None, chars)
+    req = validate(body, TokenizeRequest, TOKENIZE_RULES)
+    _one_of_prompt_or_messages(body, "")
+    chars = len(req.prompt) if isinstance(req.prompt, str) else messages_chars(body["messages"])
+    return Parsed(req.model, False, False, None, chars)
 
 
 def rerank_text(body: dict[str, Any]) -> str:

@@ -1,0 +1,207 @@
+"""The request body of every endpoint, declared once as msgspec Structs: field names, types, enums, ranges and
+required fields. They are the validator (`gateway.api.validate.validate`, called by the parsers) and the
+request-body schemas of `/openapi.json` (`gateway.api.openapi`, through `msgspec.json.schema_components`).
+
+A Struct validates; the client's dict is what goes upstream. msgspec ignores fields a Struct does not declare,
+so every other field passes through to the engine unchanged (vLLM takes many). Each endpoint's parser
+(`parse*.py`) adds only what a type cannot state, as rules keyed to the field after which they run: a field
+requiring another, mutual exclusions, and the content rules of message parts, blocks and items whose shape
+depends on their `type`.
+
+Field metadata:
+- `Meta(extra=...)` words a field's faults where the derived wording is not the gateway's: see
+  gateway/api/validate.py (`expected`, `invalid`, `code`, `all`, `missing`, `flat`).
+- `Annotated[Any, Meta(extra_json_schema=schema)]` declares a field the gateway passes to the engine without
+  checking it (the engine does): any value is accepted, and it is documented as `schema`.
+- `Meta(extra_json_schema=...)` on a checked field documents what the engine further requires of a value the
+  gateway accepts (a chat `role`'s values; the shapes of a completions `prompt`, whose token-id arrays a rule
+  checks: msgspec unions take one array type).
+
+Multi-part unions that a rule dispatches by `type` (Anthropic content blocks, Responses input items and content
+parts) are declared as Structs too: the rule converts a block with the Struct its `type` names
+(`by_type`), and the field's documentation lists them (`doc_any_of`).
+
+Form bodies (`TranscriptionRequest`) declare each field with the type it stands for (a number, a boolean); the
+parser turns a form's text into that type first (gateway/api/parse_audio.py).
+"""
+from typing import Annotated, Any, Literal
+
+from msgspec import UNSET, Meta, Struct, UnsetType
+
+REF = "#/components/schemas/{name}"
+DOC_STRUCTS: list[type[Struct]] = []  # Structs the documentation refers to beyond the request bodies' own fields
+
+
+def doc_any_of(*structs: type[Struct]) -> dict[str, Any]:
+    """The JSON schema of one of `structs` (by reference), for a field whose items a rule converts by type."""
+    DOC_STRUCTS.extend(s for s in structs if s not in DOC_STRUCTS)
+    return {"anyOf": [{"$ref": REF.format(name=s.__name__)} for s in structs]}
+
+
+def by_type(*structs: type[Struct]) -> dict[str, type[Struct]]:
+    """Each `type` value to the Struct that declares it (its `type` field is a Literal of the values)."""
+    from gateway.api.validate import core, struct_fields
+
+    out: dict[str, type[Struct]] = {}
+    for s in structs:
+        t = core(next(f.type for f in struct_fields(s) if f.name == "type"))
+        out.update((v, s) for v in getattr(t, "values"))
+    return out
+
+
+# --- shared fields --------------------------------------------------------------------------------------------
+
+Model = Annotated[str, Meta(min_length=1, max_length=256, description="a model or alias from GET /v1/models",
+                            extra={"invalid": "'model' must be a non-empty string of at most 256 characters."})]
+Temperature = Annotated[float, Meta(ge=0, le=2)]
+TopP = Annotated[float, Meta(ge=0, le=1)]
+Penalty = Annotated[float, Meta(ge=-2, le=2)]
+Count = Annotated[int, Meta(ge=1)]  # n, max_tokens and the like: an integer >= 1
+Stop = Annotated[str | Annotated[list[Any], Meta(extra_json_schema={"items": {"type": "string"}})] | None,
+                 Meta(extra={"expected": "a string or an array of strings"})]
+User = Annotated[Any, Meta(extra_json_schema={"type": "string"})]
+Seed = Annotated[Any, Meta(extra_json_schema={"type": ["integer", "null"]})]
+PROVIDER_NAMES = {"type": "array", "minItems": 1, "maxItems": 64, "uniqueItems": True,
+                  "items": {"type": "string", "minLength": 1, "maxLength": 256}}
+Provider = Annotated[Any, Meta(extra_json_schema={
+    "type": "object", "additionalProperties": False, "properties": {
+        "zdr": {"type": "boolean"}, "data_collection": {"type": "string", "enum": ["allow", "deny"]},
+        "allow_fallbacks": {"type": "boolean"}, "only": PROVIDER_NAMES, "ignore": PROVIDER_NAMES,
+        "order": PROVIDER_NAMES}}, description=(
+    "OpenRouter-style provider preferences, tighten only (checked by gateway/policy/provider_prefs.py); anything "
+    "else is refused with 400"))]
+
+
+class StreamOptions(Struct):
+    include_usage: bool | None = None
+
+
+# --- OpenAI chat, completions, embeddings (gateway/api/parse.py) --------------------------------------------
+
+class ImageURL(Struct):
+    url: Annotated[str, Meta(extra={"missing": "null"})]
+
+
+class ChatPart(Struct):
+    """A content part. `text` and `refusal` are strings where present (a part of type text or refusal needs its
+    own); `image_url` a URL string or an object with one. Other part types (input_audio, file, video_url, ...)
+    pass through to the engine."""
+
+    type: str | None = None
+    text: str | UnsetType = UNSET
+    refusal: str | UnsetType = UNSET
+    image_url: Annotated[str | ImageURL | UnsetType, Meta(extra={"expected": "a string URL"})] = UNSET
+
+
+class ChatMessage(Struct):
+    role: Annotated[str, Meta(extra={"all": ("Missing or invalid '{param}'.", "invalid_value")},
+                              extra_json_schema={"enum": ["system", "developer", "user", "assistant", "tool"]})]
+    content: Annotated[str | list[ChatPart] | None, Meta(extra={"expected": "a string or an array of content parts"})] = None
+    name: Annotated[Any, Meta(extra_json_schema={"type": "string"})] = UNSET
+
+
+class ChatRequest(Struct):
+    """POST /v1/chat/completions."""
+
+    model: Model
+    messages: Annotated[list[ChatMessage], Meta(min_length=1, extra={
+        "invalid": "'messages' must contain at least one message."})]
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None  # only with stream: true
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    n: Count | None = None
+    stop: Stop = None
+    max_completion_tokens: Count | None = None
+    max_tokens: Count | None = None
+    user: User = UNSET
+    seed: Seed = UNSET
+    provider: Provider = UNSET
+
+
+TOKEN_ID = {"type": "integer", "minimum": 0, "maximum": 2**31 - 1}
+TEXT_OR_TOKENS = {"anyOf": [{"type": "string"},
+                            {"type": "array", "minItems": 1, "items": {"type": "string"}},
+                            {"type": "array", "minItems": 1, "items": TOKEN_ID},
+                            {"type": "array", "minItems": 1, "items": {"type": "array", "minItems": 1,
+                                                                       "items": TOKEN_ID}}]}
+
+
+# A completions prompt or an embeddings input: a string, or a non-empty array of strings, of token ids or of arrays
+# of token ids (the arrays' items checked by a rule: msgspec unions take one array type)
+Prompt = Annotated[str | list[Any], Meta(extra_json_schema=TEXT_OR_TOKENS, extra={
+    "expected": "a string, an array of strings or an array of token ids (ints >= 0)"})]
+EmbeddingInput = Annotated[str | list[Any], Meta(extra_json_schema=TEXT_OR_TOKENS, extra={
+    "expected": "a string or a non-empty array"})]
+
+
+class CompletionRequest(Struct):
+    """POST /v1/completions."""
+
+    model: Model
+    prompt: Prompt
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None  # only with stream: true
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    n: Count | None = None
+    stop: Stop = None
+    max_tokens: Count | None = None
+    user: User = UNSET
+    seed: Seed = UNSET
+    provider: Provider = UNSET
+
+
+class EmbeddingRequest(Struct):
+    """POST /v1/embeddings (no streaming)."""
+
+    model: Model
+    input: EmbeddingInput
+    encoding_format: Annotated[Literal["float", "base64"] | None, Meta(extra={
+        "all": ("'encoding_format' must be 'float' or 'base64'.", "invalid_value")})] = None
+    user: User = UNSET
+    provider: Provider = UNSET
+
+
+# --- vLLM's pooling APIs and tokenizer (gateway/api/parse_pooling.py) ----------------------------------------
+
+class RerankRequest(Struct):
+    """POST /v1/rerank (no streaming; at most 4096 documents)."""
+
+    model: Model
+    query: str
+    documents: Annotated[list[str], Meta(min_length=1, extra={
+        "expected": "an array of strings", "invalid": "'documents' must contain at least one document."})]
+    top_n: Annotated[int, Meta(ge=0)] | None = None
+    return_documents: bool | None = None
+
+
+# a string, or a non-empty array of strings
+Texts = Annotated[str | Annotated[list[str], Meta(min_length=1)], Meta(extra={
+    "expected": "a string or a non-empty array of strings", "flat": True})]
+
+
+class ScoreRequest(Struct):
+    """POST /v1/score: `text_1` against each of `text_2` (1:N), or pairwise (N:N; no streaming)."""
+
+    model: Model
+    text_1: Texts
+    text_2: Texts
+
+
+class TokenizeRequest(Struct):
+    """POST /tokenize: exactly one of `prompt` and `messages`."""
+
+    model: Model
+    prompt: Annotated[str, Meta(description="a string; or `messages` instead (a chat)")] | UnsetType = UNSET
+    messages: Annotated[list[ChatMessage], Meta(min_length=1, extra={
+        "expected": "a non-empty array", "invalid": "Invalid type for '{param}': expected a non-empty array, got list.",
+        "code": "invalid_type"})] | UnsetType = UNSET
+    add_generation_prompt: bool | None = None
+    add_special_tokens: bool | None = None
+    return_token_strs: bool | None = None
+    continue_final_message: bool | None = None
