@@ -14,12 +14,13 @@ Field metadata:
 - `Annotated[Any, Meta(extra_json_schema=schema)]` declares a field the gateway passes to the engine without
   checking it (the engine does): any value is accepted, and it is documented as `schema`.
 - `Meta(extra_json_schema=...)` on a checked field documents what the engine further requires of a value the
-  gateway accepts (a chat `role`'s values; the shapes of a completions `prompt`, whose token-id arrays a rule
-  checks: msgspec unions take one array type).
+  gateway accepts (a chat `role`'s values), or the items of an array a rule checks (`list[Any]`: a completions
+  `prompt`'s strings or token ids, whose kinds a msgspec union cannot tell apart; content blocks). msgspec's
+  generated keys win over these, so they refine only what it leaves open (`items` of a `list[Any]`).
 
-Multi-part unions that a rule dispatches by `type` (Anthropic content blocks, Responses input items and content
-parts) are declared as Structs too: the rule converts a block with the Struct its `type` names
-(`by_type`), and the field's documentation lists them (`doc_any_of`).
+Unions that a rule dispatches by `type` (Anthropic content blocks, Responses input items and content parts) are
+declared as Structs too: the rule converts a block with the Struct its `type` names (`by_type`), and the field's
+documentation lists them (`doc_any_of`).
 
 Form bodies (`TranscriptionRequest`) declare each field with the type it stands for (a number, a boolean); the
 parser turns a form's text into that type first (gateway/api/parse_audio.py).
@@ -122,18 +123,16 @@ class ChatRequest(Struct):
 
 
 TOKEN_ID = {"type": "integer", "minimum": 0, "maximum": 2**31 - 1}
-TEXT_OR_TOKENS = {"anyOf": [{"type": "string"},
-                            {"type": "array", "minItems": 1, "items": {"type": "string"}},
-                            {"type": "array", "minItems": 1, "items": TOKEN_ID},
-                            {"type": "array", "minItems": 1, "items": {"type": "array", "minItems": 1,
-                                                                       "items": TOKEN_ID}}]}
+# strings, token ids or arrays of token ids (one kind per array)
+TEXTS_OR_TOKENS = {"minItems": 1, "items": {"anyOf": [{"type": "string"}, TOKEN_ID,
+                                                      {"type": "array", "minItems": 1, "items": TOKEN_ID}]}}
 
 
 # A completions prompt or an embeddings input: a string, or a non-empty array of strings, of token ids or of arrays
 # of token ids (the arrays' items checked by a rule: msgspec unions take one array type)
-Prompt = Annotated[str | list[Any], Meta(extra_json_schema=TEXT_OR_TOKENS, extra={
+Prompt = Annotated[str | Annotated[list[Any], Meta(extra_json_schema=TEXTS_OR_TOKENS)], Meta(extra={
     "expected": "a string, an array of strings or an array of token ids (ints >= 0)"})]
-EmbeddingInput = Annotated[str | list[Any], Meta(extra_json_schema=TEXT_OR_TOKENS, extra={
+EmbeddingInput = Annotated[str | Annotated[list[Any], Meta(extra_json_schema=TEXTS_OR_TOKENS)], Meta(extra={
     "expected": "a string or a non-empty array"})]
 
 
@@ -205,3 +204,84 @@ class TokenizeRequest(Struct):
     add_special_tokens: bool | None = None
     return_token_strs: bool | None = None
     continue_final_message: bool | None = None
+
+
+# --- Anthropic Messages (gateway/api/parse_messages.py) --------------------------------------------------------
+
+class TextBlock(Struct):
+    type: Annotated[Literal["text"], Meta(extra={"all": ("'{param}' must be 'text'.", "invalid_value")})]
+    text: Annotated[str, Meta(extra={"missing": "null"})]
+
+
+class ImageBlock(Struct):
+    type: Literal["image"]
+    source: Annotated[dict[str, Any], Meta(extra={"missing": "null"})]
+
+
+class DocumentBlock(Struct):
+    type: Literal["document"]
+    source: Annotated[dict[str, Any], Meta(extra={"missing": "null"})]
+
+
+class ToolUseBlock(Struct):
+    type: Literal["tool_use"]
+    id: Annotated[str, Meta(extra={"missing": "null"})]
+    name: Annotated[str, Meta(extra={"missing": "null"})]
+    input: Annotated[dict[str, Any], Meta(extra={"missing": "null"})]
+
+
+class ThinkingBlock(Struct):
+    type: Literal["thinking"]
+    thinking: Annotated[str, Meta(extra={"missing": "null"})]
+
+
+class ToolResultBlock(Struct):
+    type: Literal["tool_result"]
+    tool_use_id: Annotated[str, Meta(extra={"missing": "null"})]
+    content: Annotated[str | Annotated[list[Any], Meta(extra_json_schema={"items": doc_any_of(TextBlock, ImageBlock)})]
+                       | None, Meta(extra={"expected": "a string or an array of content blocks"})] = None
+
+
+# The content blocks a rule checks by their `type` (others pass through to the engine)
+ANTHROPIC_BLOCKS = (TextBlock, ImageBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, DocumentBlock)
+
+
+class AnthropicMessage(Struct):
+    role: Annotated[Literal["user", "assistant"], Meta(extra={
+        "all": ("'{param}' must be 'user' or 'assistant'.", "invalid_value")})]
+    content: Annotated[str | Annotated[list[Any], Meta(extra_json_schema={"items": doc_any_of(*ANTHROPIC_BLOCKS)})],
+                       Meta(extra={"expected": "a string or an array of content blocks"})]
+
+
+class AnthropicTool(Struct):
+    name: Annotated[str, Meta(min_length=1, extra={"all": ("'{param}' must be a non-empty string.", "invalid_value")})]
+    description: Annotated[Any, Meta(extra_json_schema={"type": "string"})] = UNSET
+    input_schema: Annotated[Any, Meta(extra_json_schema={"type": "object"})] = UNSET
+
+
+class ToolChoice(Struct):
+    type: Annotated[Literal["auto", "any", "tool", "none"], Meta(extra={
+        "all": ("'{param}' must be one of 'auto', 'any', 'tool', 'none'.", "invalid_value")})]
+    name: Annotated[Any, Meta(extra_json_schema={"type": "string"}, description="with type: tool")] = UNSET
+
+
+class AnthropicMetadata(Struct):
+    user_id: Annotated[Any, Meta(extra_json_schema={"type": "string"})] = UNSET
+
+
+class MessagesRequest(Struct):
+    """POST /v1/messages (Anthropic's Messages API)."""
+
+    model: Model
+    max_tokens: Annotated[int, Meta(ge=1)]
+    messages: Annotated[list[AnthropicMessage], Meta(min_length=1, extra={
+        "invalid": "'messages' must contain at least one message."})]
+    system: Annotated[str | list[TextBlock] | None, Meta(extra={"expected": "a string or an array of text blocks"})] = None
+    stream: bool | None = None
+    temperature: Annotated[float, Meta(ge=0, le=1)] | None = None
+    top_p: TopP | None = None
+    top_k: Annotated[int, Meta(ge=0)] | None = None
+    stop_sequences: Annotated[list[str] | None, Meta(extra={"expected": "an array of strings", "flat": True})] = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: ToolChoice | None = None
+    metadata: AnthropicMetadata | None = None

@@ -42,17 +42,6 @@ _ANTHROPIC_ERROR = {
                   "properties": {"type": {"type": "string"}, "message": {"type": "string"}}},
     },
 }
-_TEXT_BLOCK = {"type": "object", "required": ["type", "text"],
-               "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
-_ANTHROPIC_MESSAGE = {
-    "type": "object",
-    "required": ["role", "content"],
-    "properties": {
-        "role": {"type": "string", "enum": ["user", "assistant"]},
-        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": _TEXT_BLOCK}]},
-    },
-}
-
 _RESPONSES_ITEM = {
     "type": "object", "required": ["role", "content"],
     "properties": {
@@ -66,7 +55,7 @@ _RESPONSES_ITEM = {
 _MODEL = {"type": "string", "minLength": 1, "maxLength": 256, "description": "a model or alias from GET /v1/models"}
 REQUEST_BODIES: tuple[type[msgspec.Struct], ...] = (
     bodies.ChatRequest, bodies.CompletionRequest, bodies.EmbeddingRequest, bodies.RerankRequest, bodies.ScoreRequest,
-    bodies.TokenizeRequest)
+    bodies.TokenizeRequest, bodies.MessagesRequest)
 
 
 def _ref(cls: type[msgspec.Struct]) -> str:
@@ -128,7 +117,7 @@ def _messages_op() -> _Json:
     return {"post": {
         "operationId": "createMessage", "summary": "Anthropic Messages (x-api-key or Bearer; Anthropic-shaped errors)",
         "security": [{"bearer": []}, {"x-api-key": []}],
-        "requestBody": _json_body({"$ref": "#/components/schemas/MessagesRequest"}),
+        "requestBody": _json_body({"$ref": _ref(bodies.MessagesRequest)}),
         "responses": {"200": {"description": "A message (typed SSE events when stream is true)",
                               "content": {"application/json": {"schema": {"type": "object"}},
                                           "text/event-stream": {"schema": {"type": "string"}}}},
@@ -194,16 +183,6 @@ def _paths() -> _Json:
 def _generation_schemas() -> _Json:
     """Request bodies of the generating endpoints: messages, chat, completions, responses."""
     return {
-        "MessagesRequest": {"type": "object", "required": ["model", "max_tokens", "messages"], "properties": {
-            "model": _MODEL, "max_tokens": {"type": "integer", "minimum": 1, "maximum": 64},
-            "messages": {"type": "array", "minItems": 1, "maxItems": 8, "items": _ANTHROPIC_MESSAGE},
-            "system": {"oneOf": [{"type": "string"}, {"type": "array", "items": _TEXT_BLOCK}]},
-            "stream": {"type": "boolean"},
-            "temperature": {"type": "number", "minimum": 0, "maximum": 1},
-            "top_p": {"type": "number", "minimum": 0, "maximum": 1},
-            "top_k": {"type": "integer", "minimum": 0},
-            "stop_sequences": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
-            "metadata": {"type": "object", "properties": {"user_id": {"type": "string"}}}}},
         "ResponsesRequest": {"type": "object", "required": ["model", "input"], "properties": {
             "model": _MODEL,
             "input": {"oneOf": [{"type": "string", "minLength": 1},

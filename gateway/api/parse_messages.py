@@ -8,146 +8,77 @@ or an array of content blocks). `system` is a string or an array of text blocks;
 `temperature` and `top_p` numbers in [0, 1]; `top_k` an integer >= 0; `stop_sequences` an array of strings;
 `tools` an array of objects with a `name`; `tool_choice` an object of type auto/any/tool (with a `name`)/none.
 Block types other than text, image, tool_use, tool_result, document and thinking pass through unchecked (the
-engine answers for them)."""
+engine answers for them).
+
+The shapes are the Structs of gateway/api/bodies.py (`MessagesRequest` and its blocks); the rules here: a content
+block is checked with the Struct its `type` names, and `tool_choice` of type `tool` names its tool."""
 from __future__ import annotations
 
 import json
 from typing import Any
 
-from gateway.api.parse import Parsed, _model, _opt_bool, _opt_int, _opt_number, _type_error
-from gateway.errors import bad_request
+from gateway.api.bodies import ANTHROPIC_BLOCKS, AnthropicMessage, MessagesRequest, ToolChoice, ToolResultBlock, by_type
+from gateway.api.parse import Parsed
+from gateway.api.validate import Rules, type_error, validate
 
-ROLES = ("user", "assistant")
-
-
-def _text_field(block: dict[str, Any], key: str, param: str) -> int:
-    v = block.get(key)
-    if not isinstance(v, str):
-        raise _type_error(f"{param}.{key}", "a string", v)
-    return len(v)
+BLOCKS = by_type(*ANTHROPIC_BLOCKS)
 
 
 def _block_chars(block: Any, param: str) -> int:
-    """Characters of prompt text in one content block; the known block shapes are checked."""
+    """Characters of prompt text in one content block (an object): a block of a known `type` is checked with
+    its Struct, others pass through to the engine."""
     if not isinstance(block, dict):
-        raise _type_error(param, "an object", block)
+        raise type_error(param, "an object", block)
     kind = block.get("type")
     if not isinstance(kind, str):
-        raise _type_error(f"{param}.type", "a string", kind)
-    if kind == "text":
-        return _text_field(block, "text", param)
-    if kind == "thinking":
-        return _text_field(block, "thinking", param)
-    if kind in ("image", "document"):
-        src = block.get("source")
-        if not isinstance(src, dict):
-            raise _type_error(f"{param}.source", "an object", src)
+        raise type_error(f"{param}.type", "a string", kind)
+    cls = BLOCKS.get(kind)
+    if cls is None:
         return 0
+    validate(block, cls, RULES, param)
+    if kind in ("text", "thinking"):
+        return len(block[kind])
     if kind == "tool_use":
-        for key in ("id", "name"):
-            _text_field(block, key, param)
-        inp = block.get("input")
-        if not isinstance(inp, dict):
-            raise _type_error(f"{param}.input", "an object", inp)
-        return len(str(inp))
+        return len(str(block["input"]))
     if kind == "tool_result":
-        _text_field(block, "tool_use_id", param)
-        c = block.get("content")
-        if c is None:
-            return 0
-        if isinstance(c, str):
-            return len(c)
-        if isinstance(c, list):
-            return sum(_block_chars(b, f"{param}.content[{j}]") for j, b in enumerate(c))
-        raise _type_error(f"{param}.content", "a string or an array of content blocks", c)
+        return _result_chars(block, param)
     return 0
 
 
-def _content_chars(content: Any, param: str) -> int:
-    if isinstance(content, str):
-        return len(content)
-    if isinstance(content, list):
-        return sum(_block_chars(b, f"{param}[{j}]") for j, b in enumerate(content))
-    raise _type_error(param, "a string or an array of content blocks", content)
+def _result_chars(block: dict[str, Any], param: str) -> int:
+    """A tool result's content: a string, or blocks as a message's."""
+    c = block.get("content")
+    if isinstance(c, list):
+        return sum(_block_chars(b, f"{param}.content[{j}]") for j, b in enumerate(c))
+    return len(c) if isinstance(c, str) else 0
 
 
-def _system_chars(system: Any) -> int:
-    if system is None:
-        return 0
-    if isinstance(system, str):
-        return len(system)
-    if isinstance(system, list):
-        n = 0
-        for j, b in enumerate(system):
-            param = f"system[{j}]"
-            if not isinstance(b, dict):
-                raise _type_error(param, "an object", b)
-            if b.get("type") != "text":
-                raise bad_request(f"'{param}.type' must be 'text'.", param=f"{param}.type", code="invalid_value")
-            n += _text_field(b, "text", param)
-        return n
-    raise _type_error("system", "a string or an array of text blocks", system)
+def _message_chars(m: dict[str, Any], param: str) -> int:
+    c = m["content"]
+    if isinstance(c, str):
+        return len(c)
+    return sum(_block_chars(b, f"{param}.content[{j}]") for j, b in enumerate(c))
+
+
+def _tool_choice(tc: dict[str, Any], param: str) -> None:
+    if tc["type"] == "tool" and not isinstance(tc.get("name"), str):
+        raise type_error("tool_choice.name", "a string", tc.get("name"))
+
+
+RULES: Rules = {AnthropicMessage: {"content[]": _block_chars}, ToolResultBlock: {"content[]": _block_chars},
+                ToolChoice: {"name": _tool_choice}}
 
 
 def parse_messages(body: dict[str, Any]) -> Parsed:
-    model = _model(body)
-    if "max_tokens" not in body:
-        raise bad_request("Missing required parameter: 'max_tokens'.", param="max_tokens",
-                          code="missing_required_parameter")
-    max_tokens = _opt_int(body, "max_tokens")
-    if max_tokens is None:
-        raise _type_error("max_tokens", "an integer", None)
-    if "messages" not in body:
-        raise bad_request("Missing required parameter: 'messages'.", param="messages",
-                          code="missing_required_parameter")
-    msgs = body["messages"]
-    if not isinstance(msgs, list):
-        raise _type_error("messages", "an array", msgs)
-    if not msgs:
-        raise bad_request("'messages' must contain at least one message.", param="messages", code="invalid_value")
-    chars = _system_chars(body.get("system"))
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict):
-            raise _type_error(f"messages[{i}]", "an object", m)
-        role = m.get("role")
-        if role not in ROLES:
-            raise bad_request(f"'messages[{i}].role' must be 'user' or 'assistant'.", param=f"messages[{i}].role",
-                              code="invalid_value")
-        if "content" not in m:
-            raise bad_request(f"Missing required parameter: 'messages[{i}].content'.",
-                              param=f"messages[{i}].content", code="missing_required_parameter")
-        chars += _content_chars(m["content"], f"messages[{i}].content") + 4
-    stream = _opt_bool(body, "stream")
-    _opt_number(body, "temperature", 0, 1)
-    _opt_number(body, "top_p", 0, 1)
-    _opt_int(body, "top_k", 0)
-    stop = body.get("stop_sequences")
-    if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-        raise _type_error("stop_sequences", "an array of strings", stop)
-    tools = body.get("tools")
-    if tools is not None:
-        if not isinstance(tools, list):
-            raise _type_error("tools", "an array", tools)
-        for j, t in enumerate(tools):
-            if not isinstance(t, dict):
-                raise _type_error(f"tools[{j}]", "an object", t)
-            if not isinstance(t.get("name"), str) or not t["name"]:
-                raise bad_request(f"'tools[{j}].name' must be a non-empty string.", param=f"tools[{j}].name",
-                                  code="invalid_value")
-    tc = body.get("tool_choice")
-    if tc is not None:
-        if not isinstance(tc, dict):
-            raise _type_error("tool_choice", "an object", tc)
-        if tc.get("type") not in ("auto", "any", "tool", "none"):
-            raise bad_request("'tool_choice.type' must be one of 'auto', 'any', 'tool', 'none'.",
-                              param="tool_choice.type", code="invalid_value")
-        if tc["type"] == "tool" and not isinstance(tc.get("name"), str):
-            raise _type_error("tool_choice.name", "a string", tc.get("name"))
-    md = body.get("metadata")
-    if md is not None and not isinstance(md, dict):
-        raise _type_error("metadata", "an object", md)
+    req = validate(body, MessagesRequest, RULES)
+    system = req.system
+    chars = len(system) if isinstance(system, str) else sum(len(b.text) for b in system) if system else 0
+    for i, m in enumerate(body["messages"]):
+        chars += _message_chars(m, f"messages[{i}]") + 4
+    if req.tool_choice is not None:
+        _tool_choice(body["tool_choice"], "tool_choice")
     # Anthropic streams always carry usage (message_start, message_delta): nothing to ask for or strip
-    return Parsed(model, stream, False, max_tokens, chars)
+    return Parsed(req.model, bool(req.stream), False, req.max_tokens, chars)
 
 
 def _openai_part(block: dict[str, Any]) -> dict[str, Any] | None:

@@ -19,8 +19,9 @@ field itself).
 
 Rules are the checks a type cannot state (one field requiring another, a mutual exclusion, a content block's
 shape chosen by its `type`). Each is keyed to a Struct and a field, `{Struct: {field: rule}}`, and runs right after
-that field, so the walk reports faults in one order whether a type or a rule finds them. A rule takes the object
-(a dict) and its param path and raises a `GatewayError`; the parsers also run their rules on the accept path.
+that field (`field[]`: after each item of an array field), so the walk reports faults in one order whether a type
+or a rule finds them. A rule takes the object (a dict; an item for `field[]`) and its param path and raises a
+`GatewayError`; the parsers also run their rules on the accept path.
 
 Only the types the bodies use are walked: str, int, float, bool, None, Literal, list, dict, Struct, unions of
 these, Any. The body that goes upstream is the client's dict, never the Struct: msgspec ignores fields a Struct
@@ -100,7 +101,7 @@ def _sub(param: str, name: str) -> str:
     return f"{param}.{name}" if param else name
 
 
-def _walk(v: Any, t: mi.Type, param: str, extra: dict[str, Any], rules: Rules) -> None:
+def _walk(v: Any, t: mi.Type, param: str, extra: dict[str, Any], rules: Rules, each: Rule | None = None) -> None:
     while isinstance(t, mi.Metadata):
         if t.extra:
             extra = {**extra, **t.extra}
@@ -110,7 +111,7 @@ def _walk(v: Any, t: mi.Type, param: str, extra: dict[str, Any], rules: Rules) -
     if isinstance(t, mi.UnionType):
         for m in t.types:
             if _kind_ok(m, v):
-                return _walk(v, m, param, extra, rules)
+                return _walk(v, m, param, extra, rules, each)
         raise _type_fault(param, t, v, extra)
     if not _kind_ok(t, v):
         raise _type_fault(param, t, v, extra)
@@ -134,6 +135,8 @@ def _walk(v: Any, t: mi.Type, param: str, extra: dict[str, Any], rules: Rules) -
                 if extra.get("flat"):
                     raise _type_fault(param, t, v, extra) from None
                 raise
+            if each is not None:
+                each(x, f"{param}[{i}]")
     elif isinstance(t, mi.DictType):
         for k, x in v.items():
             _walk(x, t.value_type, f"{param}.{k}", {}, rules)
@@ -142,7 +145,7 @@ def _walk(v: Any, t: mi.Type, param: str, extra: dict[str, Any], rules: Rules) -
         for f in t.fields:
             sub = _sub(param, f.encode_name)
             if f.encode_name in v:
-                _walk(v[f.encode_name], f.type, sub, {}, rules)
+                _walk(v[f.encode_name], f.type, sub, {}, rules, own.get(f.name + "[]"))
             elif f.required:
                 raise _missing(sub, f.type)
             rule = own.get(f.name)
