@@ -285,3 +285,89 @@ class MessagesRequest(Struct):
     tools: list[AnthropicTool] | None = None
     tool_choice: ToolChoice | None = None
     metadata: AnthropicMetadata | None = None
+
+
+# --- OpenAI Responses, stateless (gateway/api/parse_responses.py) --------------------------------------------
+
+class ResponsesTextPart(Struct):
+    type: Literal["input_text", "output_text", "text", "summary_text", "reasoning_text"]
+    text: Annotated[str, Meta(extra={"missing": "null"})]
+
+
+class ResponsesRefusalPart(Struct):
+    type: Literal["refusal"]
+    refusal: Annotated[str, Meta(extra={"missing": "null"})]
+
+
+class ResponsesMediaPart(Struct):
+    """An image, file or audio part, passed to the engine."""
+
+    type: Literal["input_image", "input_file", "input_audio"]
+
+
+# The content parts a rule checks by their `type` (any other type is refused)
+RESPONSES_PARTS = (ResponsesTextPart, ResponsesRefusalPart, ResponsesMediaPart)
+Parts = Annotated[list[Any], Meta(extra_json_schema={"items": doc_any_of(*RESPONSES_PARTS)})]
+Content = Annotated[str | Parts, Meta(extra={"expected": "a string or an array of content parts"})]
+
+
+class MessageItem(Struct):
+    """A message (`type` may be left out when `role` is given)."""
+
+    role: Annotated[Literal["user", "assistant", "system", "developer"], Meta(extra={"all": (
+        "Invalid value for '{param}': expected one of user, assistant, system, developer.", "invalid_value")})]
+    content: Content
+    type: Literal["message"] = "message"
+
+
+class FunctionCallItem(Struct):
+    type: Literal["function_call"]
+    call_id: Annotated[str, Meta(extra={"missing": "null"})]
+    name: Annotated[str, Meta(extra={"missing": "null"})]
+    arguments: Annotated[str, Meta(extra={"missing": "null"})]
+
+
+class FunctionCallOutputItem(Struct):
+    type: Literal["function_call_output"]
+    call_id: Annotated[str, Meta(extra={"missing": "null"})]
+    output: Annotated[Content, Meta(extra={"missing": "null"})]
+
+
+class ReasoningItem(Struct):
+    type: Literal["reasoning"]
+    summary: Parts | None = None
+    content: Parts | None = None
+
+
+# The input items a rule checks by their `type` (item_reference is refused: it needs stored responses)
+RESPONSES_ITEMS = (MessageItem, FunctionCallItem, FunctionCallOutputItem, ReasoningItem)
+
+
+class ResponsesTool(Struct):
+    type: Annotated[str, Meta(extra={"missing": "null"})]
+
+
+STATELESS = "stateless: an absent or false value only; true is refused with 400 (the gateway stores no responses)"
+
+
+class ResponsesRequest(Struct, kw_only=True):
+    """POST /v1/responses, stateless: `store: true`, `background: true`, `previous_response_id` and
+    `conversation` are refused with 400 (they need stored responses); an absent `store` means false."""
+
+    model: Model
+    store: Annotated[bool | None, Meta(description=STATELESS, extra_json_schema={"enum": [False, None]})] = None
+    background: Annotated[bool | None, Meta(description=STATELESS, extra_json_schema={"enum": [False, None]})] = None
+    input: Annotated[
+        Annotated[str, Meta(min_length=1, extra={"invalid": "'input' must not be empty."})]
+        | Annotated[list[Any], Meta(min_length=1, extra={"invalid": "'input' must contain at least one item."},
+                                    extra_json_schema={"items": doc_any_of(*RESPONSES_ITEMS)})],
+        Meta(extra={"expected": "a string or an array of input items"})]
+    instructions: str | None = None
+    stream: bool | None = None
+    stream_options: dict[str, Any] | None = None  # only with stream: true
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    tools: list[ResponsesTool] | None = None
+    metadata: dict[str, Any] | None = None
+    max_output_tokens: Count | None = None
+    user: User = UNSET

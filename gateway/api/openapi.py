@@ -42,20 +42,10 @@ _ANTHROPIC_ERROR = {
                   "properties": {"type": {"type": "string"}, "message": {"type": "string"}}},
     },
 }
-_RESPONSES_ITEM = {
-    "type": "object", "required": ["role", "content"],
-    "properties": {
-        "type": {"const": "message"},
-        "role": {"type": "string", "enum": ["user", "assistant", "system", "developer"]},
-        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {
-            "type": "object", "required": ["type", "text"],
-            "properties": {"type": {"enum": ["input_text", "output_text"]}, "text": {"type": "string"}}}}]},
-    },
-}
 _MODEL = {"type": "string", "minLength": 1, "maxLength": 256, "description": "a model or alias from GET /v1/models"}
 REQUEST_BODIES: tuple[type[msgspec.Struct], ...] = (
     bodies.ChatRequest, bodies.CompletionRequest, bodies.EmbeddingRequest, bodies.RerankRequest, bodies.ScoreRequest,
-    bodies.TokenizeRequest, bodies.MessagesRequest)
+    bodies.TokenizeRequest, bodies.MessagesRequest, bodies.ResponsesRequest)
 
 
 def _ref(cls: type[msgspec.Struct]) -> str:
@@ -167,7 +157,7 @@ def _paths() -> _Json:
         "/v1/messages": _messages_op(),
         "/v1/responses": _completion_op("createResponse", "Responses API, stateless (OpenAI-compatible; "
                                         "store: true and previous_response_id are refused with 400)",
-                                        "#/components/schemas/ResponsesRequest", True),
+                                        _ref(bodies.ResponsesRequest), True),
         "/v1/rerank": _completion_op("rerank", "Rerank documents against a query (vLLM's API; backends with "
                                      "the rerank capability)", _ref(bodies.RerankRequest), False),
         "/v1/score": _completion_op("score", "Score text pairs (vLLM's API; backends with the score capability)",
@@ -183,20 +173,6 @@ def _paths() -> _Json:
 def _generation_schemas() -> _Json:
     """Request bodies of the generating endpoints: messages, chat, completions, responses."""
     return {
-        "ResponsesRequest": {"type": "object", "required": ["model", "input"], "properties": {
-            "model": _MODEL,
-            "input": {"oneOf": [{"type": "string", "minLength": 1},
-                                {"type": "array", "minItems": 1, "maxItems": 8, "items": _RESPONSES_ITEM}]},
-            "instructions": {"type": ["string", "null"]},
-            "max_output_tokens": {"type": ["integer", "null"], "minimum": 1, "maximum": 64},
-            "stream": {"type": ["boolean", "null"]},
-            "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2},
-            "top_p": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
-            "store": {"enum": [False, None], "description": "stateless: an absent store means false; true "
-                                                            "is refused with 400"},
-            "tools": {"type": "array", "items": {"type": "object", "required": ["type"],
-                                                 "properties": {"type": {"type": "string"}}}},
-            "metadata": {"type": "object"}, "user": {"type": "string"}}},
         "TranscriptionRequest": {"type": "object", "required": ["file", "model"], "properties": {
             "file": {"type": "string", "format": "binary", "description": "the audio (flac, mp3, mp4, mpeg, mpga, "
                                                                          "m4a, ogg, wav or webm), at most 25 MiB"},

@@ -9,20 +9,26 @@ What is checked: `model`; `input` (a string, or a non-empty array of items: mess
 content-part content, function calls and their outputs, reasoning items); `instructions`; `max_output_tokens`;
 `stream` / `stream_options`; `temperature` / `top_p`; `tools` (an array of objects with a string `type`, passed
 through unchanged); `metadata` (an object). Other fields pass through to the engine.
+
+The shapes are the Structs of gateway/api/bodies.py (`ResponsesRequest`, its input items and content parts); the
+rules here: the stateful fields refused, each input item and content part checked with the Struct its `type`
+names (an unknown type refused), `stream_options` only with `stream: true`.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from gateway.api.parse import Parsed, _model, _opt_bool, _opt_int, _opt_number, _type_error
+from gateway.api.bodies import (RESPONSES_ITEMS, RESPONSES_PARTS, FunctionCallOutputItem, MessageItem, ReasoningItem,
+                                 ResponsesMediaPart, ResponsesRefusalPart, ResponsesRequest, by_type)
+from gateway.api.parse import Parsed
+from gateway.api.validate import Rules, type_error, validate
 from gateway.errors import GatewayError, bad_request
 from gateway.telemetry.render import render_messages_plain
 
-ROLES = ("user", "assistant", "system", "developer")
-# content-part types and the field holding their text (the image/file parts carry no text)
-_PART_TEXT = {"input_text": "text", "output_text": "text", "text": "text", "refusal": "refusal",
-              "summary_text": "text", "reasoning_text": "text"}
-_PART_OTHER = ("input_image", "input_file", "input_audio")
+PARTS = by_type(*RESPONSES_PARTS)
+ITEMS = by_type(*RESPONSES_ITEMS)
+_PART_TEXT = {kind: "refusal" if cls is ResponsesRefusalPart else "text" for kind, cls in PARTS.items()
+              if cls is not ResponsesMediaPart}  # content-part types and the field holding their text
 
 
 def _stateful(param: str, what: str) -> GatewayError:
@@ -30,104 +36,60 @@ def _stateful(param: str, what: str) -> GatewayError:
                        code="unsupported_parameter")
 
 
-def _part_chars(part: Any, param: str) -> int:
-    if not isinstance(part, dict):
-        raise _type_error(param, "an object", part)
-    kind = part.get("type")
-    if not isinstance(kind, str):
-        raise _type_error(f"{param}.type", "a string", kind)
-    key = _PART_TEXT.get(kind)
-    if key is not None:
-        v = part.get(key)
-        if not isinstance(v, str):
-            raise _type_error(f"{param}.{key}", "a string", v)
-        return len(v)
-    if kind in _PART_OTHER:
-        return 0
-    raise bad_request(f"Invalid value for '{param}.type': {kind[:64]!r} is not a supported content part type.",
-                      param=f"{param}.type", code="invalid_value")
-
-
-def _content_chars(content: Any, param: str) -> int:
-    if isinstance(content, str):
-        return len(content)
-    if isinstance(content, list):
-        return sum(_part_chars(p, f"{param}[{j}]") for j, p in enumerate(content))
-    raise _type_error(param, "a string or an array of content parts", content)
-
-
-def _str_field(item: dict[str, Any], key: str, param: str) -> str:
-    v = item.get(key)
-    if not isinstance(v, str):
-        raise _type_error(f"{param}.{key}", "a string", v)
-    return v
-
-
-def _item_chars(item: Any, param: str) -> int:
-    """Characters of text in one input item (plus 4 for its turn markers); a bad item is a 400 naming it."""
-    if not isinstance(item, dict):
-        raise _type_error(param, "an object", item)
-    kind = item.get("type", "message" if "role" in item else None)
-    if kind is None:
+def _type_of(obj: Any, param: str, item: bool = False) -> str:
+    """An input item's or a content part's `type` (an item with a `role` is a message)."""
+    if not isinstance(obj, dict):
+        raise type_error(param, "an object", obj)
+    kind = obj.get("type", "message" if item and "role" in obj else None)
+    if kind is None and item:
         raise bad_request(f"Missing required parameter: '{param}.type' (or '{param}.role' for a message).",
                           param=f"{param}.type", code="missing_required_parameter")
     if not isinstance(kind, str):
-        raise _type_error(f"{param}.type", "a string", kind)
-    if kind == "message":
-        role = item.get("role")
-        if role not in ROLES:
-            raise bad_request(f"Invalid value for '{param}.role': expected one of {', '.join(ROLES)}.",
-                              param=f"{param}.role", code="invalid_value")
-        if "content" not in item:
-            raise bad_request(f"Missing required parameter: '{param}.content'.", param=f"{param}.content",
-                              code="missing_required_parameter")
-        return _content_chars(item["content"], f"{param}.content") + 4
-    if kind == "function_call":
-        _str_field(item, "call_id", param)
-        return len(_str_field(item, "name", param)) + len(_str_field(item, "arguments", param)) + 4
-    if kind == "function_call_output":
-        _str_field(item, "call_id", param)
-        out = item.get("output")
-        if isinstance(out, str):
-            return len(out) + 4
-        if isinstance(out, list):
-            return _content_chars(out, f"{param}.output") + 4
-        raise _type_error(f"{param}.output", "a string or an array of content parts", out)
-    if kind == "reasoning":
-        n = 0
-        for key in ("summary", "content"):
-            parts = item.get(key)
-            if parts is None:
-                continue
-            if not isinstance(parts, list):
-                raise _type_error(f"{param}.{key}", "an array", parts)
-            n += sum(_part_chars(p, f"{param}.{key}[{j}]") for j, p in enumerate(parts))
-        return n + 4
+        raise type_error(f"{param}.type", "a string", kind)
+    return kind
+
+
+def _part_chars(part: Any, param: str) -> int:
+    """Characters of text in one content part, checked with the Struct its `type` names."""
+    kind = _type_of(part, param)
+    cls = PARTS.get(kind)
+    if cls is None:
+        raise bad_request(f"Invalid value for '{param}.type': {kind[:64]!r} is not a supported content part type.",
+                          param=f"{param}.type", code="invalid_value")
+    validate(part, cls, param=param)
+    key = _PART_TEXT.get(kind)
+    return len(part[key]) if key else 0
+
+
+def _content_chars(content: str | list[Any], param: str) -> int:
+    if isinstance(content, str):
+        return len(content)
+    return sum(_part_chars(p, f"{param}[{j}]") for j, p in enumerate(content))
+
+
+def _item_chars(item: Any, param: str) -> int:
+    """Characters of text in one input item (plus 4 for its turn markers), checked with the Struct its `type`
+    names; a bad item is a 400 naming it."""
+    kind = _type_of(item, param, item=True)
     if kind == "item_reference":
         raise _stateful(f"{param}", "item references need stored responses")
-    raise bad_request(f"Invalid value for '{param}.type': {kind[:64]!r} is not a supported input item type.",
-                      param=f"{param}.type", code="invalid_value")
+    cls = ITEMS.get(kind)
+    if cls is None:
+        raise bad_request(f"Invalid value for '{param}.type': {kind[:64]!r} is not a supported input item type.",
+                          param=f"{param}.type", code="invalid_value")
+    validate(item, cls, RULES, param)
+    if kind == "message":
+        return _content_chars(item["content"], f"{param}.content") + 4
+    if kind == "function_call":
+        return len(item["name"]) + len(item["arguments"]) + 4
+    if kind == "function_call_output":
+        return _content_chars(item["output"], f"{param}.output") + 4
+    return sum(_content_chars(item.get(key) or [], f"{param}.{key}") for key in ("summary", "content")) + 4
 
 
-def input_chars(value: Any) -> int:
-    """Characters of text in a Responses `input` (a string or an array of items); 400 naming the bad part."""
-    if isinstance(value, str):
-        if not value:
-            raise bad_request("'input' must not be empty.", param="input", code="invalid_value")
-        return len(value)
-    if isinstance(value, list):
-        if not value:
-            raise bad_request("'input' must contain at least one item.", param="input", code="invalid_value")
-        return sum(_item_chars(item, f"input[{i}]") for i, item in enumerate(value))
-    raise _type_error("input", "a string or an array of input items", value)
-
-
-def parse_responses(body: dict[str, Any]) -> Parsed:
-    model = _model(body)
-    store = body.get("store")
-    if store is not None and not isinstance(store, bool):
-        raise _type_error("store", "a boolean", store)
-    if store:
+def _stored(body: dict[str, Any], param: str) -> None:
+    """What needs stored responses: `store: true`, `previous_response_id`, `conversation`."""
+    if body.get("store"):
         raise bad_request("'store: true' is not supported: this gateway is stateless and does not store responses; "
                           "send 'store: false' or leave it out (an absent 'store' means false here).",
                           param="store", code="unsupported_value")
@@ -136,39 +98,43 @@ def parse_responses(body: dict[str, Any]) -> Parsed:
                                                 "'input'")
     if body.get("conversation") is not None:
         raise _stateful("conversation", "keeps no conversations; send the whole conversation in 'input'")
-    if _opt_bool(body, "background"):
+
+
+def _background(body: dict[str, Any], param: str) -> None:
+    if body.get("background"):
         raise _stateful("background", "background responses need stored responses")
-    if "input" not in body:
-        raise bad_request("Missing required parameter: 'input'.", param="input", code="missing_required_parameter")
-    chars = input_chars(body["input"])
-    ins = body.get("instructions")
-    if ins is not None:
-        if not isinstance(ins, str):
-            raise _type_error("instructions", "a string", ins)
-        chars += len(ins) + 4
-    stream = _opt_bool(body, "stream")
-    so = body.get("stream_options")
-    if so is not None:
-        if not isinstance(so, dict):
-            raise _type_error("stream_options", "an object", so)
-        if not stream:
-            raise bad_request("'stream_options' is only allowed when 'stream' is true.", param="stream_options",
-                              code="invalid_value")
-    _opt_number(body, "temperature", 0, 2)
-    _opt_number(body, "top_p", 0, 1)
-    tools = body.get("tools")
-    if tools is not None:
-        if not isinstance(tools, list):
-            raise _type_error("tools", "an array", tools)
-        for i, t in enumerate(tools):
-            if not isinstance(t, dict):
-                raise _type_error(f"tools[{i}]", "an object", t)
-            if not isinstance(t.get("type"), str):
-                raise _type_error(f"tools[{i}].type", "a string", t.get("type"))
-    md = body.get("metadata")
-    if md is not None and not isinstance(md, dict):
-        raise _type_error("metadata", "an object", md)
-    return Parsed(model, stream, False, _opt_int(body, "max_output_tokens"), chars)
+
+
+def _stream_options(body: dict[str, Any], param: str) -> None:
+    if body.get("stream_options") is not None and not body.get("stream"):
+        raise bad_request("'stream_options' is only allowed when 'stream' is true.", param="stream_options",
+                          code="invalid_value")
+
+
+RULES: Rules = {
+    ResponsesRequest: {"store": _stored, "background": _background, "input[]": _item_chars,
+                       "stream_options": _stream_options},
+    MessageItem: {"content[]": _part_chars}, FunctionCallOutputItem: {"output[]": _part_chars},
+    ReasoningItem: {"summary[]": _part_chars, "content[]": _part_chars},
+}
+
+
+def input_chars(value: str | list[Any]) -> int:
+    """Characters of text in a (validated) Responses `input`: a string, or items checked by their type."""
+    if isinstance(value, str):
+        return len(value)
+    return sum(_item_chars(item, f"input[{i}]") for i, item in enumerate(value))
+
+
+def parse_responses(body: dict[str, Any]) -> Parsed:
+    req = validate(body, ResponsesRequest, RULES)
+    _stored(body, "")
+    _background(body, "")
+    chars = input_chars(req.input)
+    if req.instructions is not None:
+        chars += len(req.instructions) + 4
+    _stream_options(body, "")
+    return Parsed(req.model, bool(req.stream), False, req.max_output_tokens, chars)
 
 
 def prompt_text(body: dict[str, Any]) -> str:
