@@ -1,26 +1,24 @@
 -- Atomic budget reserve/settle over every scope x window of one request (one EVALSHA each).
 -- Mirrors gateway/budget/model.py BudgetState exactly; see that module for the semantics.
--- The budget dimensions arrive in the arguments (gateway/budget/dimensions.py): dw, the codes of the window
--- counters in table order (the first, requests, is counted by every reserve and marks a bucket as present);
--- da, the codes of the amounts a reservation holds; hm, how many amounts a hold string keeps even when 0.
+-- The budget dimensions (gateway/budget/dimensions.py) come from a prelude gateway/budget/store.py generates from
+-- the table and puts before this text (so the script's SHA changes with the table), as constants:
+--   W    the codes of the window counters in table order (the first, requests, is counted by every reserve and
+--        marks a rolling bucket as present), TOT the fields of their totals (the codes upper-cased),
+--   AT   per counter, its position among the held amounts (0: a count, never held),
+--   HT   per held amount, the hold hash's field of its total ("_<code>"),
+--   HM   how many amounts a hold string keeps even when 0.
+-- (Constants, not arguments: decoding them from every call's JSON cost ~5 us of script time, bench/budget.py.)
 -- KEYS: per scope: hold zset (rid by expiry), hold hash (rid -> amounts "a1:a2[:a3...]", trailing zeros
---       past hm dropped; "_<code>" totals), then one counter key per window of that scope (hash: "<CODE>"
---       totals, "<code><bucket>" per rolling bucket, "lo" the oldest bucket).
+--       past HM dropped; HT totals), then one counter key per window of that scope (hash: TOT totals,
+--       "<code><bucket>" per rolling bucket, "lo" the oldest bucket).
 --       settle only: a last key, the request's idempotency marker (when ARGV has dx).
 -- ARGV[1]: JSON plan (ReserveArgs.to_wire / SettleArgs.to_wire); amounts are integer store units (money
---          nano-units, GPU-seconds micro-GPU-seconds).
+--          nano-units, GPU-seconds micro-GPU-seconds), arrays in the order of HT, window limits keyed by code.
 local p = cjson.decode(ARGV[1])
 local now = p.now
 local ki = 1
-local W, A = p.dw, p.da
-local NW, NA = #W, #A
+local NW, NA = #W, #HT
 local MARK = W[1]
-local TOT, HT, AT = {}, {}, {}  -- per counter: its total's field; per amount: the hold hash's total field
-for i = 1, NW do TOT[i] = string.upper(W[i]) end
-for j = 1, NA do
-  HT[j] = '_' .. A[j]
-  for i = 1, NW do if W[i] == A[j] then AT[i] = j end end  -- counter i is amount j (nil: a count)
-end
 
 local function I(x) return string.format('%d', x) end
 
@@ -103,7 +101,7 @@ end
 
 if p.op == 'r' then
   local F, P = p.f, p.p  -- per amount: held whatever the completion, and per completion token granted
-  local out = {}
+  local out, no = {0, 0, 0, 0, 0}, 5  -- the reply: (ok, c, scope, window, kind) set at the end, then the stats
   local ok, c, fs, fw, fk = 1, p.maxc, 0, 0, ''
   local cs, cw, ck = 0, 0, ''
   local los = {}
@@ -111,12 +109,13 @@ if p.op == 'r' then
     local z, h = KEYS[ki], KEYS[ki + 1]
     ki = ki + 2
     purge(z, h)
-    local hv = redis.call('HMGET', h, unpack(HT))
-    local held = {}
-    for j = 1, NA do held[j] = tonumber(hv[j]) or 0 end
+    local held = redis.call('HMGET', h, unpack(HT))
+    for j = 1, NA do held[j] = tonumber(held[j]) or 0 end
     local nh = redis.call('ZCARD', z)
-    out[#out + 1] = nh
-    for j = 1, NA do out[#out + 1] = held[j] end
+    no = no + 1
+    out[no] = nh
+    for j = 1, NA do out[no + j] = held[j] end
+    no = no + NA
     if s.c and nh + 1 > s.c and ok == 1 then ok, fs, fw, fk = 0, si, 0, 'concurrency' end
     for wi, w in ipairs(s.w) do
       local k = KEYS[ki]
@@ -127,20 +126,21 @@ if p.op == 'r' then
         los[k] = lo
         if redis.call('HEXISTS', k, MARK .. lo) == 1 then old = lo else old = w.b end
       end
-      local v = redis.call('HMGET', k, unpack(TOT))
-      local sums = {}
+      local sums = redis.call('HMGET', k, unpack(TOT))
       for i = 1, NW do
-        sums[i] = tonumber(v[i]) or 0
-        out[#out + 1] = sums[i]
+        local x = tonumber(sums[i]) or 0
+        sums[i] = x
+        out[no + i] = x
       end
-      out[#out + 1] = old
+      no = no + NW + 1
+      out[no] = old
       local l = w.l
       if ok == 1 and l then
         for i = 1, NW do
           local lim = l[W[i]]
           if lim then
             local j = AT[i]
-            if not j then  -- a count: this request is one more
+            if j == 0 then  -- a count: this request is one more
               if sums[i] + 1 > lim then
                 ok, fs, fw, fk = 0, si, wi, W[i]
                 break
@@ -158,7 +158,7 @@ if p.op == 'r' then
   end
   if ok == 1 and c < p.minc then ok, fs, fw, fk = 0, cs, cw, ck end
   if ok == 1 then
-    local amt, parts, last = {}, {}, p.hm
+    local amt, parts, last = {}, {}, HM
     for j = 1, NA do
       amt[j] = F[j] + c * P[j]
       if amt[j] ~= 0 and j > last then last = j end
@@ -166,7 +166,7 @@ if p.op == 'r' then
     for j = 1, last do parts[j] = I(amt[j]) end
     local hold = table.concat(parts, ':')
     local vals = {1}
-    for i = 2, NW do if AT[i] then vals[i] = 0 else vals[i] = 1 end end
+    for i = 2, NW do if AT[i] == 0 then vals[i] = 1 else vals[i] = 0 end end
     ki = 1
     for _, s in ipairs(p.s) do
       local z, h = KEYS[ki], KEYS[ki + 1]
@@ -187,9 +187,8 @@ if p.op == 'r' then
     c = 0
   end
   -- the refusing limit's kind: its dimension's code (ReserveResult.from_flat names it), 'concurrency', or ''
-  local res = {ok, c, fs, fw, fk}
-  for i = 1, #out do res[#res + 1] = out[i] end
-  return res
+  out[1], out[2], out[3], out[4], out[5] = ok, c, fs, fw, fk
+  return out
 else
   -- idempotent settle: the last key is a per-request marker; a replayed settle (its first reply was lost
   -- when the server went away after executing it) finds the marker and changes nothing
@@ -198,7 +197,7 @@ else
   end
   local vals = {}
   for i = 1, NW do
-    if AT[i] then vals[i] = p.a[AT[i]] else vals[i] = 0 end
+    if AT[i] == 0 then vals[i] = 0 else vals[i] = p.a[AT[i]] end
   end
   for _, s in ipairs(p.s) do
     local z, h = KEYS[ki], KEYS[ki + 1]

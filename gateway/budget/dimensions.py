@@ -8,7 +8,8 @@ table come:
   `gateway policy schema --write` rewrites the object in gateway/policy/schema.json; a test keeps the file in step),
   and `BudgetSpec.limits` (gateway/types.py);
 - the reservation and settle arithmetic of the reference model (model.py), of the SQLite store (store.py: one hold
-  column per held dimension) and of the Redis script (budget.lua: the dimension codes arrive in its arguments);
+  column per held dimension) and of the Redis script (budget.lua, after a prelude of the dimensions' codes that
+  store.py generates from the table);
 - the service's limits, x-ratelimit-* headers, 429 codes and messages and `budget` evidence (service.py);
 - the spend-ledger columns (ledger.py) and the row the stage files (stage.py).
 
@@ -212,8 +213,3 @@ _check(DIMENSIONS)
 def settled_values(facts: SettleFacts) -> dict[str, float]:
     """What a request used in every held dimension, in policy units."""
     return {d.name: d.settle(facts) for d in HELD}  # type: ignore[misc]
-
-
-def wire_dims() -> dict[str, Any]:
-    """The dimension codes the Redis script iterates (budget.lua), sent with every call."""
-    return {"dw": [d.code for d in COUNTED], "da": [d.code for d in HELD], "hm": HOLD_PARTS_MIN}

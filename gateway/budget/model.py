@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from gateway.budget.dimensions import CONCURRENCY, COUNTED, HELD, MICRO, NANO, Kind, wire_dims
+from gateway.budget.dimensions import CONCURRENCY, COUNTED, HELD, MICRO, NANO, Kind
 from gateway.budget.windows import RollingCounter, pad_sums
 
 __all__ = ["MICRO", "NANO", "COUNTED_AT", "HELD_AT", "by_counted", "by_held", "WindowPlan", "ScopePlan", "ReserveArgs",
@@ -33,7 +33,6 @@ _NAME_OF_CODE = {d.code: d.name for d in COUNTED}
 # per counted dimension: (position, name, position among the held ones or None for a COUNT)
 _CHECKS = tuple((i, d.name, HELD_AT.get(d.name)) for i, d in enumerate(COUNTED))
 _AT_RESERVE = [1 if d.kind is Kind.COUNT else 0 for d in COUNTED]  # what a reserve adds to each counter
-_WIRE = wire_dims()
 
 
 def by_counted(values: Mapping[str, int | None]) -> tuple[int | None, ...]:
@@ -124,7 +123,7 @@ class ReserveArgs:
     def to_wire(self) -> dict[str, Any]:
         return {"op": "r", "now": self.now, "rid": self.rid, "exp": self.expires, "hx": self.hold_ttl_s,
                 "maxc": self.max_completion, "minc": self.min_completion, "f": self.fixed, "p": self.per_token,
-                "s": [s.to_wire() for s in self.scopes], **_WIRE}
+                "s": [s.to_wire() for s in self.scopes]}
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,8 +144,7 @@ class SettleArgs:
         return out
 
     def to_wire(self) -> dict[str, Any]:
-        d = {"op": "s", "now": self.now, "rid": self.rid, "a": self.amounts, "s": [s.to_wire() for s in self.scopes],
-             **_WIRE}
+        d = {"op": "s", "now": self.now, "rid": self.rid, "a": self.amounts, "s": [s.to_wire() for s in self.scopes]}
         if self.done_key:
             d["dx"] = self.done_ttl_s
         return d

@@ -18,13 +18,30 @@ from typing import Any, Protocol
 
 import orjson
 
-from gateway.budget.dimensions import COUNTED, HELD
+from gateway.budget.dimensions import COUNTED, HELD, HOLD_PARTS_MIN
 from gateway.budget.model import BudgetState, ReserveArgs, ReserveResult, SettleArgs
 from gateway.budget.windows import RollingCounter, pad_sums
 from gateway.stores.sql import enable_wal, is_locked
 
 log = logging.getLogger("gateway.budget.store")
-LUA = (resources.files("gateway.budget") / "budget.lua").read_text(encoding="utf-8")  # package data
+
+
+def _lua() -> str:
+    """budget.lua (package data) after a prelude of the budget dimensions as Lua constants (see the script's
+    header), generated from the table: the script iterates whatever dimensions the table declares."""
+    held = [d.code for d in HELD]
+
+    def arr(xs: list) -> str:
+        return "{" + ", ".join(f"'{x}'" if isinstance(x, str) else str(x) for x in xs) + "}"
+
+    prelude = (f"local W, TOT, AT, HT, HM = {arr([d.code for d in COUNTED])}, "
+               f"{arr([d.code.upper() for d in COUNTED])}, "
+               f"{arr([held.index(d.code) + 1 if d.code in held else 0 for d in COUNTED])}, "
+               f"{arr(['_' + c for c in held])}, {HOLD_PARTS_MIN}\n")
+    return prelude + (resources.files("gateway.budget") / "budget.lua").read_text(encoding="utf-8")
+
+
+LUA = _lua()
 # the SQLite store's holds: one integer column per held budget dimension, named by its code
 _HOLD_COLS = tuple(d.code for d in HELD)
 _HOLD_SUMS = ", ".join(f"sum({c})" for c in _HOLD_COLS)

@@ -2,7 +2,7 @@
 to the budget dimensions' table (gateway/budget/dimensions.py) and no other change, an output-token limit (as
 Anthropic's OTPM): reserve holds 1 per completion token, settle charges the completion tokens, its own header, a
 ledger column of its own. Exercises the policy compiler (schema from the table), the service on the memory, SQLite
-and Redis stores (the Lua script driven by its arguments), the stage's ledger row, and prints a JSON summary.
+and Redis stores (the Lua script after the prelude generated from the table), the stage's ledger row, and prints a JSON summary.
 
 Usage: python -m tests.budget._new_dimension SPEC_JSON   (dir, redis_url, prefix)"""
 from __future__ import annotations

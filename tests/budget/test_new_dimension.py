@@ -1,8 +1,8 @@
 """A budget dimension is one row of gateway/budget/dimensions.py: a process whose table has one more row (an
 output-token limit, tests/budget/_new_dimension.py) compiles policies limiting it, reserves and settles it on the
-memory, SQLite and Redis stores alike (the Lua script takes the dimensions from its arguments), refuses with its
-own kind, header and message, and files its ledger column, with no other file changed. The SQLite counters and
-ledger files were created by this version's table: the new hold and ledger columns are added on open."""
+memory, SQLite and Redis stores alike (the Lua script loops over the codes of a prelude generated from the table),
+refuses with its own kind, header and message, and files its ledger column, with no other file changed. The SQLite
+counters and ledger files were created by this version's table: the new hold and ledger columns are added on open."""
 from __future__ import annotations
 
 import asyncio
