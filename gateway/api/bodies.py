@@ -371,3 +371,24 @@ class ResponsesRequest(Struct, kw_only=True):
     metadata: dict[str, Any] | None = None
     max_output_tokens: Count | None = None
     user: User = UNSET
+
+
+# --- OpenAI audio transcription, a multipart form (gateway/api/parse_audio.py) --------------------------------
+
+FormText = Meta(extra={"expected": "a text field"})  # a form field given as a file or more than once is no text
+
+
+class TranscriptionRequest(Struct):
+    """POST /v1/audio/transcriptions, a multipart form: each field's type is what its text stands for."""
+
+    model: Model
+    file: Annotated[Any, Meta(extra_json_schema={"type": "string", "format": "binary"}, description=(
+        "the audio (flac, mp3, mp4, mpeg, mpga, m4a, ogg, wav or webm), at most 25 MiB"))]
+    language: Annotated[str, FormText, Meta(max_length=32, description="ISO-639-1", extra={
+        "invalid": "'{param}' must be at most 32 characters."})] | UnsetType = UNSET
+    prompt: Annotated[str, FormText] | UnsetType = UNSET
+    response_format: Annotated[Literal["json", "text", "verbose_json"], FormText, Meta(extra={
+        "invalid": lambda param, v: f"'{param}' must be one of json, text, verbose_json, got {v[:32]!r}."})] | UnsetType = UNSET
+    temperature: Annotated[float, FormText, Meta(ge=0, le=1)] | UnsetType = UNSET
+    stream: Annotated[bool, FormText, Meta(description="streaming is refused", extra_json_schema={"enum": [False]})] | UnsetType = UNSET
+    max_completion_tokens: Annotated[int, FormText, Meta(ge=1, description="vLLM's cap on the transcript's tokens")] | UnsetType = UNSET

@@ -42,10 +42,9 @@ _ANTHROPIC_ERROR = {
                   "properties": {"type": {"type": "string"}, "message": {"type": "string"}}},
     },
 }
-_MODEL = {"type": "string", "minLength": 1, "maxLength": 256, "description": "a model or alias from GET /v1/models"}
 REQUEST_BODIES: tuple[type[msgspec.Struct], ...] = (
     bodies.ChatRequest, bodies.CompletionRequest, bodies.EmbeddingRequest, bodies.RerankRequest, bodies.ScoreRequest,
-    bodies.TokenizeRequest, bodies.MessagesRequest, bodies.ResponsesRequest)
+    bodies.TokenizeRequest, bodies.MessagesRequest, bodies.ResponsesRequest, bodies.TranscriptionRequest)
 
 
 def _ref(cls: type[msgspec.Struct]) -> str:
@@ -92,7 +91,7 @@ def _transcription_op() -> _Json:
         "summary": "Transcribe audio (OpenAI-compatible; backends with the transcription capability, vLLM's "
                    "Whisper-class models); usage in tokens",
         "requestBody": {"required": True, "content": {"multipart/form-data": {
-            "schema": {"$ref": "#/components/schemas/TranscriptionRequest"},
+            "schema": {"$ref": _ref(bodies.TranscriptionRequest)},
             "encoding": {"file": {"contentType": "audio/*, application/octet-stream"}}}}},
         "responses": {"200": {"description": "{text, usage: {type: tokens, input_tokens, output_tokens, "
                                              "total_tokens}}; verbose_json: {duration, language, text, segments}",
@@ -170,19 +169,6 @@ def _paths() -> _Json:
     }
 
 
-def _generation_schemas() -> _Json:
-    """Request bodies of the generating endpoints: messages, chat, completions, responses."""
-    return {
-        "TranscriptionRequest": {"type": "object", "required": ["file", "model"], "properties": {
-            "file": {"type": "string", "format": "binary", "description": "the audio (flac, mp3, mp4, mpeg, mpga, "
-                                                                         "m4a, ogg, wav or webm), at most 25 MiB"},
-            "model": _MODEL, "language": {"type": "string", "maxLength": 32, "description": "ISO-639-1"},
-            "prompt": {"type": "string"}, "response_format": {"enum": ["json", "text", "verbose_json"]},
-            "temperature": {"type": "number", "minimum": 0, "maximum": 1},
-            "stream": {"enum": [False], "description": "streaming is refused"}}},
-    }
-
-
 def request_schemas() -> _Json:
     """The request bodies' schemas and the schemas they refer to, generated from their Structs
     (gateway/api/bodies.py): the same declarations the parsers validate with."""
@@ -197,8 +183,7 @@ def _components() -> _Json:
                                        "description": "an API key (gw_<id>_<secret>, static key) or a JWT"},
                             "x-api-key": {"type": "apiKey", "in": "header", "name": "x-api-key",
                                           "description": "the same API key, as Anthropic's SDKs send it"}},
-        "schemas": {"Error": _ERROR, "AnthropicError": _ANTHROPIC_ERROR, **_generation_schemas(),
-                    **request_schemas()},
+        "schemas": {"Error": _ERROR, "AnthropicError": _ANTHROPIC_ERROR, **request_schemas()},
     }
 
 

@@ -18,8 +18,6 @@ from gateway.api.bodies import ChatPart, ChatRequest, CompletionRequest, Embeddi
 from gateway.api.validate import Rule, Rules, extra_of, struct_fields, type_error, validate
 from gateway.errors import bad_request
 
-_NUMBER = (int, float)
-
 
 def decode_json(raw: bytes) -> dict[str, Any]:
     if not raw:
@@ -63,51 +61,6 @@ def _too_deep(value: Any, limit: int) -> bool:
     return False
 
 
-_type_error = type_error
-
-
-def _opt_number(body: dict[str, Any], name: str, lo: float | None = None, hi: float | None = None) -> None:
-    v = body.get(name)
-    if v is None:
-        return
-    if isinstance(v, bool) or not isinstance(v, _NUMBER):
-        raise _type_error(name, "a number", v)
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise bad_request(f"'{name}' must be between {lo} and {hi}, got {v}.", param=name, code="invalid_value")
-
-
-def _opt_int(body: dict[str, Any], name: str, lo: int = 1) -> int | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise _type_error(name, "an integer", v)
-    if v < lo:
-        raise bad_request(f"'{name}' must be >= {lo}, got {v}.", param=name, code="invalid_value")
-    return v
-
-
-def _opt_bool(body: dict[str, Any], name: str) -> bool:
-    v = body.get(name)
-    if v is None:
-        return False
-    if not isinstance(v, bool):
-        raise _type_error(name, "a boolean", v)
-    return v
-
-
-def _model(body: dict[str, Any]) -> str:
-    if "model" not in body:
-        raise bad_request("Missing required parameter: 'model'.", param="model", code="missing_required_parameter")
-    m = body["model"]
-    if not isinstance(m, str):
-        raise _type_error("model", "a string", m)
-    if not m or len(m) > 256:
-        raise bad_request("'model' must be a non-empty string of at most 256 characters.", param="model",
-                          code="invalid_value")
-    return m
-
-
 class Parsed:
     """What the pipeline needs from a body, validated."""
 
@@ -125,7 +78,7 @@ def _needs(key: str, expected: str) -> Rule:
     """A part whose `type` is `key` carries `key` (the Struct checks its type where present)."""
     def rule(part: dict[str, Any], param: str) -> None:
         if part.get("type") == key and key not in part:
-            raise _type_error(f"{param}.{key}", expected, None)
+            raise type_error(f"{param}.{key}", expected, None)
     return rule
 
 
@@ -184,7 +137,7 @@ def _text_or_tokens(v: Any, param: str, expected: str) -> int:
             return 4 * len(v)
         if all(isinstance(x, list) and x and all(_token_id(t) for t in x) for x in v):
             return 4 * sum(len(x) for x in v)
-    raise _type_error(param, expected, v)
+    raise type_error(param, expected, v)
 
 
 def _prompt(body: dict[str, Any], param: str) -> None:

@@ -4,6 +4,10 @@ verbose_json: the formats vLLM serves), `temperature` (0 to 1) and vLLM's `max_c
 field is a 400 naming it; a file over `MAX_FILE_BYTES` is a 413. Streaming is refused (the gateway answers a
 transcription whole). Other fields go upstream as the client sent them.
 
+The fields and their types are `TranscriptionRequest`'s (gateway/api/bodies.py), which also documents the form;
+here: a form's text read as the number, integer or boolean its field declares (`typed`), the file's checks, and
+streaming refused.
+
 Sizes: `Parsed.prompt_chars` is the UTF-8 size of the text `prompt` (a bound on its tokens). The audio's own
 tokens (vLLM counts Whisper's at 100 per second of audio) are known only from the engine's usage, once the
 engine has decoded the audio: budgets reserve the text prompt and the completion and settle what the engine
@@ -12,8 +16,13 @@ counted (docs/budgets.md).
 from __future__ import annotations
 
 import math
+
+from msgspec import inspect as mi
+
+from gateway.api.bodies import TranscriptionRequest
 from gateway.api.media import Body, Upload
-from gateway.api.parse import Parsed, _model, _type_error
+from gateway.api.parse import Parsed
+from gateway.api.validate import Fault, Rules, core, struct_fields, validate
 from gateway.errors import GatewayError, bad_request
 
 MAX_FILE_BYTES = 25 * 1024 * 1024  # OpenAI's limit; vLLM's VLLM_MAX_AUDIO_CLIP_FILESIZE_MB (25) by default
@@ -22,21 +31,8 @@ RESPONSE_FORMATS = ("json", "text", "verbose_json")
 _TRUE, _FALSE = ("true", "1"), ("false", "0")
 
 
-def _opt_text(body: Body, name: str, most: int | None = None) -> str | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if not isinstance(v, str):
-        raise _type_error(name, "a text field", v)
-    if most is not None and len(v) > most:
-        raise bad_request(f"'{name}' must be at most {most} characters.", param=name, code="invalid_value")
-    return v
-
-
-def _file(body: Body) -> Upload:
-    f = body.get("file")
-    if f is None:
-        raise bad_request("Missing required parameter: 'file'.", param="file", code="missing_required_parameter")
+def _file(body: Body, param: str) -> None:
+    f = body["file"]
     if not isinstance(f, Upload):
         raise bad_request("'file' must be a file (a form part with a filename), one per request.", param="file",
                           code="invalid_type")
@@ -45,50 +41,71 @@ def _file(body: Body) -> Upload:
     if f.size > MAX_FILE_BYTES:
         raise GatewayError(413, f"'file' is {f.size} bytes, over the limit of {MAX_FILE_BYTES} bytes.",
                            param="file", code="file_too_large")
-    return f
 
 
-def _temperature(body: Body) -> None:
-    t = _opt_text(body, "temperature")
-    if t is None:
-        return
+def _no_stream(body: Body, param: str) -> None:
+    if body.get("stream") is True:
+        raise bad_request("Streaming transcriptions are not supported; send stream=false or leave it out.",
+                          param="stream", code="invalid_value")
+
+
+RULES: Rules = {TranscriptionRequest: {"file": _file, "stream": _no_stream}}
+
+
+def _number(name: str, text: str, t: mi.FloatType) -> float | Fault:
     try:
-        v = float(t)
+        v = float(text)
     except ValueError:
-        raise bad_request(f"'temperature' must be a number, got {t[:32]!r}.", param="temperature",
-                          code="invalid_type") from None
-    if not math.isfinite(v) or not 0 <= v <= 1:
-        raise bad_request(f"'temperature' must be between 0 and 1, got {t[:32]!r}.", param="temperature",
-                          code="invalid_value")
+        return Fault(bad_request(f"'{name}' must be a number, got {text[:32]!r}.", param=name, code="invalid_type"))
+    if not math.isfinite(v) or (t.ge is not None and v < t.ge) or (t.le is not None and v > t.le):
+        return Fault(bad_request(f"'{name}' must be between {t.ge} and {t.le}, got {text[:32]!r}.", param=name,
+                                 code="invalid_value"))
+    return v
 
 
-def _max_tokens(body: Body) -> int | None:
-    t = _opt_text(body, "max_completion_tokens")
-    if t is None:
-        return None
-    if not t.isdigit() or int(t) < 1:
-        raise bad_request(f"'max_completion_tokens' must be an integer >= 1, got {t[:32]!r}.",
-                          param="max_completion_tokens", code="invalid_value")
-    return int(t)
+def _integer(name: str, text: str, t: mi.IntType) -> int | Fault:
+    lo = t.ge if t.ge is not None else 0
+    if not text.isdecimal() or int(text) < lo:
+        return Fault(bad_request(f"'{name}' must be an integer >= {lo}, got {text[:32]!r}.", param=name,
+                                 code="invalid_value"))
+    return int(text)
+
+
+def _boolean(name: str, text: str) -> bool | Fault:
+    low = text.lower()
+    if low in _TRUE + _FALSE:
+        return low in _TRUE
+    return Fault(bad_request(f"'{name}' must be true or false.", param=name, code="invalid_value"))
+
+
+def typed(body: Body) -> Body:
+    """The form's fields as the types `TranscriptionRequest` declares: the text of a number, an integer or a
+    boolean field read as one (a text that is none, or out of range, is a `Fault` in its place)."""
+    out = dict(body)
+    for f in FIELDS:
+        text = body.get(f.encode_name)
+        t = core(f.type)
+        if not isinstance(text, str):
+            continue
+        if isinstance(t, mi.FloatType):
+            out[f.encode_name] = _number(f.encode_name, text, t)
+        elif isinstance(t, mi.IntType):
+            out[f.encode_name] = _integer(f.encode_name, text, t)
+        elif isinstance(t, mi.BoolType):
+            out[f.encode_name] = _boolean(f.encode_name, text)
+    return out
+
+
+FIELDS = struct_fields(TranscriptionRequest)
 
 
 def parse_transcription(body: Body) -> Parsed:
-    model = _model(body)
-    _file(body)
-    _opt_text(body, "language", 32)
-    prompt = _opt_text(body, "prompt") or ""
-    fmt = _opt_text(body, "response_format")
-    if fmt is not None and fmt not in RESPONSE_FORMATS:
-        raise bad_request(f"'response_format' must be one of {', '.join(RESPONSE_FORMATS)}, got {fmt[:32]!r}.",
-                          param="response_format", code="invalid_value")
-    _temperature(body)
-    stream = _opt_text(body, "stream")
-    if stream is not None and stream.lower() not in _TRUE + _FALSE:
-        raise bad_request("'stream' must be true or false.", param="stream", code="invalid_value")
-    if stream is not None and stream.lower() in _TRUE:
-        raise bad_request("Streaming transcriptions are not supported; send stream=false or leave it out.",
-                          param="stream", code="invalid_value")
-    return Parsed(model, False, False, _max_tokens(body), len(prompt.encode()))
+    values = typed(body)
+    req = validate(values, TranscriptionRequest, RULES)
+    _file(values, "")
+    _no_stream(values, "")
+    max_tokens = req.max_completion_tokens if isinstance(req.max_completion_tokens, int) else None
+    return Parsed(req.model, False, False, max_tokens, len(req.prompt.encode()) if isinstance(req.prompt, str) else 0)
 
 
 def response_format(body: Body) -> str:
