@@ -2,9 +2,10 @@
 to the budget dimensions' table (gateway/budget/dimensions.py) and no other change, an output-token limit (as
 Anthropic's OTPM): reserve holds 1 per completion token, settle charges the completion tokens, its own header, a
 ledger column of its own. Exercises the policy compiler (schema from the table), the service on the memory, SQLite
-and Redis stores (the Lua script after the prelude generated from the table), the stage's ledger row, and prints a JSON summary.
+and Redis stores (the Lua script after the prelude generated from the table), the stage's ledger row, the Postgres
+ledger sink, and prints a JSON summary.
 
-Usage: python -m tests.budget._new_dimension SPEC_JSON   (dir, redis_url, prefix)"""
+Usage: python -m tests.budget._new_dimension SPEC_JSON   (dir, redis_url, prefix, pg_dsn, pg_table)"""
 from __future__ import annotations
 
 import asyncio
@@ -95,7 +96,25 @@ async def run(spec: dict) -> dict:
             seen["ledger"] = db.execute("SELECT request_id, total_tokens, output_tokens FROM budget_ledger").fetchall()
             db.close()
         out[store] = seen
+    out["postgres"] = await _postgres_ledger(spec["pg_dsn"], spec["pg_table"])
     return out
+
+
+async def _postgres_ledger(dsn: str, table: str) -> list:
+    """The Postgres ledger sink on a table this version created: it gains the dimension's column on open."""
+    import asyncpg
+
+    from gateway.budget.ledger import PostgresSink
+
+    sink = PostgresSink(dsn, table)
+    await sink.open()
+    await sink.write([{"request_id": "pg-1", "total_tokens": 70, "output_tokens": 60}])
+    await sink.close()
+    db = await asyncpg.connect(dsn)
+    try:
+        return list(await db.fetchrow(f"SELECT request_id, total_tokens, output_tokens FROM {table}"))
+    finally:
+        await db.close()
 
 
 if __name__ == "__main__":
