@@ -86,30 +86,28 @@ _PART_RULES: dict[str, Rule] = {"text": _needs("text", "a string"), "refusal": _
                                 "image_url": _needs("image_url", "a string URL")}
 
 
-def _part_chars(part: dict[str, Any], param: str) -> int:
-    """Characters of text in one (validated) chat content part; a part of type text, refusal or image_url
-    without that field is a 400 naming it (a non-string `text` used to reach the upstream re-encode as a 500)."""
-    kind = part.get("type")
-    if kind in _PART_RULES:
-        _PART_RULES[kind](part, param)
-    return len(part.get("text", "")) + len(part.get("refusal", ""))
-
-
-def _content_chars(content: Any, param: str) -> int:
-    """Characters of text in a (validated) chat message's content."""
-    if content is None:
-        return 0
-    if isinstance(content, str):
-        return len(content)
-    return sum(_part_chars(p, f"{param}[{j}]") for j, p in enumerate(content))
+def _parts_chars(parts: list[dict[str, Any]], param: str) -> int:
+    """Characters of text in (validated) chat content parts; a part of type text, refusal or image_url without
+    that field is a 400 naming it (a non-string `text` used to reach the upstream re-encode as a 500). The param
+    is only formatted for a refusal: this runs for every multimodal chat."""
+    n = 0
+    for j, part in enumerate(parts):
+        kind = part.get("type")
+        if kind in _PART_RULES and kind not in part:
+            _PART_RULES[kind](part, f"{param}[{j}]")
+        n += len(part.get("text", "")) + len(part.get("refusal", ""))
+    return n
 
 
 def messages_chars(msgs: list[dict[str, Any]]) -> int:
     """Characters of text in (validated) chat messages, plus 4 per message for its turn markers."""
-    n = 0
+    n = 4 * len(msgs)
     for i, m in enumerate(msgs):
         c = m.get("content")
-        n += (len(c) if isinstance(c, str) else _content_chars(c, f"messages[{i}].content")) + 4
+        if isinstance(c, str):
+            n += len(c)
+        elif c:
+            n += _parts_chars(c, f"messages[{i}].content")
     return n
 
 

@@ -16,6 +16,7 @@ counted (docs/budgets.md).
 from __future__ import annotations
 
 import math
+from typing import Any, Callable
 
 from msgspec import inspect as mi
 
@@ -78,25 +79,30 @@ def _boolean(name: str, text: str) -> bool | Fault:
     return Fault(bad_request(f"'{name}' must be true or false.", param=name, code="invalid_value"))
 
 
+def _reader(t: mi.Type) -> Callable[[str, str], Any] | None:
+    """How a form's text is read as the type a field declares (None: it stays text)."""
+    t = core(t)
+    if isinstance(t, mi.FloatType):
+        return lambda name, text: _number(name, text, t)
+    if isinstance(t, mi.IntType):
+        return lambda name, text: _integer(name, text, t)
+    if isinstance(t, mi.BoolType):
+        return _boolean
+    return None
+
+
+READERS = tuple((f.encode_name, r) for f in struct_fields(TranscriptionRequest) if (r := _reader(f.type)) is not None)
+
+
 def typed(body: Body) -> Body:
     """The form's fields as the types `TranscriptionRequest` declares: the text of a number, an integer or a
     boolean field read as one (a text that is none, or out of range, is a `Fault` in its place)."""
     out = dict(body)
-    for f in FIELDS:
-        text = body.get(f.encode_name)
-        t = core(f.type)
-        if not isinstance(text, str):
-            continue
-        if isinstance(t, mi.FloatType):
-            out[f.encode_name] = _number(f.encode_name, text, t)
-        elif isinstance(t, mi.IntType):
-            out[f.encode_name] = _integer(f.encode_name, text, t)
-        elif isinstance(t, mi.BoolType):
-            out[f.encode_name] = _boolean(f.encode_name, text)
+    for name, read in READERS:
+        text = body.get(name)
+        if isinstance(text, str):
+            out[name] = read(name, text)
     return out
-
-
-FIELDS = struct_fields(TranscriptionRequest)
 
 
 def parse_transcription(body: Body) -> Parsed:

@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 from msgspec import inspect as mi
 
 from gateway.api import bodies
+from gateway.api.endpoints import BY_NAME
+from gateway.api.media import Upload
 from gateway.api.openapi import REQUEST_BODIES, openapi_spec
 from gateway.api.validate import explain, validate
 from gateway.errors import GatewayError
@@ -95,3 +97,30 @@ def test_the_openapi_request_schemas_are_the_structs():
             for op in openapi_spec()["paths"].values() if "post" in op
             for ctype in op["post"]["requestBody"]["content"]}
     assert {c.__name__ for c in REQUEST_BODIES} <= refs
+
+
+@pytest.mark.parametrize("name,body,param,code", [
+    # a content part's rule comes before a later field's type
+    ("chat", {"model": "m", "messages": [{"role": "user", "content": [{"type": "text"}]}], "temperature": 9},
+     "messages[0].content[0].text", "invalid_type"),
+    # stream_options without stream is named before what is inside it
+    ("chat", {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": 5}},
+     "stream_options", "invalid_value"),
+    # content blocks in order: the first block's type before the second's shape
+    ("messages", {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [{}, None]}], "top_k": -1},
+     "messages[0].content[0].type", "invalid_type"),
+    ("responses", {"model": "m", "input": [{"role": "x", "content": "y"}], "store": True}, "store", "unsupported_value"),
+    ("responses", {"model": "m", "input": [{"role": "user", "content": [{"type": "nope"}]}], "stream_options": {}},
+     "input[0].content[0].type", "invalid_value"),
+    ("tokenize", {"messages": 5}, "model", "missing_required_parameter"),
+    ("transcriptions", {"model": ["a", "b"], "file": Upload("a.wav", "audio/wav", b"x"), "temperature": "hot"},
+     "model", "invalid_type"),
+    ("transcriptions", {"model": "w", "file": Upload("a.wav", "audio/wav", b"x"), "temperature": "hot",
+                        "language": "x" * 40}, "language", "invalid_value"),
+])
+def test_with_several_faults_the_first_in_the_fields_order_is_named(name, body, param, code):
+    """Types and rules report in one order (the Struct's fields, each rule after its field), whichever finds the
+    fault: the order the hand-written parsers checked in."""
+    with pytest.raises(GatewayError) as e:
+        BY_NAME[name].parse(body)
+    assert (e.value.status, e.value.param, e.value.code) == (400, param, code), e.value.message

@@ -124,6 +124,7 @@ def test_a_valid_request_parses():
     ({"stream": "true"}, None, "stream", 400),
     ({"stream": "maybe"}, None, "stream", 400),
     ({"max_completion_tokens": "0"}, None, "max_completion_tokens", 400),
+    ({"max_completion_tokens": "\u00b2"}, None, "max_completion_tokens", 400),  # a digit int() does not read: a 500 once
     ({"language": "x" * 40}, None, "language", 400),
 ])
 def test_bad_fields_are_a_400_naming_them(data, files, param, status):
