@@ -2,15 +2,15 @@
 
 An entry says everything the request path needs to know about one API: its path, its body's media type (JSON or
 a multipart form: how the ingress reads it and the exchange writes it upstream, gateway/api/media.py) and size
-limit, the parser that validates a body (gateway/api/parse.py), the upstream path on an engine speaking it
-natively, the wire rules of its responses and errors (gateway/api/wire/), the body field a max-tokens cap goes
-into and the engine's default when the client sends none, whether it generates tokens at all, its OpenTelemetry
-operation name, the parameter that carries the prompt (named in context errors) and the prompt as text for
-routing.
+limit, the parser that validates a body (gateway/api/parse.py: against its Struct in gateway/api/bodies.py,
+which is also its schema in /openapi.json), the upstream path on an engine speaking it natively, the wire rules
+of its responses and errors (gateway/api/wire/), the body field a max-tokens cap goes into and the engine's
+default when the client sends none, whether it generates tokens at all, its OpenTelemetry operation name, the
+parameter that carries the prompt (named in context errors) and the prompt as text for routing.
 
-Adding an endpoint: one entry here, one parser, and its wire rules when its wire is new (docs/architecture.md);
-a multipart one names `media=FORM` (/v1/audio/transcriptions: gateway/api/parse_audio.py, wire/audio.py).
-Stages read `ctx.ep` (this entry); none compares endpoint names.
+Adding an endpoint: one entry here, its body Struct and a parser, and its wire rules when its wire is new
+(docs/architecture.md); a multipart one names `media=FORM` (/v1/audio/transcriptions: gateway/api/parse_audio.py,
+wire/audio.py). Stages read `ctx.ep` (this entry); none compares endpoint names.
 """
 from __future__ import annotations
 
