@@ -32,10 +32,14 @@ import math
 import re
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping
+from typing import TYPE_CHECKING, Callable, Literal, Mapping
 
 if TYPE_CHECKING:
+    from gateway.config import Config
+    from gateway.pipeline import RequestContext
     from gateway.types import Usage
+
+Json = Mapping[str, object]  # a JSON Schema, a policy's `budgets:` entry
 
 NANO = 1_000_000_000  # money is kept in integer nano-units of the budget currency
 MICRO = 1_000_000  # GPU-seconds are kept in integer micro-GPU-seconds
@@ -58,7 +62,7 @@ class ReserveFacts:
     cache_hit: bool  # an answer from the response cache: its usage is known, no engine runs
     gpu_per_token: Callable[[], tuple[float, float]]  # the cost meter's learned worst case: GPU-seconds per prompt
     # token and per completion token over the engines that may serve the request (raises when no meter runs)
-    request: Any = None  # the request's RequestContext (None when the service is called directly)
+    request: "RequestContext | None" = None  # the request (None when the service is called directly)
 
 
 @dataclass(slots=True)
@@ -69,7 +73,7 @@ class SettleFacts:
     usage: "Usage"
     cost: float  # the price charged, in the budget currency
     apportioned_gpu_seconds: float  # the engine time the cost meter apportioned to it (0: no engine of ours)
-    request: Any = None
+    request: "RequestContext | None" = None
 
 
 def _plain(units: int, currency: str) -> str:
@@ -82,7 +86,7 @@ class Dimension:
 
     name: str  # the policy key, BudgetSpec limit, evidence key and refusal `kind`
     kind: Kind
-    schema: Mapping[str, Any]  # policy key -> JSON Schema of its value (several keys: aliases, the last read wins)
+    schema: Mapping[str, Json]  # policy key -> JSON Schema of its value (several keys: aliases, the last read wins)
     description: str
     code: str = ""  # COUNT/AMOUNT: store field letter (Redis hash fields, script arguments, SQLite hold column)
     unit: int = 1
@@ -97,14 +101,14 @@ class Dimension:
     text: Callable[[int, str], str] = _plain  # (units, budget currency) -> a limit in headers and messages
     ledger: str | None = None  # the spend-ledger column recording the settled amount (created when new)
     worst_case: str | None = None  # evidence key showing a non-zero learned worst case (prompt, per token)
-    needs: Callable[[Any], str | None] | None = None  # config -> why a limit cannot be enforced; None: it can
-    read: Callable[[Mapping[str, Any]], tuple[float | None, str | None]] | None = None  # policy reader override
+    needs: Callable[["Config"], str | None] | None = None  # config -> why a limit cannot be enforced; None: it can
+    read: Callable[[Json], tuple[float | None, str | None]] | None = None  # policy reader override
 
     def value(self, units: int) -> float:
         """Store units as policy units (evidence): integers stay integers."""
         return units if self.unit == 1 else units / self.unit
 
-    def policy_value(self, budget: Mapping[str, Any]) -> tuple[float | None, str | None]:
+    def policy_value(self, budget: Json) -> tuple[float | None, str | None]:
         """The limit a policy `budgets:` entry sets in this dimension, and the currency it names (or None);
         ValueError when the value cannot be read."""
         if self.read is not None:
@@ -113,7 +117,7 @@ class Dimension:
         return (None if v is None else self.number(v)), None
 
 
-def parse_money(v: Any) -> tuple[float, str | None]:
+def parse_money(v: object) -> tuple[float, str | None]:
     """A money value: a number, or "2000 EUR" (the currency optional)."""
     if isinstance(v, (int, float)):
         return float(v), None
@@ -123,7 +127,7 @@ def parse_money(v: Any) -> tuple[float, str | None]:
     return float(m.group(1)), (m.group(2).upper() if m.group(2) else None)
 
 
-def _read_money(b: Mapping[str, Any]) -> tuple[float | None, str | None]:
+def _read_money(b: Json) -> tuple[float | None, str | None]:
     value, currency = None, None
     for key in ("limit", "money"):
         if key in b:
@@ -150,7 +154,7 @@ def gpu_s(micro: int, currency: str = "") -> str:
     return f"{micro / MICRO:.3f}".rstrip("0").rstrip(".")
 
 
-def _needs_cost_meter(config: Any) -> str | None:
+def _needs_cost_meter(config: "Config") -> str | None:
     if config.raw.cost.enabled:
         return None
     return ("needs the cost meter (cost.enabled: true); without it no GPU-seconds are apportioned and the limit "

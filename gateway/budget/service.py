@@ -12,7 +12,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 from zoneinfo import ZoneInfo
 
 from gateway.budget.config import BudgetsConfig, ModelPrice, counters_path, effective_store
@@ -25,6 +25,9 @@ from gateway.budget.store import BudgetStore, MemoryBudgetStore, RedisBudgetStor
 from gateway.budget.windows import ROLLING, format_reset, resolve
 from gateway.errors import GatewayError, retry_headers
 from gateway.types import BudgetSpec, Principal, Usage
+
+if TYPE_CHECKING:
+    from gateway.pipeline import RequestContext
 
 log = logging.getLogger("gateway.budget")
 
@@ -95,7 +98,8 @@ class BudgetService:
         self._down_until = 0.0
         self._pending: list[SettleArgs] = []  # settles the primary could not take yet, replayed in order
         self._retry_task: asyncio.Task[None] | None = None
-        self._limits_cache: dict[Any, Any] = {}  # (scopes, budgets, scale) -> merged limits, dims; cleared on swap
+        # (scopes, budgets, scale) -> merged limits and the dimensions they limit; cleared on swap
+        self._limits_cache: dict[tuple[object, ...], tuple[Limits, frozenset[str]]] = {}
         self._period_cache: dict[str, Any] = {}  # calendar window -> WindowRef valid until its end
         self._price_cache: dict[tuple[str, ...], tuple[float, float, float]] = {}  # model chain -> worst price
         self.hold_ttl_s = self._hold_ttl()
@@ -299,7 +303,7 @@ class BudgetService:
     async def reserve(self, rid: str, principal: Principal, budgets: tuple[BudgetSpec, ...],
                       models: tuple[str, ...], prompt_tokens: int, max_tokens: int | None,
                       max_tokens_cap: int | None = None, batch: bool = False, cache_hit: bool = False,
-                      request: Any = None) -> ReserveOutcome:
+                      request: RequestContext | None = None) -> ReserveOutcome:
         """Reserve the worst case over every scope x window, or raise GatewayError 429/503. `cache_hit`: an
         answer from the response cache (its usage is known: `prompt_tokens` and `max_tokens` are the stored
         usage), priced at the cache price and using no GPU-seconds. `request`: the RequestContext, for the
@@ -370,7 +374,7 @@ class BudgetService:
     async def settle(self, resv: Reservation, usage: Usage, model: str, backend: str | None = None,
                      gpu_seconds: float | None = None, batch: bool = False,
                      apportioned_gpu_seconds: float = 0.0, cache_hit: bool = False,
-                     request: Any = None) -> SettleOutcome:
+                     request: RequestContext | None = None) -> SettleOutcome:
         """Replace the hold with actual usage. Never loses spend: a failed primary settle is queued and replayed.
 
         A GPU-second-priced model served by `backend` without `gpu_seconds` given is charged the wall time
@@ -459,7 +463,7 @@ class BudgetService:
     def _headers(self, args: ReserveArgs, res: ReserveResult, resv: Reservation, now: float) -> dict[str, str]:
         """x-ratelimit-{limit,remaining,reset}-<header> of the binding (least remaining) limit of each dimension
         with a header (requests, tokens, gpu-seconds: in seconds, to the millisecond)."""
-        best: dict[str, tuple[int, int, float | None, Any]] = {}
+        best: dict[str, tuple[int, int, float | None, Callable[[int, str], str]]] = {}
         ok = res.ok
         for s, st, w, ws in self._iter(args, res):
             reset = self._reset_s(w, ws, now)
@@ -492,9 +496,9 @@ class BudgetService:
         limits = []
         for s, st, w, ws in self._iter(args, res):
             used, held, lims = ws.used, st.held, w.limits
-            before: dict[str, Any] = {}
-            after: dict[str, Any] = {}
-            limit: dict[str, Any] = {}
+            before: dict[str, float] = {}
+            after: dict[str, float] = {}
+            limit: dict[str, float | None] = {}
             for i, j, name, unit, add in adds:
                 v = used[i] if j is None else used[i] + held[j]
                 lim = lims[i]

@@ -69,9 +69,9 @@ def load_schema() -> dict[str, Any]:
     return schema
 
 
-def budget_schema() -> dict[str, Any]:
+def budget_schema() -> dict[str, object]:
     """The JSON Schema of one `budgets:` entry: window, scope, a limit per budget dimension (its keys), currency."""
-    props: dict[str, Any] = {
+    props: dict[str, object] = {
         "window": {"enum": list(WINDOWS)},
         "scope": {"enum": list(_SCOPE_LEVELS),
                   "description": "Default: the most specific principal attribute in match, else tenant."}}
@@ -98,7 +98,7 @@ def write_schema(path: Path | None = None) -> bool:
     return True
 
 
-def _render(v: Any, indent: int) -> str:
+def _render(v: object, indent: int) -> str:
     """schema.json's layout: an object's members one per line, anything short enough on one line."""
     flat = json.dumps(v, ensure_ascii=False)
     if not isinstance(v, dict) or len(flat) + indent <= 100:
