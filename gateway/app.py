@@ -180,32 +180,6 @@ class ManagedService(Service, Reloadable, Protocol):
     """An entry of `Gateway.services`: started, reloaded and closed with the gateway."""
 
 
-class Reloading:
-    """A service whose class has start/close but not the reload pair (the budget and identity services, the
-    unbilled ledger) as a ManagedService: every config passes its check (load_config validated it) and the swap
-    is the class's own `swap_config` where it has one (`swap`), else nothing (a config read once, at start)."""
-
-    def __init__(self, service: Service, swap: Callable[[Config], None] | None = None) -> None:
-        self.service = service
-        self._swap = swap
-
-    async def start(self) -> None:
-        await self.service.start()
-
-    async def close(self) -> None:
-        await self.service.close()
-
-    def check_config(self, config: Config) -> None:
-        return None
-
-    def swap_config(self, config: Config) -> None:
-        if self._swap is not None:
-            self._swap(config)
-
-    def __repr__(self) -> str:
-        return type(self.service).__name__
-
-
 class Gateway:
     """Holds the current config snapshot and the services built from it. `reload` swaps the snapshot."""
 

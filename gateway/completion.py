@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from gateway.pipeline import RequestContext
@@ -79,10 +79,10 @@ class Completion:
         at = names.index(after) + 1
         return Completion([*self.steps[:at], step, *self.steps[at:]])
 
-    async def run(self, ctx: RequestContext, started: Sequence[object]) -> None:
+    async def run(self, ctx: RequestContext, started: Sequence[Any]) -> None:
         """Every step in order: a stage's finish where that stage started, every hook. A step that fails is
         logged and never stops the others (a budget must settle even when the audit write fails)."""
-        ran: dict[str, Finishing] = {st.name: st for st in started}  # type: ignore[attr-defined]
+        ran: dict[str, Finishing] = {st.name: st for st in started}
         for step in self.steps:  # a stage step names a stage with a finish (the Pipeline checks it when built)
             if step.hook is not None:
                 fn: Hook = step.hook

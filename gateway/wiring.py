@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.admin_guard import PLATFORM_ADMIN, TENANT_ADMIN, gateway_guard
-from gateway.app import Gateway, ObserveStage, Reloading
+from gateway.app import Gateway, ObserveStage
 from gateway.config import Config, ConfigError
 from gateway.completion import Completion, Step, finish_of
 from gateway.observability.tracing import UpstreamTraceStage
@@ -389,7 +389,7 @@ def _wire_budgets(gw: Gateway) -> BudgetStage:
     from gateway.budget.stage import BudgetStage
 
     svc = BudgetService(gw.config)
-    gw.services.append(Reloading(svc, svc.swap_config))  # its config is validated by load_config
+    gw.services.append(svc)
     gw.budgets = svc
     return BudgetStage(svc)
 

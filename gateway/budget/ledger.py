@@ -261,6 +261,12 @@ class Ledger:
                 continue
         return rows
 
+    def check_config(self, config: Any) -> None:
+        """A reload (gateway.app.Reloadable): a ledger's sink and spool are read once, at start."""
+
+    def swap_config(self, config: Any) -> None:
+        """Nothing to swap: the sink and spool stay until a restart."""
+
     async def start(self) -> None:
         self._open_spool()
         self._replay_spools()

@@ -139,6 +139,9 @@ class BudgetService:
         await self.primary.close()
         await self.ledger.close()
 
+    def check_config(self, config: Any) -> None:
+        """A reload (gateway.app.Reloadable): what load_config validated is all (the store is kept as it is)."""
+
     def swap_config(self, config: Any) -> None:
         """Take new limits/prices/timezone now; the store itself is kept (a store change needs a restart)."""
         self._config = config

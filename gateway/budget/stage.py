@@ -19,6 +19,7 @@ from typing import Any
 from gateway.budget.dimensions import LEDGERED, SettleFacts, settled_values
 from gateway.budget.pricing import find_price
 from gateway.budget.service import BudgetService, Reservation, _NoLimits
+from gateway.errors import GatewayError
 from gateway.pipeline import Charge, RequestContext
 from gateway.types import Usage
 
@@ -57,13 +58,12 @@ class BudgetStage:
                                              cap, batch=batch, cache_hit=cache_hit, request=ctx)
         except _NoLimits:
             return None
-        except Exception as e:
+        except GatewayError as e:
             # refusals carry headers + evidence; keep the evidence on the context for the record
-            ev = getattr(e, "extra", {}).get("budget") if hasattr(e, "extra") else None
+            ev = (e.extra or {}).get("budget")
             if ev is not None:
                 ctx.evidence["budget"] = {"refused": ev}
-            if hasattr(e, "headers"):
-                ctx.extra_headers.update({k: v for k, v in e.headers.items() if k.startswith("x-ratelimit")})
+            ctx.extra_headers.update({k: v for k, v in (e.headers or {}).items() if k.startswith("x-ratelimit")})
             raise
         ctx.budget = out.reservation
         ctx.extra_headers.update(out.headers)

@@ -14,7 +14,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.admin_guard import PLATFORM_ADMIN, gateway_guard
-from gateway.app import Reloading
 from gateway.budget.ledger import Ledger, PostgresSink, SqliteSink
 from gateway.config import Config, ConfigError
 from gateway.cost.dims import DimCounters
@@ -93,7 +92,7 @@ def wire_cost(gw: Gateway) -> CostMeter | None:
         return None
     budgets = gw.budgets
     unbilled = unbilled_ledger(gw.config)
-    gw.services.append(Reloading(unbilled))  # its config is read once: the ledger's sink and spool
+    gw.services.append(unbilled)  # its config is read once: the ledger's sink and spool
     meter = CostMeter(lambda: gw.config,
                       predictor=lambda: gw.router.predictor if gw.router is not None else None,
                       ledger=lambda: unbilled, metrics=gw.metrics)

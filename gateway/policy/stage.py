@@ -5,14 +5,17 @@ requests; a request keeps the snapshot it started with.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from gateway.errors import GatewayError
 from gateway.pipeline import RequestContext, RequestHeaders
-from gateway.policy.engine import model_permitted
+from gateway.policy.engine import CompiledPolicy, model_permitted
 from gateway.policy.model import RequestAttrs
 from gateway.policy.provider_prefs import apply_provider_preferences
 from gateway.types import Decision
+
+if TYPE_CHECKING:
+    from gateway.policy.opa import OPAPolicy
 
 
 def lower_headers(headers: Any) -> dict[str, str]:
@@ -21,7 +24,7 @@ def lower_headers(headers: Any) -> dict[str, str]:
         return {}
     if type(headers) is RequestHeaders:  # already lower-case (the data plane's headers); read-only here
         return headers
-    items = headers.items() if isinstance(headers, Mapping) or hasattr(headers, "items") else headers
+    items = headers.items() if isinstance(headers, Mapping) else headers
     return {str(k).lower(): str(v) for k, v in items}
 
 
@@ -32,10 +35,9 @@ def _max_tokens_key(ctx: RequestContext) -> str:
     return key(ctx.body or {}) if key is not None else "max_tokens"
 
 
-def _setting_rule(policy: Any, d: Decision, key: str) -> str:
+def _setting_rule(policy: CompiledPolicy | OPAPolicy, d: Decision, key: str) -> str:
     """The rule that set a single value of the decision, for messages and evidence."""
-    find = getattr(policy, "setting_rule", None)
-    return (find(d, key) if find is not None else None) or "(unknown)"
+    return policy.setting_rule(d, key) or "(unknown)"
 
 
 def _implied_max_tokens(ctx: RequestContext) -> int | None:
@@ -50,7 +52,7 @@ class PolicyStage:
 
     name = "decide"
 
-    def __init__(self, policy_provider: Callable[[], Any]) -> None:
+    def __init__(self, policy_provider: Callable[[], CompiledPolicy | OPAPolicy]) -> None:
         self._provider = policy_provider
 
     async def run(self, ctx: RequestContext) -> None:
@@ -63,8 +65,8 @@ class PolicyStage:
         attrs = RequestAttrs(model=ctx.model, headers=lower_headers(ctx.headers), max_tokens=ctx.max_tokens,
                              stream=ctx.stream, now=ctx.received_wall)
         policy = self._provider()
-        adecide = getattr(policy, "adecide", None)
-        d: Decision = await adecide(p, attrs) if adecide is not None else policy.decide(p, attrs)
+        # the compiled policy decides in place (no coroutine per request); OPA is asked over HTTP
+        d = policy.decide(p, attrs) if isinstance(policy, CompiledPolicy) else await policy.adecide(p, attrs)
         ctx.decision = d
         ctx.evidence["decision"] = d.to_evidence()
         if not d.allow:
@@ -147,16 +149,16 @@ class PolicyStage:
         raise GatewayError(400, msg, code="context_length_exceeded", param=param, extra={"rule": rule})
 
     @staticmethod
-    def _filter_chain(policy: Any, p: Any, attrs: RequestAttrs, d: Decision, chain: tuple[str, ...]) -> tuple[str, ...]:
+    def _filter_chain(policy: CompiledPolicy | OPAPolicy, p: Any, attrs: RequestAttrs, d: Decision,
+                      chain: tuple[str, ...]) -> tuple[str, ...]:
         """Alias targets the policy allows (a synchronous policy re-decides per target). The key's own model list
         was checked by the authenticate stage, for the alias as a whole."""
         out = []
         for m in chain:
             if not model_permitted(d, m):
                 continue
-            decide = getattr(policy, "decide", None)
-            if decide is not None and m != attrs.model and not getattr(policy, "is_remote", False):
-                sub = decide(p, RequestAttrs(model=m, headers=attrs.headers, max_tokens=attrs.max_tokens,
+            if isinstance(policy, CompiledPolicy) and m != attrs.model:  # OPA is not asked once per target
+                sub = policy.decide(p, RequestAttrs(model=m, headers=attrs.headers, max_tokens=attrs.max_tokens,
                                              stream=attrs.stream, now=attrs.now))
                 if not sub.allow:
                     continue
