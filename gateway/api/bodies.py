@@ -28,6 +28,9 @@ parser turns a form's text into that type first (gateway/api/parse_audio.py).
 from typing import Annotated, Any, Literal
 
 from msgspec import UNSET, Meta, Struct, UnsetType
+from msgspec import inspect as mi
+
+from gateway.api.validate import core, struct_fields
 
 REF = "#/components/schemas/{name}"
 DOC_STRUCTS: list[type[Struct]] = []  # Structs the documentation refers to beyond the request bodies' own fields
@@ -41,12 +44,11 @@ def doc_any_of(*structs: type[Struct]) -> dict[str, Any]:
 
 def by_type(*structs: type[Struct]) -> dict[str, type[Struct]]:
     """Each `type` value to the Struct that declares it (its `type` field is a Literal of the values)."""
-    from gateway.api.validate import core, struct_fields
-
     out: dict[str, type[Struct]] = {}
     for s in structs:
         t = core(next(f.type for f in struct_fields(s) if f.name == "type"))
-        out.update((v, s) for v in getattr(t, "values"))
+        assert isinstance(t, mi.LiteralType), s
+        out.update((v, s) for v in t.values if isinstance(v, str))
     return out
 
 
