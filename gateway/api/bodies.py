@@ -62,7 +62,8 @@ Penalty = Annotated[float, Meta(ge=-2, le=2)]
 Count = Annotated[int, Meta(ge=1)]  # n, max_tokens and the like: an integer >= 1
 Stop = Annotated[str | Annotated[list[Any], Meta(extra_json_schema={"items": {"type": "string"}})] | None,
                  Meta(extra={"expected": "a string or an array of strings"})]
-User = Annotated[Any, Meta(extra_json_schema={"type": "string"})]
+AnyString = Annotated[Any, Meta(extra_json_schema={"type": "string"})]  # a string for the engine, passed unchecked
+User = AnyString
 Seed = Annotated[Any, Meta(extra_json_schema={"type": ["integer", "null"]})]
 PROVIDER_NAMES = {"type": "array", "minItems": 1, "maxItems": 64, "uniqueItems": True,
                   "items": {"type": "string", "minLength": 1, "maxLength": 256}}
@@ -100,7 +101,7 @@ class ChatMessage(Struct):
     role: Annotated[str, Meta(extra={"all": ("Missing or invalid '{param}'.", "invalid_value")},
                               extra_json_schema={"enum": ["system", "developer", "user", "assistant", "tool"]})]
     content: Annotated[str | list[ChatPart] | None, Meta(extra={"expected": "a string or an array of content parts"})] = None
-    name: Annotated[Any, Meta(extra_json_schema={"type": "string"})] = UNSET
+    name: AnyString = UNSET
 
 
 class ChatRequest(Struct):
@@ -257,18 +258,18 @@ class AnthropicMessage(Struct):
 
 class AnthropicTool(Struct):
     name: Annotated[str, Meta(min_length=1, extra={"all": ("'{param}' must be a non-empty string.", "invalid_value")})]
-    description: Annotated[Any, Meta(extra_json_schema={"type": "string"})] = UNSET
+    description: AnyString = UNSET
     input_schema: Annotated[Any, Meta(extra_json_schema={"type": "object"})] = UNSET
 
 
 class ToolChoice(Struct):
     type: Annotated[Literal["auto", "any", "tool", "none"], Meta(extra={
         "all": ("'{param}' must be one of 'auto', 'any', 'tool', 'none'.", "invalid_value")})]
-    name: Annotated[Any, Meta(extra_json_schema={"type": "string"}, description="with type: tool")] = UNSET
+    name: Annotated[AnyString, Meta(description="with type: tool")] = UNSET
 
 
 class AnthropicMetadata(Struct):
-    user_id: Annotated[Any, Meta(extra_json_schema={"type": "string"})] = UNSET
+    user_id: AnyString = UNSET
 
 
 class MessagesRequest(Struct):
