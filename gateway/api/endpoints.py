@@ -17,7 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from gateway.api import parse
+from msgspec import Struct
+
+from gateway.api import bodies, parse
 from gateway.api.media import FORM, JSON, Media
 from gateway.api.parse_audio import FORM_OVERHEAD_BYTES, MAX_FILE_BYTES, parse_transcription
 from gateway.api.parse_messages import as_chat, parse_messages
@@ -57,6 +59,18 @@ def _chat_max_tokens_key(body: dict[str, Any]) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class Doc:
+    """What /openapi.json says of an endpoint (gateway/api/openapi.py builds its operation from this): its
+    operationId, summary, the msgspec Struct its body is (gateway/api/bodies.py: the schema is generated from the
+    declaration the parser validates with) and whether it answers with SSE when `stream` is true."""
+
+    op_id: str
+    summary: str
+    body: type[Struct]
+    streams: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class Endpoint:
     name: str  # ctx.endpoint: the name in metrics, audit records and batch lines
     path: str  # the client-facing path
@@ -79,6 +93,7 @@ class Endpoint:
     chat_view: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     media: Media = JSON  # the body's media type: read at the ingress, written upstream by the exchange
     max_body_bytes: int | None = None  # its own body limit (an audio upload's); None: server.max_body_bytes
+    doc: Doc | None = None  # its operation in /openapi.json
 
     @property
     def generates(self) -> bool:
@@ -96,33 +111,47 @@ def _const(key: str) -> Callable[[dict[str, Any]], str]:
 
 ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("chat", "/v1/chat/completions", parse.parse_chat, "chat/completions", OPENAI, "chat",
-             "messages", _messages_text, _chat_max_tokens_key, cacheable=True, batchable=True),
+             "messages", _messages_text, _chat_max_tokens_key, cacheable=True, batchable=True,
+             doc=Doc("createChatCompletion", "Chat completion (OpenAI-compatible)", bodies.ChatRequest, True)),
     # OpenAI's and vLLM's default completion length for /v1/completions is 16 tokens
     Endpoint("completions", "/v1/completions", parse.parse_completions, "completions", OPENAI, "text_completion",
              "prompt", _field_text("prompt"), _const("max_tokens"), default_max_tokens=16, cacheable=True,
-             batchable=True),
+             batchable=True,
+             doc=Doc("createCompletion", "Text completion (OpenAI-compatible)", bodies.CompletionRequest, True)),
     Endpoint("embeddings", "/v1/embeddings", parse.parse_embeddings, "embeddings", OPENAI, "embeddings",
-             "input", _field_text("input"), batchable=True, capability="embeddings"),
+             "input", _field_text("input"), batchable=True, capability="embeddings",
+             doc=Doc("createEmbedding", "Embeddings (OpenAI-compatible)", bodies.EmbeddingRequest)),
     # OpenAI's Responses API, stateless (store: true refused by the parser, store: false sent upstream)
     Endpoint("responses", "/v1/responses", parse_responses.parse_responses, "responses", RESPONSES, "chat",
-             "input", parse_responses.prompt_text, _const("max_output_tokens"), chat_view=parse_responses.as_chat),
+             "input", parse_responses.prompt_text, _const("max_output_tokens"), chat_view=parse_responses.as_chat,
+             doc=Doc("createResponse", "Responses API, stateless (OpenAI-compatible; store: true and "
+                     "previous_response_id are refused with 400)", bodies.ResponsesRequest, True)),
     # vLLM's pooling APIs (a backend serves them when its capabilities say so) and its tokenizer, which vLLM
     # serves at the server root: budgets on the input tokens they count
     Endpoint("rerank", "/v1/rerank", parse_pooling.parse_rerank, "rerank", POOLING, "rerank", "documents",
-             parse_pooling.rerank_text, capability="rerank"),
+             parse_pooling.rerank_text, capability="rerank",
+             doc=Doc("rerank", "Rerank documents against a query (vLLM's API; backends with the rerank capability)",
+                     bodies.RerankRequest)),
     Endpoint("score", "/v1/score", parse_pooling.parse_score, "score", POOLING, "score", "text_2",
-             parse_pooling.score_text, capability="score"),
+             parse_pooling.score_text, capability="score",
+             doc=Doc("score", "Score text pairs (vLLM's API; backends with the score capability)",
+                     bodies.ScoreRequest)),
     Endpoint("tokenize", "/tokenize", parse_pooling.parse_tokenize, "/tokenize", POOLING, "tokenize", "prompt",
-             parse_pooling.tokenize_text),
+             parse_pooling.tokenize_text,
+             doc=Doc("tokenize", "Tokenize a prompt or a chat (vLLM's API)", bodies.TokenizeRequest)),
     # Anthropic Messages: max_tokens is required by its parser, so there is no default
     Endpoint("messages", "/v1/messages", parse_messages, "messages", ANTHROPIC, "chat", "messages",
-             _anthropic_text, _const("max_tokens"), chat_view=as_chat),
+             _anthropic_text, _const("max_tokens"), chat_view=as_chat,
+             doc=Doc("createMessage", "Anthropic Messages (x-api-key or Bearer; Anthropic-shaped errors)",
+                     bodies.MessagesRequest, True)),
     # OpenAI's audio transcription, a multipart form, on backends whose model transcribes (vLLM's Whisper-class
     # models: the `transcription` capability). It generates text: a cap goes upstream as vLLM's
     # max_completion_tokens form field; the client sends none (OpenAI has none), the engine runs to a stop
     Endpoint("transcriptions", "/v1/audio/transcriptions", parse_transcription, "audio/transcriptions",
              TRANSCRIPTION, "transcription", "file", _field_text("prompt"), _const("max_completion_tokens"),
-             capability="transcription", media=FORM, max_body_bytes=MAX_FILE_BYTES + FORM_OVERHEAD_BYTES),
+             capability="transcription", media=FORM, max_body_bytes=MAX_FILE_BYTES + FORM_OVERHEAD_BYTES,
+             doc=Doc("createTranscription", "Transcribe audio (OpenAI-compatible; backends with the transcription "
+                     "capability, vLLM's Whisper-class models); usage in tokens", bodies.TranscriptionRequest)),
 )
 
 BY_NAME: dict[str, Endpoint] = {e.name: e for e in ENDPOINTS}

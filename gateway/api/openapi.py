@@ -12,6 +12,9 @@ from typing import Any
 import msgspec
 
 from gateway.api import bodies
+from gateway.api.endpoints import ENDPOINTS, Doc, Endpoint
+from gateway.api.media import FORM
+from gateway.api.wire.anthropic import ANTHROPIC
 
 _Json = dict[str, Any]  # a JSON object of the document
 
@@ -42,9 +45,8 @@ _ANTHROPIC_ERROR = {
                   "properties": {"type": {"type": "string"}, "message": {"type": "string"}}},
     },
 }
-REQUEST_BODIES: tuple[type[msgspec.Struct], ...] = (
-    bodies.ChatRequest, bodies.CompletionRequest, bodies.EmbeddingRequest, bodies.RerankRequest, bodies.ScoreRequest,
-    bodies.TokenizeRequest, bodies.MessagesRequest, bodies.ResponsesRequest, bodies.TranscriptionRequest)
+# every endpoint's request body, in the endpoint table's order (gateway/api/endpoints.py Endpoint.doc)
+REQUEST_BODIES: tuple[type[msgspec.Struct], ...] = tuple(e.doc.body for e in ENDPOINTS if e.doc is not None)
 
 
 def _ref(cls: type[msgspec.Struct]) -> str:
@@ -68,30 +70,30 @@ def _errors(*statuses: int, schema: str = "Error") -> _Json:
 _POST_ERRORS = (400, 401, 403, 404, 413, 415, 429, 502, 503, 504)
 
 
-def _completion_op(op_id: str, summary: str, schema_ref: str, streams: bool) -> _Json:
+def _completion_op(doc: Doc) -> _Json:
+    """An OpenAI-shaped JSON endpoint (chat, completions, embeddings, responses, pooling, tokenize, and any new one
+    whose entry declares its Doc): nothing here names it."""
     ok: _Json = {"application/json": {"schema": {"type": "object"}}}
-    if streams:
+    if doc.streams:
         ok["text/event-stream"] = {"schema": {"type": "string"}}
     return {"post": {
-        "operationId": op_id, "summary": summary,
-        "requestBody": _json_body({"$ref": schema_ref}),
+        "operationId": doc.op_id, "summary": doc.summary,
+        "requestBody": _json_body({"$ref": _ref(doc.body)}),
         "responses": {"200": {"description": "The upstream's answer (SSE when stream is true)", "content": ok},
                       **_errors(*_POST_ERRORS)},
     }}
 
 
-def _transcription_op() -> _Json:
+def _transcription_op(doc: Doc) -> _Json:
     """POST /v1/audio/transcriptions: a multipart form in, JSON out (the transcript as text/plain for
     response_format text)."""
     errors = _errors(*_POST_ERRORS)
     errors["413"]["description"] = "The file is over 25 MiB (or the form over 26 MiB)"
     errors["415"]["description"] = "Content-Type is not multipart/form-data"
     return {"post": {
-        "operationId": "createTranscription",
-        "summary": "Transcribe audio (OpenAI-compatible; backends with the transcription capability, vLLM's "
-                   "Whisper-class models); usage in tokens",
+        "operationId": doc.op_id, "summary": doc.summary,
         "requestBody": {"required": True, "content": {"multipart/form-data": {
-            "schema": {"$ref": _ref(bodies.TranscriptionRequest)},
+            "schema": {"$ref": _ref(doc.body)},
             "encoding": {"file": {"contentType": "audio/*, application/octet-stream"}}}}},
         "responses": {"200": {"description": "{text, usage: {type: tokens, input_tokens, output_tokens, "
                                              "total_tokens}}; verbose_json: {duration, language, text, segments}",
@@ -101,12 +103,12 @@ def _transcription_op() -> _Json:
     }}
 
 
-def _messages_op() -> _Json:
+def _messages_op(doc: Doc) -> _Json:
     """POST /v1/messages: Anthropic-shaped, with its own auth header and error body."""
     return {"post": {
-        "operationId": "createMessage", "summary": "Anthropic Messages (x-api-key or Bearer; Anthropic-shaped errors)",
+        "operationId": doc.op_id, "summary": doc.summary,
         "security": [{"bearer": []}, {"x-api-key": []}],
-        "requestBody": _json_body({"$ref": _ref(bodies.MessagesRequest)}),
+        "requestBody": _json_body({"$ref": _ref(doc.body)}),
         "responses": {"200": {"description": "A message (typed SSE events when stream is true)",
                               "content": {"application/json": {"schema": {"type": "object"}},
                                           "text/event-stream": {"schema": {"type": "string"}}}},
@@ -144,29 +146,20 @@ def _probe_paths() -> _Json:
     }
 
 
+def _operation(ep: Endpoint, doc: Doc) -> _Json:
+    """An endpoint's operation: Anthropic's wire and a multipart form have their own shapes; every other is an
+    OpenAI-shaped JSON endpoint, documented from its entry alone."""
+    if ep.wire is ANTHROPIC:
+        return _messages_op(doc)
+    if ep.media is FORM:
+        return _transcription_op(doc)
+    return _completion_op(doc)
+
+
 def _paths() -> _Json:
-    """The `paths` object, in the order the document lists them."""
-    return {
-        "/v1/chat/completions": _completion_op("createChatCompletion", "Chat completion (OpenAI-compatible)",
-                                               _ref(bodies.ChatRequest), True),
-        "/v1/completions": _completion_op("createCompletion", "Text completion (OpenAI-compatible)",
-                                          _ref(bodies.CompletionRequest), True),
-        "/v1/embeddings": _completion_op("createEmbedding", "Embeddings (OpenAI-compatible)",
-                                         _ref(bodies.EmbeddingRequest), False),
-        "/v1/messages": _messages_op(),
-        "/v1/responses": _completion_op("createResponse", "Responses API, stateless (OpenAI-compatible; "
-                                        "store: true and previous_response_id are refused with 400)",
-                                        _ref(bodies.ResponsesRequest), True),
-        "/v1/rerank": _completion_op("rerank", "Rerank documents against a query (vLLM's API; backends with "
-                                     "the rerank capability)", _ref(bodies.RerankRequest), False),
-        "/v1/score": _completion_op("score", "Score text pairs (vLLM's API; backends with the score capability)",
-                                    _ref(bodies.ScoreRequest), False),
-        "/tokenize": _completion_op("tokenize", "Tokenize a prompt or a chat (vLLM's API)",
-                                    _ref(bodies.TokenizeRequest), False),
-        "/v1/audio/transcriptions": _transcription_op(),
-        "/v1/models": _models_op(),
-        **_probe_paths(),
-    }
+    """The `paths` object: the endpoint table's entries in its order, then /v1/models and the probes."""
+    return {**{ep.path: _operation(ep, ep.doc) for ep in ENDPOINTS if ep.doc is not None},
+            "/v1/models": _models_op(), **_probe_paths()}
 
 
 def request_schemas() -> _Json:
