@@ -295,3 +295,35 @@ async def test_response_complete_plugins_are_told_of_each_finished_request_in_or
     c.backend, c.status, c.ttft_s = "own-de", 200, 0.05
     await stage.finish(c)
     assert seen == [(c.request_id, "own-de", "own-de", 0)]
+
+
+async def test_a_target_behind_others_in_fair_order_is_held_for_the_modelled_engines_not_sent_past_them():
+    """Issue 34 (a tenant within its share keeps its goodput while another floods): when the modelled engines are
+    closed and other flows wait ahead of it, a request with a target waits for them in the fair queue (judged with
+    that wait) instead of going unjudged to a pass-through engine: a flood's excess would otherwise fill the
+    pass-through engines and the flows within their share sent there would wait behind it."""
+    from gateway.routing.flow import Waiter
+    from gateway.routing.mode import Mode
+
+    cfg = parse_config(yaml.safe_dump({"backends": [
+        {"name": n, "kind": "openai", "url": f"http://127.0.0.1:9/{n}/v1", "models": ["m"]}
+        for n in ("e-mod", "e-pt")]}))
+    st = PredictiveRouteStage(lambda: cfg, Health(cfg))
+    modes = {"e-mod": Mode(True, "test: modelled"), "e-pt": Mode(False, "test: pass-through")}
+    st.mode = lambda b, tel, now: modes[b.name]  # type: ignore[method-assign]
+    st.flow.may_start = lambda *a, **k: frozenset()  # type: ignore[method-assign]  # the modelled engine is closed
+    from gateway.routing.flowkey import flow_id
+
+    c = _ctx(spill=False, prompt_tokens=100)
+    c.decision = Decision(allow=True, ttft_slo_ms=60_000.0)
+    now = st.clock()
+    for flow in ("someone-else", flow_id(c.principal, c.decision)):  # its own flow's earlier request waits too
+        st.flow.queue.push(Waiter(flow, "standard", 1.0, False, frozenset({"e-mod"}), now, now + 60,
+                                  uncached={"e-mod": 1}), 1.0)
+    task = asyncio.create_task(stage_run := st.run(c))  # noqa: F841
+    await asyncio.sleep(0.2)
+    assert not task.done()  # waiting in the fair queue, not dispatched to e-pt
+    assert st.stats["pass_through_held_for_fairness"] == 1 and st.stats["released_to_pass_through"] == 0
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
