@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gateway.cache.store import VectorCache, Entry, entry_body, entry_from, location_allows, ranked, vector_bytes
+from gateway.cache.store import (Entry, SharedStoreSettings, VectorCache, entry_body, entry_from, location_allows, ranked,
+                                  vector_bytes)
 
 if TYPE_CHECKING:
-    from gateway.cache.config import CacheConfig
-    from gateway.types import Decision
+    pass
 
 log = logging.getLogger("gateway.cache")
 _GLOB = re.compile(r"([*?\[\]\\])")
@@ -43,7 +43,7 @@ def _s(b: Any) -> str:
     return b.decode() if isinstance(b, bytes) else str(b)
 
 
-class RedisStore:
+class RedisStore(SharedStoreSettings):
     name = "redis"
 
     def __init__(self, url: str, key_prefix: str = "gwcache", max_entries: int = 10000, location: Any = None,
@@ -69,15 +69,6 @@ class RedisStore:
 
     def _e(self, key: str) -> str:
         return f"{self._p}:e:{key}"
-
-    def allows(self, decision: Decision | None) -> bool:
-        return location_allows(self.location, decision.allowed_countries if decision is not None else None)
-
-    def retune(self, cc: CacheConfig, namespace: str) -> None:
-        self.max_entries = cc.max_entries
-        self.location = cc.location
-        self.max_partition_entries = cc.max_partition_entries
-        self.set_namespace(namespace)
 
     async def start(self) -> None:
         try:

@@ -22,11 +22,11 @@ import numpy as np
 import orjson
 
 from gateway.stores.sql import enable_wal
-from gateway.cache.store import VectorCache, Entry, entry_body, entry_from, location_allows, ranked, vector_bytes
+from gateway.cache.store import (Entry, SharedStoreSettings, VectorCache, entry_body, entry_from, location_allows, ranked,
+                                  vector_bytes)
 
 if TYPE_CHECKING:
-    from gateway.cache.config import CacheConfig
-    from gateway.types import Decision
+    pass
 
 SCHEMA = """
 create table if not exists cache_entries (
@@ -55,7 +55,7 @@ create table if not exists cache_versions (
 _COLS = "key, partition, tenant, model, params, created_at, expires_at, body, vector"
 
 
-class SqliteStore:
+class SqliteStore(SharedStoreSettings):
     name = "sqlite"
 
     def __init__(self, path: str | Path, max_entries: int = 10000, location: Any = None,
@@ -83,15 +83,6 @@ class SqliteStore:
             db.executescript(SCHEMA)
             self._db = db
         return self._db
-
-    def allows(self, decision: Decision | None) -> bool:
-        return location_allows(self.location, decision.allowed_countries if decision is not None else None)
-
-    def retune(self, cc: CacheConfig, namespace: str) -> None:
-        self.max_entries = cc.max_entries
-        self.location = cc.location
-        self.max_partition_entries = cc.max_partition_entries
-        self.set_namespace(namespace)
 
     async def start(self) -> None:
         # rows of another config (a restart after a change) are never served: drop them now

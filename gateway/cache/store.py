@@ -159,6 +159,29 @@ class CacheStore(Protocol):
     async def dump(self) -> bytes: ...
 
 
+class SharedStoreSettings:
+    """The settings a shared store (Redis, SQLite) takes from the config and keeps across reloads: where it is
+    (residency) and its bounds, plus its namespace. A subclass sets them in its constructor and has
+    `set_namespace`."""
+
+    location: Any
+    max_entries: int
+    max_partition_entries: int
+
+    def set_namespace(self, namespace: str) -> None:  # pragma: no cover - the stores' own
+        raise NotImplementedError
+
+    def allows(self, decision: Decision | None) -> bool:
+        """May an entry created under this decision live here (residency of the store's location)?"""
+        return location_allows(self.location, decision.allowed_countries if decision is not None else None)
+
+    def retune(self, cc: CacheConfig, namespace: str) -> None:
+        self.max_entries = cc.max_entries
+        self.location = cc.location
+        self.max_partition_entries = cc.max_partition_entries
+        self.set_namespace(namespace)
+
+
 class MemoryStore:
     """In process: bounded (LRU + TTL), partitioned, with a per-partition vector matrix for the semantic tier.
     Local to the gateway's node and lost on restart."""
